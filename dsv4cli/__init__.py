@@ -1,0 +1,1 @@
+"""dsv4cli: terminal inference for DeepSeek V4 Flash."""
