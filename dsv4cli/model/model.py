@@ -1,0 +1,563 @@
+"""DeepSeek V4 Flash: the whole model in one file.
+
+Follows the official `inference/model.py` forward pass (see docs/design.md): 4 hyper-connection
+streams mixed by mHC, low-rank q with a weight-less per-head norm, one shared 512-d latent used as K
+and V, interleaved partial RoPE, attention sinks, a sliding window plus compressed KV (ratio 4 with
+the lightning indexer, ratio 128 dense), grouped low-rank output, hash / biased sqrt-softplus MoE and
+the MTP block. Tensor names are the official ones.
+
+Every call runs through the cached path: a chunk of S tokens per sequence starting at `start[b]`
+reads and writes a preallocated, position-addressed `DecodeState`. Because every write goes to a slot
+named by its absolute position (ring slot `p % R`, compressed block `(p+1)//r - 1`) and every read is
+masked by position, tokens rejected by speculative decoding leave nothing behind: the next chunk
+rewrites their slots before anything reads them. Heads, output groups, experts and the vocabulary
+are split across torch.distributed ranks.
+"""
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4cli import kernels
+
+from .config import ModelConfig
+
+NEG_INF = float("-inf")
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if world()[1] > 1:
+        dist.all_reduce(x)
+    return x
+
+
+class Linear(nn.Module):
+    """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.register_parameter("weight_scale", None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.weight.dtype == torch.int8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            return kernels.w8a8_linear(x, self.weight, self.weight_scale)
+        return kernels.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+
+    def forward(self, x):
+        return kernels.rms_norm(x, self.weight, self.eps)
+
+
+def rope_table(cfg: ModelConfig, length: int, compressed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [length, rope_dim/2]: plain RoPE (window-only layers, MTP) or YaRN (compressed layers)."""
+    dim = cfg.rope_dim
+    base = cfg.compress_rope_theta if compressed else cfg.rope_theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if compressed and cfg.original_seq_len > 0:
+        def correction_dim(rotations):
+            return dim * math.log(cfg.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(cfg.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(cfg.beta_slow)), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / max(high - low, 1e-3))
+        smooth = 1 - ramp.clamp(0, 1)
+        freqs = freqs / cfg.rope_factor * (1 - smooth) + freqs * smooth
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), freqs)
+    return angles.cos(), angles.sin()
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode state and the per-call plan
+# --------------------------------------------------------------------------------------------------
+
+class LayerCache:
+    """One attention layer's state for `batch` sequences; all sizes fixed at allocation.
+
+    win:      ring [B, R, head_dim] of window KV, slot p % R
+    cmp_kv/cmp_gate: ring [B, R, coff*head_dim] f32 of compressor projections (gate includes ape)
+    cmp:      [B, T+1, head_dim] compressed blocks, block j in slot j, slot T is a sink for unused writes
+    idx_*:    the same for the indexer's own compressor (ratio 4 only)
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, batch: int, ring: int, max_len: int, device, dtype):
+        def zeros(*shape, dt=dtype):
+            return torch.zeros(*shape, device=device, dtype=dt)
+
+        self.ratio = ratio
+        self.win = zeros(batch, ring, cfg.head_dim)
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            blocks = max_len // ratio + 1
+            self.cmp_kv = zeros(batch, ring, coff * cfg.head_dim, dt=torch.float32)
+            self.cmp_gate = zeros(batch, ring, coff * cfg.head_dim, dt=torch.float32)
+            self.cmp = zeros(batch, blocks, cfg.head_dim)
+        if ratio == 4:
+            self.idx_kv = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
+            self.idx_gate = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
+            self.idx_cmp = zeros(batch, blocks, cfg.index_head_dim)
+
+    def tensors(self):
+        return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+
+
+class DecodeState:
+    """Preallocated KV / compressor state for up to `batch` sequences of `max_len` tokens.
+
+    `max_draft` is the most rows one call may write past the last committed token; the rings are
+    that much longer than the window so rejected rows never overwrite a slot still in use.
+    """
+
+    def __init__(self, model: "Transformer", batch: int, max_len: int, max_draft: int = 8,
+                 device=None, dtype=None):
+        cfg = model.cfg
+        device = device or model.embed.weight.device
+        dtype = dtype or model.dtype
+        self.batch, self.max_len, self.max_draft = batch, max_len, max_draft
+        self.ring = max(cfg.window_size, 128) + max_draft + 1
+        ratios = cfg.compress_ratios
+        self.layers = [LayerCache(cfg, ratios[i], batch, self.ring, max_len, device, dtype)
+                       for i in range(cfg.n_layers)]
+        self.mtp = [LayerCache(cfg, 0, batch, self.ring, max_len, device, dtype)
+                    for _ in range(cfg.n_mtp_layers)]
+        table_len = max_len + max_draft + 2
+        self.rope = {"main": rope_table(cfg, table_len, False, device),
+                     "compress": rope_table(cfg, table_len, True, device)}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.layers + self.mtp for t in c.tensors())
+
+
+class CompressPlan:
+    """Which rows of a chunk close a ratio-r block, where the block goes, and its candidate rows.
+
+    Rows closing a block are at most ceil(S/r) per sequence; their count is fixed by S and r, so
+    shapes stay static (rows that don't exist write to the sink slot).
+    """
+
+    def __init__(self, r: int, start, pos, S: int, ring: int, blocks: int, table):
+        coff = 2 if r == 4 else 1
+        n = -(-S // r)
+        first = (r - 1 - start % r) % r                                        # [B]
+        rows = first[:, None] + r * torch.arange(n, device=pos.device)          # [B,n]
+        valid = rows < S
+        self.rows = rows.clamp(max=S - 1)
+        row_pos = start[:, None] + rows
+        block = (row_pos + 1) // r - 1
+        self.slot = torch.where(valid & (block < blocks - 1), block, blocks - 1)
+        block_pos = (block.clamp(min=0) * r).clamp(max=table[0].shape[0] - 1)
+        self.cos, self.sin = table[0][block_pos], table[1][block_pos]
+        cand = row_pos[..., None] - (coff * r - 1) + torch.arange(coff * r, device=pos.device)  # [B,n,coff*r]
+        from_ring = cand < start[:, None, None]
+        self.src = torch.where(from_ring, cand % ring, ring + cand - start[:, None, None]).clamp(0, ring + S - 1)
+        self.cand_valid = cand >= 0
+        visible = torch.arange(blocks - 1, device=pos.device) < ((pos + 1) // r)[..., None]  # [B,S,T]
+        self.causal = torch.zeros(visible.shape, device=pos.device).masked_fill(~visible, NEG_INF)
+
+
+class Step:
+    """Everything the layers share for one call: positions, RoPE rows, masks, write slots."""
+
+    def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, cfg: ModelConfig,
+                 compressed: bool = True):
+        B, S = tokens.shape
+        dev = tokens.device
+        self.tokens, self.start, self.state, self.B, self.S = tokens, start, state, B, S
+        table_len = state.rope["main"][0].shape[0]
+        self.pos = start[:, None] + torch.arange(S, device=dev)                 # [B,S]
+        p = self.pos.clamp(max=table_len - 1)
+        self.rope = {k: (c[p].unsqueeze(2), s[p].unsqueeze(2)) for k, (c, s) in state.rope.items()}
+        R, W = state.ring, cfg.window_size
+        q = self.pos[..., None]
+        slot_pos = q - (q - torch.arange(R, device=dev)) % R                    # position held by each slot
+        ring_ok = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])
+        chunk_pos = (start[:, None] + torch.arange(S, device=dev))[:, None, :]
+        chunk_ok = (chunk_pos <= q) & (chunk_pos > q - W)
+        ok = torch.cat([ring_ok, chunk_ok], dim=-1)
+        self.win_bias = torch.zeros(ok.shape, device=dev).masked_fill(~ok, NEG_INF)   # [B,S,R+S]
+        keep = min(S, R)
+        self.write_rows = slice(S - keep, S)
+        self.write_slot = self.pos[:, S - keep:] % R
+        ratios = set(cfg.compress_ratios[: cfg.n_layers]) - {0} if compressed else set()
+        blocks = state.max_len // 4 + 1, state.max_len // 128 + 1
+        self.plans = {r: CompressPlan(r, start, self.pos, S, R, blocks[r == 128], state.rope["compress"])
+                      for r in ratios}
+
+    def write_ring(self, ring: torch.Tensor, rows: torch.Tensor):
+        """Store this chunk's per-token rows in a position-addressed ring (after it has been read)."""
+        idx = self.write_slot[..., None].expand(-1, -1, ring.shape[-1])
+        ring[: self.B].scatter_(1, idx, rows[:, self.write_rows].to(ring.dtype))
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------------
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one KV entry with a per-channel softmax gate.
+
+    Ratio 4 overlaps: block j pools the first channel half of tokens 4j-4..4j-1 with the second half
+    of tokens 4j..4j+3. Blocks close when their last token arrives, and exist from then on.
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
+        super().__init__()
+        self.ratio, self.head_dim = ratio, head_dim
+        self.coff = 2 if ratio == 4 else 1
+        self.eps = cfg.norm_eps
+        self.ape = nn.Parameter(torch.zeros(ratio, self.coff * head_dim, dtype=torch.float32))
+        self.wkv = Linear(cfg.dim, self.coff * head_dim)
+        self.wgate = Linear(cfg.dim, self.coff * head_dim)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+
+    def forward(self, x, step: Step, ring_kv, ring_gate, blocks):
+        plan: CompressPlan = step.plans[self.ratio]
+        B, r, d = step.B, self.ratio, self.head_dim
+        kv = F.linear(x.float(), self.wkv.weight.float())
+        gate = F.linear(x.float(), self.wgate.weight.float()) + self.ape[step.pos % r]
+        src_kv = torch.cat([ring_kv[:B], kv], dim=1)
+        src_gate = torch.cat([ring_gate[:B], gate], dim=1)
+        n, c = plan.src.shape[1], plan.src.shape[2]
+        idx = plan.src.reshape(B, n * c, 1).expand(-1, -1, src_kv.shape[-1])
+        cand_kv = src_kv.gather(1, idx).view(B, n, c, -1)
+        cand_gate = src_gate.gather(1, idx).view(B, n, c, -1)
+        cand_gate = cand_gate.masked_fill(~plan.cand_valid[..., None], NEG_INF)
+        if self.coff == 2:   # earlier block's tokens give their first half, this block's their second
+            cand_kv = torch.cat([cand_kv[:, :, :r, :d], cand_kv[:, :, r:, d:]], dim=2)
+            cand_gate = torch.cat([cand_gate[:, :, :r, :d], cand_gate[:, :, r:, d:]], dim=2)
+        pooled = (cand_kv * cand_gate.softmax(dim=2)).sum(dim=2).to(x.dtype)    # [B,n,d]
+        pooled = kernels.rope(self.norm(pooled), plan.cos, plan.sin)
+        blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
+        step.write_ring(ring_kv, kv)
+        step.write_ring(ring_gate, gate)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: picks the top-k ratio-4 blocks per query by sum_h w_h * relu(q_h . k)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        rank, ws = world()
+        self.n_heads = cfg.index_n_heads // ws
+        self.head_dim, self.topk = cfg.index_head_dim, cfg.index_topk
+        self.scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.dim, self.n_heads)
+        self.compressor = Compressor(cfg, 4, cfg.index_head_dim)
+
+    def forward(self, x, qr, step: Step, cache: LayerCache) -> torch.Tensor:
+        B, S = step.B, step.S
+        self.compressor(x, step, cache.idx_kv, cache.idx_gate, cache.idx_cmp)
+        cos, sin = step.rope["compress"]
+        q = kernels.rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        keys = cache.idx_cmp[:B, :-1]
+        w = self.weights_proj(x).float() * self.scale
+        scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
+        scores = all_reduce((scores * w[..., None]).sum(dim=2))                  # [B,S,T]
+        causal = step.plans[4].causal
+        top = (scores + causal).topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        chosen = torch.full_like(scores, NEG_INF).scatter_(-1, top, 0.0)
+        return chosen + causal
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        rank, ws = world()
+        self.cfg = cfg
+        self.ratio = cfg.compress_ratios[layer_id]
+        self.rope_kind = "compress" if self.ratio else "main"
+        self.n_heads, self.n_groups = cfg.n_heads // ws, cfg.o_groups // ws
+        self.head_dim, self.eps = cfg.head_dim, cfg.norm_eps
+        self.scale = cfg.head_dim ** -0.5
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * cfg.head_dim)
+        self.wkv = Linear(cfg.dim, cfg.head_dim)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, self.n_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        if self.ratio:
+            self.compressor = Compressor(cfg, self.ratio, cfg.head_dim)
+        if self.ratio == 4:
+            self.indexer = Indexer(cfg)
+
+    def forward(self, x, step: Step, cache: LayerCache):
+        B, S = step.B, step.S
+        cos, sin = step.rope[self.rope_kind]
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
+        q = kernels.rope(kernels.rms_norm(q, None, self.eps), cos, sin)
+        kv = kernels.rope(self.kv_norm(self.wkv(x)), cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
+        keys, bias = [cache.win[:B], kv], [step.win_bias]
+        if self.ratio:
+            self.compressor(x, step, cache.cmp_kv, cache.cmp_gate, cache.cmp)
+            keys.append(cache.cmp[:B, :-1])
+            bias.append(self.indexer(x, qr, step, cache) if self.ratio == 4 else step.plans[self.ratio].causal)
+        o = kernels.attention(q, torch.cat(keys, 1), torch.cat(bias, -1), self.attn_sink, self.scale)
+        step.write_ring(cache.win, kv)
+        o = kernels.rope(o, cos, -sin).reshape(B, S, self.n_groups, -1)      # undo RoPE at the query position
+        wo_a = self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1)
+        z = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype))
+        return all_reduce(self.wo_b(z.flatten(2)))
+
+
+# --------------------------------------------------------------------------------------------------
+# MoE
+# --------------------------------------------------------------------------------------------------
+
+class Expert(nn.Module):
+    """SwiGLU with the gate clamped from above and the up projection clamped both ways."""
+
+    def __init__(self, dim: int, inter_dim: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter_dim)
+        self.w2 = Linear(inter_dim, dim)
+        self.w3 = Linear(dim, inter_dim)
+
+    def forward(self, x, weight=None):
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        h = F.silu(gate) * up
+        if weight is not None:       # the routing weight scales the intermediate, before w2
+            h = h * weight
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim))
+        self.hash = layer_id < cfg.n_hash_layers
+        if self.hash:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts,
+                                                        dtype=torch.int32))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x, input_ids):
+        c = self.cfg
+        return kernels.moe_gate(x, self.weight, self.bias, self.tid2eid if self.hash else None, input_ids,
+                                c.n_activated_experts, c.score_func, c.route_scale)
+
+
+class MoE(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        rank, ws = world()
+        self.n_local = cfg.n_routed_experts // ws
+        self.first = rank * self.n_local
+        self.gate = Gate(layer_id, cfg)
+        self.experts = nn.ModuleList(
+            [Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if self.first <= i < self.first + self.n_local
+             else None for i in range(cfg.n_routed_experts)])
+        self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if cfg.n_shared_experts else None
+
+    def forward(self, x, input_ids):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(x, input_ids)
+        # Dense routing table over this rank's experts: a static shape, no host sync. Unrouted
+        # tokens get weight 0, which zeroes their contribution exactly.
+        local = idx - self.first
+        ok = (local >= 0) & (local < self.n_local)
+        table = torch.zeros(x.shape[0], self.n_local + 1, device=x.device, dtype=torch.float32)
+        table.scatter_add_(1, torch.where(ok, local, self.n_local), torch.where(ok, weights, 0.0))
+        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        for e in range(self.n_local):
+            y += self.experts[self.first + e](x, table[:, e:e + 1]).float()
+        y = all_reduce(y)
+        if self.shared_experts is not None:
+            y += self.shared_experts(x).float()
+        return y.to(x.dtype).view(shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Hyper-connections, blocks, model
+# --------------------------------------------------------------------------------------------------
+
+def hc_pre(h, fn, scale, base, cfg: ModelConfig):
+    """Collapse the streams for the sub-layer; also return post weights and the Sinkhorn-mixed comb."""
+    n = cfg.hc_mult
+    xf = h.flatten(2).float()
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    comb = comb.softmax(-1) + cfg.hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
+    for _ in range(cfg.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + cfg.hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
+    x = (pre.unsqueeze(-1) * h.float()).sum(2).to(h.dtype)
+    return x, post, comb
+
+
+def hc_post(x, res, post, comb):
+    """New streams: h_k = post_k * x + sum_j comb[j,k] * res_j."""
+    out = post.unsqueeze(-1) * x.float().unsqueeze(2) + torch.einsum("bsjk,bsjd->bskd", comb, res.float())
+    return out.to(x.dtype)
+
+
+def hc_head(h, fn, scale, base, cfg: ModelConfig):
+    xf = h.flatten(2).float()
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
+    pre = torch.sigmoid(mix * scale + base) + cfg.hc_eps
+    return (pre.unsqueeze(-1) * h.float()).sum(2).to(h.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(layer_id, cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn = MoE(layer_id, cfg)
+        for part in ("attn", "ffn"):
+            self.register_parameter(f"hc_{part}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
+            self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+
+    def forward(self, h, step: Step, cache: LayerCache, input_ids):
+        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.cfg)
+        h = hc_post(self.attn(self.attn_norm(x), step, cache), h, post, comb)
+        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.cfg)
+        return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+
+
+class ParallelEmbedding(nn.Module):
+    """Vocabulary split across ranks; each rank looks up its rows and the results are summed."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        rank, ws = world()
+        self.part = vocab // ws
+        self.first = rank * self.part
+        self.weight = nn.Parameter(torch.empty(self.part, dim))
+
+    def forward(self, ids):
+        if world()[1] == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.part)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[..., None], 0)
+        return all_reduce(y)
+
+
+class ParallelHead(nn.Module):
+    """Untied LM head, vocabulary split across ranks, run in fp32."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab // world()[1], dim))
+
+    def forward(self, y):
+        logits = F.linear(y.float(), self.weight.float())
+        ws = world()[1]
+        if ws > 1:
+            parts = [torch.empty_like(logits) for _ in range(ws)]
+            dist.all_gather(parts, logits.contiguous())
+            logits = torch.cat(parts, dim=-1)
+        return logits
+
+
+class MTPBlock(Block):
+    """Next-next-token block: mixes embed(t_{p+1}) with the trunk's streams at p, then one
+    window-only block, its own hc_head and norm, and the shared LM head."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig):
+        super().__init__(layer_id, cfg)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.e_proj = Linear(cfg.dim, cfg.dim)
+        self.h_proj = Linear(cfg.dim, cfg.dim)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, h_prev, next_ids, step: Step, cache: LayerCache, embed, head):
+        e = self.enorm(embed(next_ids))
+        x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h_prev))
+        x = super().forward(x, step, cache, next_ids)
+        y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg)
+        return head(self.norm(y)), x
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = ParallelEmbedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList([Block(i, cfg) for i in range(cfg.n_layers)])
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.head = ParallelHead(cfg.vocab_size, cfg.dim)
+        self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.mtp = nn.ModuleList([MTPBlock(cfg.n_layers + i, cfg) for i in range(cfg.n_mtp_layers)])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    def step(self, tokens, start, state: DecodeState, last_only: bool = False):
+        """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.
+
+        Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D] before hc_head)."""
+        step = Step(tokens, start, state, self.cfg)
+        h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        for layer, cache in zip(self.layers, state.layers):
+            h = layer(h, step, cache, tokens)
+        hh = h[:, -1:] if last_only else h
+        y = hc_head(hh, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg)
+        return self.head(self.norm(y)), h
+
+    def mtp_step(self, hidden, next_ids, start, state: DecodeState):
+        """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
+
+        Returns (logits [B,S,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
+        step = Step(next_ids, start, state, self.cfg, compressed=False)
+        return self.mtp[0](hidden, next_ids, step, state.mtp[0], self.embed, self.head)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, return_hidden: bool = False):
+        """Logits [B,S,V] (fp32) for fresh sequences starting at position 0."""
+        B, S = input_ids.shape
+        state = DecodeState(self, B, S, max_draft=0)
+        start = torch.zeros(B, dtype=torch.long, device=input_ids.device)
+        logits, hidden = self.step(input_ids, start, state)
+        return (logits, hidden) if return_hidden else logits
+
+    @torch.no_grad()
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """MTP logits [B,S,V]: row p from trunk streams at p and token next_ids[:, p] = t_{p+1}."""
+        B, S = next_ids.shape
+        state = DecodeState(self, B, S, max_draft=0)
+        start = torch.zeros(B, dtype=torch.long, device=next_ids.device)
+        return self.mtp_step(hidden, next_ids, start, state)[0]
