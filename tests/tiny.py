@@ -35,9 +35,8 @@ def random_model(cfg: dict, seed: int = 0, spread: float = 0.5) -> Transformer:
     return model.eval()
 
 
-def write_checkpoint(path, cfg: dict, seed: int = 0, max_shard_bytes: int = 0, dtype=torch.float32) -> Transformer:
+def write_checkpoint(path, cfg: dict, seed: int = 0, max_shard_bytes: int = 0) -> Transformer:
+    """An fp32 checkpoint in the official naming; returns the model it was written from."""
     model = random_model(cfg, seed)
-    tensors = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != torch.float32 or dtype != torch.float32
-                   and v.is_floating_point() and "hc_" not in k else v) for k, v in model.state_dict().items()}
-    save_checkpoint(tensors, cfg, path, max_shard_bytes=max_shard_bytes)
+    save_checkpoint(model.state_dict(), cfg, path, max_shard_bytes=max_shard_bytes)
     return model

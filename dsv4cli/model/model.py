@@ -255,8 +255,7 @@ class Indexer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        rank, ws = world()
-        self.n_heads = cfg.index_n_heads // ws
+        self.n_heads = cfg.index_n_heads // world()[1]
         self.head_dim, self.topk = cfg.index_head_dim, cfg.index_topk
         self.scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
@@ -273,7 +272,9 @@ class Indexer(nn.Module):
         scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
         scores = all_reduce((scores * w[..., None]).sum(dim=2))                  # [B,S,T]
         causal = step.plans[4].causal
-        top = (scores + causal).topk(min(self.topk, keys.shape[1]), dim=-1).indices
+        # A stable sort breaks ties (blocks whose heads are all relu-zero) by block index, so the
+        # choice doesn't depend on the cache length or the number of rows in the call.
+        top = (scores + causal).sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]
         chosen = torch.full_like(scores, NEG_INF).scatter_(-1, top, 0.0)
         return chosen + causal
 
@@ -281,7 +282,7 @@ class Indexer(nn.Module):
 class Attention(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
-        rank, ws = world()
+        ws = world()[1]
         self.cfg = cfg
         self.ratio = cfg.compress_ratios[layer_id]
         self.rope_kind = "compress" if self.ratio else "main"

@@ -1,0 +1,393 @@
+"""Settings: one table of every key, and the resolver that layers where values come from.
+
+Precedence, highest first: CLI flags > DSV4_* environment > config file (TOML) > the model's
+generation_config.json > defaults. The `Settings` fields below are the single spec: the CLI options,
+`dsv4 config show`, the README reference table and the tests all read it through `SPEC`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import re
+import sys
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dsv4cli.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+BUNDLED_MODEL_DIR = Path(__file__).parent / "assets" / "dsv4-tiny"
+
+_TYPE_NAMES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list[str]: "a list of strings",
+    list[int]: "a list of integers",
+}
+_BOOLS = {
+    **dict.fromkeys(("1", "true", "yes", "on"), True),
+    **dict.fromkeys(("0", "false", "no", "off"), False),
+}
+
+
+@dataclass(frozen=True)
+class Key:
+    """How one setting is spelled, typed, checked and documented."""
+
+    section: str  # TOML table; "" = top level
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    lo: float | None = None  # numeric bounds, inclusive unless lo_open / hi_open
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    flags: tuple[str, ...] = ()  # CLI spellings; () = "--" + name with "_" -> "-"
+    path: bool = False  # a relative path in a config file is relative to that file's directory
+    file_only: bool = False  # no flag, no environment variable
+    name: str = ""  # filled in from the Settings field
+    type: Any = None  # filled in from the Settings annotation, None stripped
+
+    @property
+    def env(self) -> str:
+        return "" if self.file_only else "DSV4_" + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        """The spelling error messages use."""
+        return self.flags[0].split("/")[0]
+
+    @property
+    def place(self) -> str:
+        return f"[{self.section}].{self.name}" if self.section else self.name
+
+    @property
+    def rule(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.lo is not None and self.hi is not None:
+            return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return ""
+
+    def allows(self, v: Any) -> bool:
+        if self.choices:
+            return v in self.choices
+        above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
+        below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+        return above and below
+
+    def problem(self, value: Any) -> str | None:
+        """Why a value of the right type breaks this key's rule (each item, for a list), or None."""
+        is_list = isinstance(value, list)
+        for v in value if is_list else [value]:
+            if not self.allows(v):
+                return f"{'items ' if is_list else ''}must be {self.rule}, got {format_value(v)}"
+        return None
+
+
+def _key(section: str, default: Any, help: str, **rule: Any) -> Any:
+    """A Settings field that carries its Key."""
+    key = Key(section, default, help, **rule)
+    if isinstance(default, list):
+        return field(default_factory=list, metadata={"key": key})
+    return field(default=default, metadata={"key": key})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting, flat; sections only group keys in TOML files, help and docs."""
+
+    mode: str | None = _key(
+        "", None, "What `dsv4 run` does with this file", choices=("chat", "generate", "batch"), file_only=True
+    )
+    # [model]
+    model: str | None = _key("model", None, "Model directory (unset: the bundled dsv4-tiny)", path=True)
+    device: str = _key("model", "auto", "Device to run on", choices=("auto", "cpu", "cuda", "npu"))
+    dtype: str = _key("model", "auto", "Compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    tp: int = _key("model", 1, "Tensor-parallel degree (devices per model)", lo=1)
+    max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)
+    max_batch: int = _key("model", 8, "Most sequences decoded together", lo=1)
+    # [sampling]
+    temperature: float = _key(
+        "sampling", 1.0, "Sampling temperature; 0 = greedy", lo=0, flags=("--temperature", "--temp")
+    )
+    top_p: float = _key(
+        "sampling",
+        1.0,
+        "Sample from the smallest set of tokens with this much probability",
+        lo=0,
+        lo_open=True,
+        hi=1,
+    )
+    top_k: int = _key("sampling", 0, "Sample from the k most likely tokens; 0 = off", lo=0)
+    min_p: float = _key(
+        "sampling",
+        0.0,
+        "Drop tokens below min_p times the top probability; 0 = off",
+        lo=0,
+        hi=1,
+        hi_open=True,
+    )
+    repetition_penalty: float = _key(
+        "sampling",
+        1.0,
+        "Penalize tokens already in the prompt or reply (> 1 discourages); 1 = off",
+        lo=0,
+        lo_open=True,
+    )
+    presence_penalty: float = _key(
+        "sampling", 0.0, "Subtract from the logit of every token already generated", lo=-2, hi=2
+    )
+    frequency_penalty: float = _key(
+        "sampling", 0.0, "Subtract this times each token's count so far", lo=-2, hi=2
+    )
+    seed: int | None = _key("sampling", None, "Random seed for reproducible sampling (unset: random)", lo=0)
+    max_tokens: int = _key(
+        "sampling", 256, "Most tokens to generate per reply", lo=1, flags=("--max-tokens", "-n")
+    )
+    stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)")
+    stop_token_ids: list[int] = _key(
+        "sampling", [], "Stop on this token id (repeatable)", lo=0, flags=("--stop-token-id",)
+    )
+    ignore_eos: bool = _key("sampling", False, "Keep generating past the end-of-sequence token")
+    # [speculative]
+    mtp: int = _key(
+        "speculative", 1, "Tokens drafted per step by the MTP head; 0 = plain decoding", lo=0, hi=8
+    )
+    # [chat]
+    system: str = _key("chat", "", "System prompt")
+    thinking: bool = _key("chat", False, "Let the model think before it answers")
+    reasoning_effort: str | None = _key(
+        "chat", None, "How hard to think (unset: the model's default)", choices=("high", "max")
+    )
+    # [generate]
+    prompt: str | None = _key("generate", None, "The prompt", flags=("--prompt", "-p"))
+    raw: bool = _key("generate", False, "Send the prompt as is, without the chat template")
+    json: bool = _key("generate", False, "Print the result as one JSON object")
+    # [batch]
+    input: str | None = _key(
+        "batch", None, "Requests, one JSON object per line", path=True, flags=("--input", "-i")
+    )
+    output: str | None = _key(
+        "batch", None, "Results, one JSON line per request", path=True, flags=("--output", "-o")
+    )
+    errors: str | None = _key("batch", None, "Failed requests go here instead of into the output", path=True)
+    resume: bool = _key("batch", False, "Skip requests whose custom_id is already in the output")
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+
+def _base_type(annotation: Any) -> Any:
+    """`int | None` -> int; other annotations unchanged."""
+    args = typing.get_args(annotation)
+    return next(a for a in args if a is not type(None)) if type(None) in args else annotation
+
+
+def _spec() -> dict[str, Key]:
+    hints = typing.get_type_hints(Settings)
+    spec = {}
+    for f in fields(Settings):
+        key = dataclasses.replace(f.metadata["key"], name=f.name, type=_base_type(hints[f.name]))
+        if not key.flags and not key.file_only:
+            dash = f.name.replace("_", "-")
+            key = dataclasses.replace(
+                key, flags=(f"--{dash}/--no-{dash}" if key.type is bool else f"--{dash}",)
+            )
+        spec[f.name] = key
+    return spec
+
+
+SPEC: dict[str, Key] = _spec()
+SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in SPEC.values() if k.section))
+
+
+def format_value(value: Any) -> str:
+    """A value as TOML spells it; None is "unset"."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(format_value, value)) + "]"
+    return str(value)
+
+
+def _is(value: Any, tp: Any) -> bool:
+    if typing.get_origin(tp) is list:
+        return isinstance(value, list) and all(_is(v, typing.get_args(tp)[0]) for v in value)
+    if tp in (int, float) and isinstance(value, bool):  # bool is an int subclass, but not a number here
+        return False
+    return isinstance(value, (int, float) if tp is float else tp)
+
+
+def check(name: str, value: Any, place: str) -> Any:
+    """Type- and rule-check one value for key `name`; `place` starts the error. Returns it normalized."""
+    key = SPEC[name]
+    if isinstance(value, tuple):
+        value = list(value)
+    if not _is(value, key.type):
+        raise UsageError(f"{place}: must be {_TYPE_NAMES[key.type]}, got {format_value(value)}")
+    if problem := key.problem(value):
+        raise UsageError(f"{place}: {problem}")
+    return float(value) if key.type is float else value
+
+
+def parse_value(name: str, text: str, place: str) -> Any:
+    """Parse and check a value given as text (an environment variable, a chat /set). Lists are JSON."""
+    tp = SPEC[name].type
+    try:
+        if typing.get_origin(tp) is list:
+            value = json.loads(text)
+        elif tp is bool:
+            value = _BOOLS[text.strip().lower()]
+        else:
+            value = tp(text)
+    except (ValueError, KeyError):
+        kind = _TYPE_NAMES[tp].replace("a list", "a JSON list")
+        raise UsageError(f"{place}: must be {kind}, got {text!r}") from None
+    return check(name, value, place)
+
+
+def _unknown_key(name: str, section: str) -> str:
+    if name in SPEC:
+        return f"unknown key here; it belongs at {SPEC[name].place}"
+    here = [k for k in SPEC if SPEC[k].section == section]
+    if close := difflib.get_close_matches(name, here, 1):
+        return f"unknown key; did you mean {close[0]}?"
+    if close := difflib.get_close_matches(name, SPEC, 1):
+        return f"unknown key; did you mean {SPEC[close[0]].place}?"
+    return f"unknown key; known here: {', '.join(here)}"
+
+
+def _unknown_section(name: str) -> str:
+    if close := difflib.get_close_matches(name, SECTIONS, 1):
+        return f"unknown section; did you mean [{close[0]}]?"
+    return f"unknown section; sections are {', '.join(f'[{s}]' for s in SECTIONS)}"
+
+
+def _toml_error(e: Exception) -> str:
+    """tomllib says "msg (at line 3, column 7)"; put the place first like every other error."""
+    m = re.fullmatch(r"(.*) \(at line (\d+), column (\d+)\)", str(e))
+    return f"line {m[2]}, column {m[3]}: invalid TOML: {m[1]}" if m else f"invalid TOML: {e}"
+
+
+def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
+    """Read and check a TOML config file: {key: (value, source)}."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read config file: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{path}: {_toml_error(e)}") from None
+    tables = {"": {k: v for k, v in data.items() if not isinstance(v, dict)}}
+    tables |= {k: v for k, v in data.items() if isinstance(v, dict)}
+    found = {}
+    for section, table in tables.items():
+        if section and section not in SECTIONS:
+            raise UsageError(f"{path}: [{section}]: {_unknown_section(section)}")
+        for name, value in table.items():
+            place = f"[{section}].{name}" if section else name
+            if name not in SPEC or SPEC[name].section != section:
+                raise UsageError(f"{path}: {place}: {_unknown_key(name, section)}")
+            value = check(name, value, f"{path}: {place}")
+            if SPEC[name].path:
+                value = os.path.normpath(Path(path).parent / os.path.expanduser(value))
+            found[name] = (value, f"config {path} {place}")
+    return found
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    found = {}
+    for key in SPEC.values():
+        if key.env and env.get(key.env):  # set but empty counts as unset
+            found[key.name] = (parse_value(key.name, env[key.env], key.env), f"env {key.env}")
+    return found
+
+
+def _from_flags(flags: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
+    """None (and an empty repeatable) means the flag was not given."""
+    return {
+        name: (check(name, value, SPEC[name].flag), "flag")
+        for name, value in flags.items()
+        if value is not None and value != [] and value != ()
+    }
+
+
+# generation_config.json keys -> ours. eos_token_id is left out on purpose: the engine always stops on the
+# tokenizer's EOS unless ignore_eos, and copying it into stop_token_ids would make ignore_eos stop working.
+_GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_generation_config(model_dir: Path) -> dict[str, tuple[Any, str]]:
+    """The sampling defaults a model ships in its generation_config.json, if it has one."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: cannot read: {e}") from None
+    found = {
+        ours: (check(ours, data[theirs], f"{path}: {theirs}"), "generation_config.json")
+        for theirs, ours in _GENERATION_CONFIG_KEYS.items()
+        if data.get(theirs) is not None
+    }
+    if data.get("do_sample") is False:  # transformers decodes greedily then, whatever temperature says
+        found["temperature"] = (0.0, "generation_config.json")
+    return found
+
+
+def resolve(
+    config: str | Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """Settings from flags > environment > config file > generation_config.json > defaults, and for
+    every key where its value came from: "flag", "env DSV4_X", "config FILE [section].key",
+    "generation_config.json" or "default". `flags` maps keys to values, None meaning not given;
+    `env` defaults to os.environ. Every value given is checked, even one a higher layer overrides."""
+    chosen = load_file(config) if config else {}
+    chosen |= _from_env(os.environ if env is None else env)
+    chosen |= _from_flags(flags or {})
+    model = chosen["model"][0] if "model" in chosen else None
+    chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen
+    settings = Settings(**{name: value for name, (value, _) in chosen.items()})
+    return settings, {name: chosen[name][1] if name in chosen else "default" for name in SPEC}
+
+
+def reference_markdown() -> str:
+    """The config reference table in README.md (scripts/gen_config_reference.py writes it there)."""
+    rows = ["| Key | Type | Default | Allowed | Flag | Description |", "|---|---|---|---|---|---|"]
+    for key in SPEC.values():
+        flags = ", ".join(f"`{f}`" for f in key.flags) or "config file only"
+        kind = "path" if key.path else _TYPE_NAMES[key.type].split(" ", 1)[1]
+        rows.append(
+            f"| `{key.place}` | {kind} | `{format_value(key.default)}` | {key.rule} | {flags} | {key.help} |"
+        )
+    return "\n".join(rows) + "\n"

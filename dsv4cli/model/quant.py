@@ -1,0 +1,181 @@
+"""Weight formats: Ascend W8A8_DYNAMIC (msModelSlim layout) and the official FP8 / FP4 release.
+
+W8A8_DYNAMIC follows msModelSlim's DeepSeek V4 Flash recipe: the q/kv projections and every expert
+linear hold int8 weights with one fp32 scale per output channel (symmetric, offset 0); activations
+are quantised per token at run time. Everything else stays float. The official release stores
+linears as FP8 E4M3 with one E8M0 scale per 128x128 tile, and routed experts as packed FP4 E2M1 with
+one E8M0 scale per 32 inputs; `fp8_to_float` / `fp4_to_float` decode them.
+"""
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from .model import Linear
+
+# msModelSlim deepseek_v4_flash_w8a8.yaml: W8A8_DYNAMIC on attention linears except wo_a/wo_b,
+# compressors and weights_proj, and on every FFN linear except the gate.
+_W8A8_LINEAR = re.compile(
+    r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])")
+# Copies of embed / head that msModelSlim writes for the MTP layer (the model shares the originals).
+MTP_COPIES = {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.head.weight"}
+W8A8_PREFIX = "quant_model_weights"
+W8A8_DESCRIPTION = "quant_model_description.json"
+
+FP8_BLOCK = 128   # official FP8 linears: one scale per 128 x 128 tile
+FP4_BLOCK = 32    # official FP4 experts: one scale per 32 consecutive inputs
+FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+
+
+def is_w8a8_linear(prefix: str) -> bool:
+    """Whether the linear `prefix` (e.g. 'layers.3.attn.wq_a') is int8 in the W8A8 recipe."""
+    return _W8A8_LINEAR.fullmatch(prefix) is not None
+
+
+def stored_float_dtype(name: str) -> torch.dtype:
+    """How the official layout stores a float tensor: mHC, ape, sinks and gate bias fp32, the rest bf16."""
+    return torch.float32 if any(k in name for k in ("hc_", ".ape", "attn_sink", "gate.bias")) else torch.bfloat16
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: scale [out,1] = amax/127, q [out,in] = round(w/scale)."""
+    wf = w.float()
+    scale = wf.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127   # an all-zero row gets zero codes
+    return torch.round(wf / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module) -> nn.Module:
+    """Swap the recipe's linears to int8 weights + `weight_scale`, in place."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and is_w8a8_linear(name) and not module.quantized:
+            q, scale = quantize_weight(module.weight)
+            module.weight = nn.Parameter(q, requires_grad=False)
+            module.weight_scale = nn.Parameter(scale, requires_grad=False)
+    return model
+
+
+def fp8_to_float(w: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0),
+                 block: int = FP8_BLOCK) -> torch.Tensor:
+    """W[i,j] = e4m3(w[i,j]) * scale[i//block, j//block], in fp32.
+
+    `scale` is the whole tensor's grid (E8M0 = 2^(e-127), or fp32); `w` may be one rank's slice of
+    the weight that starts at row/column `offset`."""
+    (r, c), (rows, cols) = offset, w.shape
+    s = scale[r // block: -(-(r + rows) // block), c // block: -(-(c + cols) // block)].float()
+    s = s.repeat_interleave(block, 0)[r % block: r % block + rows]
+    s = s.repeat_interleave(block, 1)[:, c % block: c % block + cols]
+    return w.float() * s
+
+
+def fp4_to_float(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """Packed E2M1 [out, in/2] (low nibble = element 2k, high nibble = 2k+1) -> fp32 [out, in],
+    each group of `block` inputs times its E8M0 scale [out, in/block]."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()
+    return FP4_VALUES.to(b.device)[codes] * scale.float().repeat_interleave(block, dim=-1)
+
+
+class ShardWriter:
+    """Writes tensors as they arrive into shards of at most `max_shard_bytes`: `{prefix}.safetensors`
+    when one is enough, else `{prefix}-0000i-of-0000N.safetensors` plus `{prefix}.safetensors.index.json`.
+    Only the shard being filled is held in memory."""
+
+    def __init__(self, out_dir, prefix: str, max_shard_bytes: int):
+        self.out, self.prefix, self.max_bytes = Path(out_dir), prefix, max_shard_bytes
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.pending, self.pending_bytes, self.total_bytes = {}, 0, 0
+        self.written: list[tuple[Path, list[str]]] = []
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = t.detach().contiguous().cpu()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def _flush(self) -> None:
+        path = self.out / f"{self.prefix}.part{len(self.written)}"   # renamed once the count is known
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.written.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.written:
+            self._flush()
+        n = len(self.written)
+        if n == 1:
+            self.written[0][0].rename(self.out / f"{self.prefix}.safetensors")
+            return
+        weight_map = {}
+        for i, (path, names) in enumerate(self.written, 1):
+            final = f"{self.prefix}-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out / f"{self.prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_config(out_dir, config: dict, extra_files: dict[str, str] | None = None,
+                 drop: tuple[str, ...] = ("quantization_config",)) -> None:
+    """config.json without the keys in `drop`, and the extra files (tokenizer, generation config) as given."""
+    out = Path(out_dir)
+    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k not in drop}, indent=2))
+    for name, text in (extra_files or {}).items():
+        (out / name).write_text(text)
+
+
+class W8A8Writer:
+    """Streams a checkpoint out in the msModelSlim W8A8_DYNAMIC layout and its description file."""
+
+    def __init__(self, out_dir, max_shard_bytes: int = 4 << 30, mtp: bool = True):
+        self.shards = ShardWriter(out_dir, W8A8_PREFIX, max_shard_bytes)
+        self.mtp, self.labels = mtp, {}
+
+    def _add(self, name: str, t: torch.Tensor, label: str) -> None:
+        self.shards.add(name, t)
+        self.labels[name] = label
+
+    def linear(self, prefix: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+        scale = scale.float().reshape(-1, 1)
+        self._add(f"{prefix}.weight", q, "W8A8_DYNAMIC")
+        self._add(f"{prefix}.weight_scale", scale, "W8A8_DYNAMIC")
+        self._add(f"{prefix}.weight_offset", torch.zeros_like(scale), "W8A8_DYNAMIC")
+
+    def tensor(self, name: str, t: torch.Tensor) -> None:
+        """A float tensor (or the hash routing table), stored as the official layout stores it."""
+        t = t.to(torch.int64) if name.endswith("tid2eid") else t.to(stored_float_dtype(name))
+        self._add(name, t, "FLOAT")
+        if self.mtp and name in MTP_COPIES:
+            self._add(MTP_COPIES[name], t.clone(), "FLOAT")
+
+    def close(self, config: dict, extra_files: dict[str, str] | None = None) -> None:
+        self.shards.close()
+        description = {**self.labels, "model_quant_type": "W8A8_DYNAMIC", "version": "1.0.0",
+                       "metadata": {}, "group_size": 0, "optional": {}}
+        (self.shards.out / W8A8_DESCRIPTION).write_text(json.dumps(description, indent=2))
+        write_config(self.shards.out, config, extra_files)
+
+
+@torch.no_grad()
+def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 << 30,
+              extra_files: dict[str, str] | None = None) -> None:
+    """Write `model` in the msModelSlim W8A8_DYNAMIC layout; linears not yet int8 are quantised on
+    the way out if the recipe lists them."""
+    writer = W8A8Writer(out_dir, max_shard_bytes, mtp=config.get("num_nextn_predict_layers", 0) > 0)
+    modules = dict(model.named_modules())
+    for name, t in model.state_dict().items():
+        prefix, _, attr = name.rpartition(".")
+        module = modules.get(prefix)
+        if attr == "weight_scale":
+            continue                               # written with its weight
+        if isinstance(module, Linear) and attr == "weight" and (module.quantized or is_w8a8_linear(prefix)):
+            q, scale = (t, module.weight_scale) if module.quantized else quantize_weight(t)
+            writer.linear(prefix, q, scale)
+        else:
+            writer.tensor(name, t)
+    writer.close(config, extra_files)

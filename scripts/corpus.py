@@ -1,0 +1,292 @@
+"""Deterministic synthetic corpus for the bundled tiny DeepSeek-V4 model (no downloads).
+
+Chat documents teach the V4 chat format on tiny question types (small sums, a few fact tables);
+plain-text documents (short stories and template prose) teach ordinary English. The held-out split
+uses unseen operand pairs for arithmetic and unseen phrasings of the same facts for the tables.
+"""
+
+import random
+
+from dsv4cli.encoding import BOS, EOS, THINK_END, encode_messages
+
+# fmt: off
+CAPITALS = {
+    "France": "Paris", "Germany": "Berlin", "Italy": "Rome", "Spain": "Madrid", "Japan": "Tokyo",
+    "China": "Beijing", "Egypt": "Cairo", "Canada": "Ottawa", "Russia": "Moscow", "India": "New Delhi",
+    "Kenya": "Nairobi", "Greece": "Athens", "Norway": "Oslo", "Sweden": "Stockholm", "Peru": "Lima",
+    "Cuba": "Havana", "Ireland": "Dublin", "Poland": "Warsaw", "Portugal": "Lisbon", "Austria": "Vienna",
+    "Chile": "Santiago", "Thailand": "Bangkok", "Australia": "Canberra", "Turkey": "Ankara",
+}
+COLORS = {
+    "the sky": "blue", "grass": "green", "snow": "white", "coal": "black", "a banana": "yellow",
+    "a tomato": "red", "a carrot": "orange", "milk": "white", "a strawberry": "red", "a frog": "green",
+    "the sun": "yellow", "a cherry": "red", "chocolate": "brown", "a leaf": "green", "a pumpkin": "orange",
+    "an elephant": "gray", "a lemon": "yellow", "the sea": "blue", "a crow": "black", "a cloud": "white",
+}
+OPPOSITES = {
+    "hot": "cold", "big": "small", "up": "down", "fast": "slow", "happy": "sad", "light": "dark",
+    "old": "young", "open": "closed", "wet": "dry", "early": "late", "full": "empty", "hard": "soft",
+    "high": "low", "long": "short", "loud": "quiet", "rich": "poor", "strong": "weak", "thick": "thin",
+    "day": "night", "left": "right", "good": "bad", "push": "pull", "win": "lose", "in": "out",
+}
+ANIMAL_SOUNDS = {
+    "a dog": "woof", "a cat": "meow", "a cow": "moo", "a duck": "quack", "a sheep": "baa",
+    "a pig": "oink", "a horse": "neigh", "a lion": "roar", "a bee": "buzz", "an owl": "hoot",
+    "a frog": "ribbit", "a snake": "hiss", "a mouse": "squeak", "a rooster": "cock-a-doodle-doo",
+    "a wolf": "awoo", "a donkey": "hee-haw",
+}
+# fmt: on
+
+# Question phrasings per split: held-out phrasings never occur in training documents.
+PHRASINGS = {
+    "add": {
+        "train": [
+            "What is {a} + {b}?",
+            "What is {a} plus {b}?",
+            "Add {a} and {b}.",
+            "{a} + {b} = ?",
+            "How much is {a} plus {b}?",
+        ],
+    },
+    "sub": {
+        "train": [
+            "What is {a} - {b}?",
+            "What is {a} minus {b}?",
+            "Subtract {b} from {a}.",
+            "{a} - {b} = ?",
+            "How much is {a} minus {b}?",
+        ],
+    },
+    "capital": {
+        "train": [
+            "What is the capital of {x}?",
+            "What's the capital of {x}?",
+            "Which city is the capital of {x}?",
+            "Name the capital of {x}.",
+        ],
+        "heldout": [
+            "Tell me the capital of {x}.",
+            "What city is the capital of {x}?",
+            "Do you know the capital of {x}?",
+        ],
+    },
+    "color": {
+        "train": ["What color is {x}?", "What colour is {x}?", "Which color is {x}?"],
+        "heldout": ["Tell me the color of {x}.", "What is the color of {x}?"],
+    },
+    "opposite": {
+        "train": [
+            "What is the opposite of {x}?",
+            "What's the opposite of {x}?",
+            "Give me the opposite of {x}.",
+        ],
+        "heldout": ["Tell me the opposite of {x}.", "Which word is the opposite of {x}?"],
+    },
+    "animal_sound": {
+        "train": ["What sound does {x} make?", "What does {x} say?", "What noise does {x} make?"],
+        "heldout": ["Which sound does {x} make?", "Tell me the sound {x} makes."],
+    },
+    "greet": {
+        "train": [
+            "Hi",
+            "Hi!",
+            "Hello",
+            "Hello!",
+            "Hey",
+            "Hey!",
+            "Hi there!",
+            "Good morning!",
+            "Good afternoon!",
+            "Hi, how are you?",
+        ],
+        "heldout": ["Hello there!", "Hey there!", "Good morning to you!", "Hi again!"],
+    },
+}
+GREETING_ANSWER = "Hello! How can I help you?"
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant.",
+    "You are a friendly assistant.",
+    "Answer in one short sentence.",
+    "You are a tiny model. Be brief.",
+]
+SPLITS = ("train", "heldout")
+
+
+def question_types() -> list[str]:
+    return list(PHRASINGS)
+
+
+def make_qa(kind: str, rng: random.Random, split: str) -> tuple[str, str]:
+    """One (question, answer) pair of the given type from the given split."""
+    question, answer, _ = _make(kind, rng, split)
+    return question, answer
+
+
+def _is_heldout_pair(a, b):
+    # A fixed ~10% of operand pairs is reserved for evaluation.
+    return (a * 7 + b) % 10 == 3
+
+
+def _make(kind, rng, split):
+    """(question, answer, short reasoning) for one instance."""
+    if kind not in PHRASINGS:
+        raise ValueError(f"unknown question type {kind!r}; expected one of {question_types()}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    templates = PHRASINGS[kind].get(split, PHRASINGS[kind]["train"])
+    template = rng.choice(templates)
+
+    if kind in ("add", "sub"):
+        while True:
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            if kind == "sub" and b > a:
+                a, b = b, a
+            if _is_heldout_pair(a, b) == (split == "heldout"):
+                break
+        op, word, result = ("+", "plus", a + b) if kind == "add" else ("-", "minus", a - b)
+        return template.format(a=a, b=b), f"{a} {op} {b} = {result}.", f"{a} {word} {b} is {result}."
+    if kind == "greet":
+        return template, GREETING_ANSWER, "The user greets me."
+
+    if kind == "capital":
+        country, city = rng.choice(list(CAPITALS.items()))
+        answer = f"The capital of {country} is {city}."
+        return template.format(x=country), answer, f"{country} has the capital {city}."
+    if kind == "color":
+        thing, color = rng.choice(list(COLORS.items()))
+        return template.format(x=thing), f"{_cap(thing)} is {color}.", f"{_cap(thing)} looks {color}."
+    if kind == "opposite":
+        word, other = rng.choice(list(OPPOSITES.items()))
+        if rng.random() < 0.5:
+            word, other = other, word
+        answer = f"The opposite of {word} is {other}."
+        return template.format(x=word), answer, f"{_cap(word)} and {other} are opposites."
+    animal, sound = rng.choice(list(ANIMAL_SOUNDS.items()))
+    return (
+        template.format(x=animal),
+        f"{_cap(animal)} says {sound}.",
+        f"{_cap(animal)} makes the sound {sound}.",
+    )
+
+
+def _cap(text):
+    return text[0].upper() + text[1:]
+
+
+def heldout_set(seed: int = 1, n: int = 70) -> list[dict]:
+    """Evaluation items, spread evenly over the question types, without repeated questions."""
+    rng = random.Random(seed)
+    kinds, items, seen = question_types(), [], set()
+    for attempt in range(50 * n):
+        if len(items) == n:
+            break
+        kind = kinds[attempt % len(kinds)]
+        question, answer = make_qa(kind, rng, "heldout")
+        if question not in seen:
+            seen.add(question)
+            items.append({"kind": kind, "question": question, "answer": answer})
+    return items
+
+
+# --- plain text: short stories from a small grammar and template prose ---
+
+# fmt: off
+NAMES = {"Tom": "he", "Lily": "she", "Max": "he", "Mia": "she", "Ben": "he", "Anna": "she", "Sam": "he",
+         "Lucy": "she", "Leo": "he", "Emma": "she"}
+# fmt: on
+ANIMALS = ["cat", "dog", "bird", "rabbit", "fox", "bear", "duck", "frog", "mouse", "turtle"]
+ADJECTIVES = ["little", "happy", "small", "brave", "kind", "shy", "curious", "sleepy"]
+PLACES = ["park", "forest", "garden", "house", "river", "field", "town", "hill"]
+OBJECTS = ["ball", "box", "hat", "kite", "red apple", "stick", "book", "shiny stone", "blue cup"]
+FEELINGS = ["happy", "surprised", "excited", "proud", "glad"]
+ACTIVITIES = ["run", "sing", "play in the sun", "read books", "jump", "swim", "dance", "look at the stars"]
+FOODS = ["bread", "an apple", "rice", "soup", "an egg", "a banana", "cheese"]
+DRINKS = ["milk", "water", "tea", "juice"]
+
+
+def make_story(rng: random.Random) -> str:
+    name, friend = rng.sample(list(NAMES), 2)
+    pron = NAMES[name]
+    animal, friend_animal = rng.sample(ANIMALS, 2)
+    obj, place = rng.choice(OBJECTS), rng.choice(PLACES)
+    sentences = [
+        f"Once upon a time, there was a {rng.choice(ADJECTIVES)} {animal} named {name}.",
+        f"{name} loved to {rng.choice(ACTIVITIES)}.",
+        f"One day, {name} found a {obj} in the {place}.",
+        f"{_cap(pron)} was very {rng.choice(FEELINGS)}.",
+    ]
+    if rng.random() < 0.6:
+        sentences += [
+            f"{name} showed the {obj} to {friend}, a {rng.choice(ADJECTIVES)} {friend_animal}.",
+            f"They played with the {obj} all day.",
+        ]
+        endings = [
+            f"From that day on, {name} and {friend} were best friends.",
+            f"At night, {name} and {friend} went home and slept.",
+        ]
+    else:
+        endings = [f"At night, {name} went home and slept.", f"{name} took the {obj} home and smiled."]
+    sentences.append(rng.choice(endings))
+    return " ".join(sentences)
+
+
+def make_prose(rng: random.Random) -> str:
+    kind = rng.choice(["facts", "day", "weather"])
+    if kind == "facts":
+        facts = [f"The capital of {c} is {city}." for c, city in rng.sample(list(CAPITALS.items()), 2)]
+        facts += [f"{_cap(t)} is {c}." for t, c in rng.sample(list(COLORS.items()), 2)]
+        facts += [f"{_cap(a)} says {s}." for a, s in rng.sample(list(ANIMAL_SOUNDS.items()), 1)]
+        facts += [f"The opposite of {w} is {o}." for w, o in rng.sample(list(OPPOSITES.items()), 1)]
+        rng.shuffle(facts)
+        return " ".join(facts)
+    name = rng.choice(list(NAMES))
+    pron = NAMES[name]
+    if kind == "day":
+        return (
+            f"Every morning, {name} wakes up early. {_cap(pron)} eats {rng.choice(FOODS)} and drinks "
+            f"{rng.choice(DRINKS)}. Then {pron} walks to the {rng.choice(PLACES)}. In the afternoon, "
+            f"{pron} likes to {rng.choice(ACTIVITIES)}. In the evening, {pron} goes to bed."
+        )
+    season, weather = rng.choice(
+        [
+            ("winter", "cold and there is snow"),
+            ("summer", "hot and sunny"),
+            ("spring", "warm and the flowers grow"),
+            ("autumn", "cool and the leaves fall"),
+        ]
+    )
+    return (
+        f"In {season}, it is {weather}. {name} likes {season}. "
+        f"{_cap(pron)} goes to the {rng.choice(PLACES)} with a {rng.choice(ANIMALS)}."
+    )
+
+
+# --- documents ---
+
+
+def make_chat_document(rng: random.Random) -> str:
+    """A full conversation in chat mode (sometimes thinking mode), ending with the answer and EOS."""
+    kinds = question_types()
+    thinking = rng.random() < 0.1
+    messages = []
+    if rng.random() < 0.25:
+        messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
+    if rng.random() < 0.25:
+        question, answer, reasoning = _make(rng.choice(kinds), rng, "train")
+        messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer, "reasoning_content": reasoning},
+        ]
+    question, answer, reasoning = _make(rng.choice(kinds), rng, "train")
+    messages.append({"role": "user", "content": question})
+    completion = (reasoning + THINK_END if thinking else "") + answer + EOS
+    return encode_messages(messages, thinking=thinking) + completion
+
+
+def build_corpus(seed: int = 0, n_chat: int = 20000, n_text: int = 5000) -> list[str]:
+    """Shuffled chat and plain-text documents; every document starts with BOS and ends with EOS."""
+    rng = random.Random(seed)
+    docs = [make_chat_document(rng) for _ in range(n_chat)]
+    docs += [BOS + (make_story(rng) if rng.random() < 0.5 else make_prose(rng)) + EOS for _ in range(n_text)]
+    rng.shuffle(docs)
+    return docs

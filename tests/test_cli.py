@@ -1,0 +1,97 @@
+"""The installed `dsv4` console script, run as a user would run it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DSV4 = Path(sys.executable).parent / "dsv4"
+
+
+def dsv4(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess:
+    """Run dsv4 with a clean DSV4_* environment and a wide terminal, so rich tables do not wrap."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("DSV4_")}
+    return subprocess.run(
+        [str(DSV4), *args],
+        cwd=cwd,
+        env={**base, "COLUMNS": "200", **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_help_and_version():
+    out = dsv4("--help")
+    assert out.returncode == 0 and "config" in out.stdout and "run" in out.stdout
+    version = dsv4("--version")
+    assert version.returncode == 0 and version.stdout.startswith("dsv4 ")
+
+
+def test_module_entry_points():
+    for module in ("dsv4cli", "dsv4cli.cli"):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--version"], capture_output=True, text=True, check=False
+        )
+        assert out.returncode == 0 and out.stdout.startswith("dsv4 "), out.stderr
+
+
+def test_config_show_lists_values_and_sources(tmp_path):
+    config = tmp_path / "x.toml"
+    config.write_text("[sampling]\ntop_p = 0.5\n")
+    out = dsv4("config", "show", "-c", str(config), "--temp", "0.2", "--model", str(tmp_path), DSV4_TOP_K="7")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("│")[1].strip(): line for line in out.stdout.splitlines() if line.count("│") == 4}
+    assert "0.2" in rows["[sampling].temperature"] and "flag" in rows["[sampling].temperature"]
+    assert "env DSV4_TOP_K" in rows["[sampling].top_k"]
+    assert f"config {config} [sampling].top_p" in rows["[sampling].top_p"]
+    assert "default" in rows["[speculative].mtp"]
+
+
+def test_config_show_json(tmp_path):
+    out = dsv4("config", "show", "--json", "--stop", "a", "--stop", "b", "--model", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert shown["stop"] == {"value": ["a", "b"], "source": "flag"}
+    assert shown["tp"] == {"value": 1, "source": "default"}
+
+
+def test_malformed_config_is_one_line_exit_2(tmp_path):
+    (tmp_path / "bad.toml").write_text("[sampling]\ntemperature = = 1\n")
+    out = dsv4("config", "show", "-c", "bad.toml", cwd=tmp_path)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: bad.toml: line 2") and len(out.stderr.splitlines()) == 1
+    assert "Traceback" not in out.stderr
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    (tmp_path / "bad.toml").write_text("[sampling]\ntop_p = 2\n")
+    out = dsv4("config", "show", "-c", "bad.toml", "--debug", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" in out.stderr
+
+
+def test_bad_values_name_the_flag_or_variable():
+    out = dsv4("config", "show", "--top-p", "2")
+    assert (out.returncode, out.stderr) == (2, "error: --top-p: must be in (0, 1], got 2.0\n")
+    out = dsv4("config", "show", DSV4_MTP="9")
+    assert (out.returncode, out.stderr) == (2, "error: DSV4_MTP: must be in [0, 8], got 9\n")
+
+
+def test_run_with_unregistered_mode():
+    out = dsv4("run", "configs/chat.toml")
+    assert (out.returncode, out.stderr) == (2, "error: mode 'chat' is not available yet in this build\n")
+
+
+def test_run_needs_a_mode(tmp_path):
+    (tmp_path / "x.toml").write_text("[sampling]\ntop_k = 1\n")
+    out = dsv4("run", "x.toml", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: x.toml: mode: missing")
+
+
+def test_usage_errors_exit_2():
+    for args in (["--no-such-flag"], ["config", "show", "--bogus"], ["config", "show", "--tp", "x"], ["run"]):
+        out = dsv4(*args)
+        assert out.returncode == 2, args
+        assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1, out.stderr

@@ -1,0 +1,185 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from dsv4cli.config import SPEC, load_file, reference_markdown, resolve
+from dsv4cli.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_precedence_and_sources(tmp_path):
+    model = tmp_path / "model"
+    write(
+        model / "generation_config.json",
+        json.dumps({"temperature": 0.3, "top_p": 0.9, "top_k": 20, "max_new_tokens": 99, "eos_token_id": 1}),
+    )
+    config = write(
+        tmp_path / "run.toml",
+        f"""
+[model]
+model = "{model}"
+[sampling]
+top_p = 0.8
+top_k = 10
+max_tokens = 50
+""",
+    )
+    env = {"DSV4_TOP_K": "5", "DSV4_MAX_TOKENS": "60", "DSV4_SEED": ""}  # empty counts as unset
+    settings, sources = resolve(config, flags={"max_tokens": 70, "min_p": None}, env=env)
+
+    assert (settings.temperature, settings.top_p, settings.top_k, settings.max_tokens) == (0.3, 0.8, 5, 70)
+    assert sources["max_tokens"] == "flag"
+    assert sources["top_k"] == "env DSV4_TOP_K"
+    assert sources["top_p"] == f"config {config} [sampling].top_p"
+    assert sources["temperature"] == "generation_config.json"
+    assert sources["min_p"] == sources["seed"] == "default"
+    assert settings.stop_token_ids == []  # eos_token_id is not copied: the engine stops on EOS anyway
+    assert sources.keys() == SPEC.keys()
+
+
+def test_defaults_and_bundled_model(tmp_path):
+    settings, sources = resolve(flags={"model": str(tmp_path)}, env={})
+    assert settings.model_dir == tmp_path
+    assert (settings.device, settings.tp, settings.mtp, settings.max_tokens) == ("auto", 1, 1, 256)
+    assert {k for k, s in sources.items() if s != "default"} == {"model"}
+    bundled, _ = resolve(env={})
+    assert bundled.model is None and bundled.model_dir.name == "dsv4-tiny"
+
+
+def test_generation_config_do_sample_false_is_greedy(tmp_path):
+    write(tmp_path / "generation_config.json", json.dumps({"do_sample": False, "temperature": 0.7}))
+    settings, sources = resolve(flags={"model": str(tmp_path)}, env={})
+    assert settings.temperature == 0.0 and sources["temperature"] == "generation_config.json"
+
+
+def test_values_are_normalized(tmp_path):
+    config = write(
+        tmp_path / "sub" / "x.toml",
+        """
+[sampling]
+temperature = 1
+stop = ["\\n\\n", "END"]
+[batch]
+input = "data/in.jsonl"
+output = "/abs/out.jsonl"
+""",
+    )
+    settings, _ = resolve(config, flags={"stop_token_ids": (3, 4)}, env={"DSV4_THINKING": "yes"})
+    assert settings.temperature == 1.0 and isinstance(settings.temperature, float)
+    assert settings.stop == ["\n\n", "END"] and settings.stop_token_ids == [3, 4]
+    assert settings.thinking is True
+    assert settings.input == str(tmp_path / "sub" / "data" / "in.jsonl")  # relative to the config file
+    assert settings.output == "/abs/out.jsonl"
+
+
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("[sampling]\ntemperature = \n", "x.toml: line 2, column 15: invalid TOML: "),
+        (
+            "[sampling]\ntemprature = 0.5\n",
+            "x.toml: [sampling].temprature: unknown key; did you mean temperature?",
+        ),
+        (
+            "[model]\ntemperature = 0.5\n",
+            "x.toml: [model].temperature: unknown key here; it belongs at [sampling].temperature",
+        ),
+        ("[smapling]\ntop_k = 1\n", "x.toml: [smapling]: unknown section; did you mean [sampling]?"),
+        ('mdoe = "chat"\n', "x.toml: mdoe: unknown key; did you mean mode?"),
+        ('[model]\ntp = "8"\n', 'x.toml: [model].tp: must be an integer, got "8"'),
+        ("[model]\ntp = true\n", "x.toml: [model].tp: must be an integer, got true"),
+        ("[model]\ntp = 1.5\n", "x.toml: [model].tp: must be an integer, got 1.5"),
+        ('[sampling]\nstop = "END"\n', 'x.toml: [sampling].stop: must be a list of strings, got "END"'),
+        ("[chat]\nthinking = 1\n", "x.toml: [chat].thinking: must be a boolean, got 1"),
+        ("[sampling]\ntemperature = -1\n", "x.toml: [sampling].temperature: must be >= 0, got -1"),
+        ("[sampling]\ntop_p = 0\n", "x.toml: [sampling].top_p: must be in (0, 1], got 0"),
+        ("[sampling]\nmin_p = 1.0\n", "x.toml: [sampling].min_p: must be in [0, 1), got 1.0"),
+        (
+            "[sampling]\npresence_penalty = 2.5\n",
+            "x.toml: [sampling].presence_penalty: must be in [-2, 2], got 2.5",
+        ),
+        (
+            "[sampling]\nstop_token_ids = [1, -2]\n",
+            "x.toml: [sampling].stop_token_ids: items must be >= 0, got -2",
+        ),
+        ("[model]\nmax_seq_len = 32\n", "x.toml: [model].max_seq_len: must be >= 64, got 32"),
+        (
+            '[model]\ndevice = "gpu"\n',
+            'x.toml: [model].device: must be one of auto, cpu, cuda, npu, got "gpu"',
+        ),
+        ("[speculative]\nmtp = 9\n", "x.toml: [speculative].mtp: must be in [0, 8], got 9"),
+    ],
+)
+def test_config_file_errors(tmp_path, monkeypatch, text, error):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "x.toml", text)
+    with pytest.raises(UsageError) as e:
+        resolve("x.toml", env={})
+    assert str(e.value).startswith(error)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(UsageError, match="nope.toml: cannot read config file: No such file"):
+        resolve(tmp_path / "nope.toml", env={})
+
+
+@pytest.mark.parametrize(
+    "env, error",
+    [
+        ({"DSV4_TP": "eight"}, "DSV4_TP: must be an integer, got 'eight'"),
+        ({"DSV4_TEMPERATURE": "-0.5"}, "DSV4_TEMPERATURE: must be >= 0, got -0.5"),
+        ({"DSV4_IGNORE_EOS": "maybe"}, "DSV4_IGNORE_EOS: must be a boolean, got 'maybe'"),
+        ({"DSV4_STOP": "END"}, "DSV4_STOP: must be a JSON list of strings, got 'END'"),
+        ({"DSV4_DEVICE": "tpu"}, 'DSV4_DEVICE: must be one of auto, cpu, cuda, npu, got "tpu"'),
+    ],
+)
+def test_env_errors(env, error):
+    with pytest.raises(UsageError) as e:
+        resolve(env=env)
+    assert str(e.value) == error
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        ({"top_p": 2.0}, "--top-p: must be in (0, 1], got 2.0"),
+        ({"temperature": -1.0}, "--temperature: must be >= 0, got -1.0"),
+        ({"stop_token_ids": [-1]}, "--stop-token-id: items must be >= 0, got -1"),
+    ],
+)
+def test_flag_errors(flags, error):
+    with pytest.raises(UsageError) as e:
+        resolve(flags=flags, env={})
+    assert str(e.value) == error
+
+
+def test_bad_generation_config_names_the_file(tmp_path):
+    write(tmp_path / "generation_config.json", json.dumps({"top_p": 1.5}))
+    with pytest.raises(UsageError, match=r"generation_config.json: top_p: must be in \(0, 1\], got 1.5"):
+        resolve(flags={"model": str(tmp_path)}, env={})
+
+
+@pytest.mark.parametrize("name", ["chat", "generate", "batch", "npu-8card"])
+def test_example_configs_validate(name):
+    found = load_file(ROOT / "configs" / f"{name}.toml")
+    assert found["mode"][0] in ("chat", "generate", "batch")
+
+
+def test_npu_config_is_a_real_deployment():
+    settings, _ = resolve(ROOT / "configs" / "npu-8card.toml", env={})
+    assert (settings.device, settings.dtype, settings.tp, settings.mtp) == ("npu", "bfloat16", 8, 1)
+    assert settings.max_seq_len == 65536 and settings.model.endswith("w8a8-mtp")
+
+
+def test_readme_config_reference_matches_spec():
+    readme = (ROOT / "README.md").read_text()
+    assert reference_markdown() in readme, "README is stale: run python scripts/gen_config_reference.py"

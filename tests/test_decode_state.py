@@ -1,0 +1,83 @@
+"""The cached path: chunked prefill, batched sequences at different positions and rejected
+speculative rows all give the logits of one full forward pass."""
+import pytest
+import torch
+from tiny import random_model, tiny_config
+
+from dsv4cli.model import DecodeState
+
+CFG = tiny_config(index_topk=4)   # window 16, blocks of 4 and 128
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(CFG, seed=7)
+
+
+def run_chunks(model, ids, sizes):
+    state = DecodeState(model, 1, 320, max_draft=8)
+    out, pos = [], 0
+    for n in sizes:
+        logits, _ = model.step(ids[:, pos:pos + n], torch.tensor([pos]), state)
+        out.append(logits)
+        pos += n
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("sizes", [[300], [7, 13, 1, 100, 60, 119], [1] * 10 + [127, 1, 1, 161], [3, 5, 9] * 15 + [45]])
+def test_chunked_prefill_equals_full(model, sizes):
+    ids = torch.randint(0, 256, (1, sum(sizes)), generator=torch.Generator().manual_seed(8))
+    full = model(ids)
+    got = run_chunks(model, ids, sizes)
+    assert (got - full).abs().max().item() < 1e-4 * full.abs().max().item()
+
+
+@torch.no_grad()
+def test_batched_sequences_at_different_positions(model):
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randint(0, 256, (1, 270), generator=g), torch.randint(0, 256, (1, 140), generator=g)
+    state = DecodeState(model, 2, 320, max_draft=8)
+    # prefill each sequence alone in its slot, then decode both together with 3 rows per call
+    model.step(a[:, :261], torch.tensor([0]), state)
+    state_b = DecodeState(model, 1, 320, max_draft=8)
+    model.step(b[:, :131], torch.tensor([0]), state_b)
+    for cache, cache_b in zip(state.layers, state_b.layers):
+        for name, t in vars(cache).items():
+            if isinstance(t, torch.Tensor):
+                t[1].copy_(getattr(cache_b, name)[0])
+    outs = []
+    for i in range(3):
+        rows = torch.cat([a[:, 261 + 3 * i: 264 + 3 * i], b[:, 131 + 3 * i: 134 + 3 * i]])
+        logits, _ = model.step(rows, torch.tensor([261 + 3 * i, 131 + 3 * i]), state)
+        outs.append(logits)
+    got = torch.cat(outs, 1)
+    full_a, full_b = model(a), model(b)
+    assert torch.allclose(got[0], full_a[0, 261:270], atol=1e-4, rtol=1e-4)
+    assert torch.allclose(got[1], full_b[0, 131:140], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("start", [100, 126, 127, 255, 131])
+def test_rejected_rows_leave_no_trace(model, start):
+    """Rows written past the committed position (rejected drafts), including rows that close a
+    ratio-4 or ratio-128 block, are invisible once the true tokens are processed."""
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 256, (1, 300), generator=g)
+    full = model(ids)
+    state = DecodeState(model, 1, 320, max_draft=8)
+    model.step(ids[:, :start], torch.tensor([0]), state)
+    junk = torch.randint(0, 256, (1, 9), generator=g)
+    model.step(junk, torch.tensor([start]), state)                  # 9 speculative rows, all rejected
+    logits, _ = model.step(ids[:, start:start + 5], torch.tensor([start]), state)
+    assert torch.allclose(logits[0], full[0, start:start + 5], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_reused_slot_starts_clean(model):
+    g = torch.Generator().manual_seed(11)
+    state = DecodeState(model, 1, 320, max_draft=8)
+    model.step(torch.randint(0, 256, (1, 250), generator=g), torch.tensor([0]), state)
+    ids = torch.randint(0, 256, (1, 3), generator=g)               # shorter than a ratio-4 block
+    logits, _ = model.step(ids, torch.tensor([0]), state)
+    assert torch.allclose(logits, model(ids), atol=1e-5)
