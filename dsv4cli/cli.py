@@ -33,6 +33,7 @@ from rich.table import Table
 
 from dsv4cli.config import SPEC, Settings, format_value, resolve
 from dsv4cli.errors import UsageError
+from dsv4cli.tools.commands import register as register_tool_commands
 
 app = typer.Typer(
     name="dsv4",
@@ -43,6 +44,7 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Show how settings resolve.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
+register_tool_commands(app)  # inspect, convert
 
 # The options of every model verb: model, sampling and speculative keys.
 SHARED_KEYS = tuple(k.name for k in SPEC.values() if k.section in ("model", "sampling", "speculative"))
@@ -199,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: internal error: {type(e).__name__}: {first}{hint}", file=sys.stderr)
         return 1
 
+
+# Verbs in their own modules add themselves to `app` on import.
+from dsv4cli import generate  # noqa: E402, F401
 
 if __name__ == "__main__":
     # Run the importable dsv4cli.cli, not this __main__ copy: verbs register on dsv4cli.cli.app.

@@ -40,7 +40,8 @@ def test_mtp_matches_definition(tmp_path):
     got = ours.mtp_forward(hidden, next_ids)
 
     e = rms(sd["embed.weight"][next_ids], sd["mtp.0.enorm.weight"])
-    x = (e @ sd["mtp.0.e_proj.weight"].T).unsqueeze(2) + rms(hidden, sd["mtp.0.hnorm.weight"]) @ sd["mtp.0.h_proj.weight"].T
+    h = rms(hidden, sd["mtp.0.hnorm.weight"])
+    x = (e @ sd["mtp.0.e_proj.weight"].T).unsqueeze(2) + h @ sd["mtp.0.h_proj.weight"].T
     hf.model.layers[0].register_forward_pre_hook(lambda mod, args, kw: ((x,) + args[1:], kw), with_kwargs=True)
     with torch.no_grad():
         ref = hf(next_ids, use_cache=False).logits

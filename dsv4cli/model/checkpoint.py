@@ -62,9 +62,10 @@ def init_weights(model: Transformer, seed: int = 0, std: float = 0.02, spread: f
             p.copy_(1 + torch.randn(p.shape, generator=g) * spread)
         elif name.endswith((".ape", "attn_sink", "gate.bias")):
             normal(p, spread)
+        elif name.startswith(("embed", "head")):
+            normal(p, 4 / math.sqrt(cfg.dim))
         else:
-            fan_in = p.shape[-1]
-            normal(p, min(std, 1 / math.sqrt(fan_in)) if not name.startswith(("embed", "head")) else 1.0 / math.sqrt(cfg.dim) * 4)
+            normal(p, min(std, 1 / math.sqrt(p.shape[-1])))
     for layer in list(model.layers) + list(model.mtp):
         if layer.ffn.gate.hash:
             t = layer.ffn.gate.tid2eid

@@ -13,6 +13,7 @@ masked by position, tokens rejected by speculative decoding leave nothing behind
 rewrites their slots before anything reads them. Heads, output groups, experts and the vocabulary
 are split across torch.distributed ranks.
 """
+import copy
 import math
 
 import torch
@@ -118,6 +119,13 @@ class LayerCache:
     def tensors(self):
         return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
 
+    def view(self, index: slice) -> "LayerCache":
+        view = copy.copy(self)
+        for name, t in vars(self).items():
+            if isinstance(t, torch.Tensor):
+                setattr(view, name, t[index])
+        return view
+
 
 class DecodeState:
     """Preallocated KV / compressor state for up to `batch` sequences of `max_len` tokens.
@@ -141,6 +149,21 @@ class DecodeState:
         table_len = max_len + max_draft + 2
         self.rope = {"main": rope_table(cfg, table_len, False, device),
                      "compress": rope_table(cfg, table_len, True, device)}
+        self._views = {}
+
+    def slot(self, index: int | slice) -> "DecodeState":
+        """A view of some sequence slots; writes through it land in this state. Views are cached,
+        so stepping a batch bucket creates nothing."""
+        if isinstance(index, int):
+            index = slice(index, index + 1)
+        key = (index.start, index.stop)
+        if key not in self._views:
+            view = copy.copy(self)
+            view._views = {}
+            view.layers = [c.view(index) for c in self.layers]
+            view.mtp = [c.view(index) for c in self.mtp]
+            self._views[key] = view
+        return self._views[key]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.layers + self.mtp for t in c.tensors())

@@ -1,0 +1,119 @@
+"""On-device sampling and speculative verification, batched over requests with their own settings.
+
+Greedy rows become one-hot distributions, so greedy and sampled requests share one verification rule:
+accept draft d with probability p(d); on rejection draw from p with d removed; when every draft is
+accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
+exactly as the target model's (and for greedy it is exact-match acceptance).
+
+Randomness is counter-based: a request's uniforms are a hash of (seed, position, purpose), so a seeded
+request gives the same tokens whatever else is in the batch, with no generator state to carry.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class SlotParams:
+    """Per-slot sampling settings as device tensors [max_batch] (written on admission only)."""
+
+    def __init__(self, n: int, vocab: int, device):
+        def t(value, dtype=torch.float32):
+            return torch.full((n,), value, dtype=dtype, device=device)
+
+        self.temperature, self.top_p, self.top_k, self.min_p = t(0.0), t(1.0), t(0, torch.long), t(0.0)
+        self.rep, self.presence, self.frequency = t(1.0), t(0.0), t(0.0)
+        self.seed = t(0, torch.long)
+        self.output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+
+    def set(self, slot: int, p: SamplingParams, seed: int, prompt_ids: torch.Tensor):
+        self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
+        self.min_p[slot], self.rep[slot] = p.min_p, p.repetition_penalty
+        self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
+        self.seed[slot] = seed
+        self.output_counts[slot].zero_()
+        self.prompt_mask[slot].zero_()
+        self.prompt_mask[slot, prompt_ids] = True
+
+
+def uniform(seed: torch.Tensor, pos: torch.Tensor, purpose: int) -> torch.Tensor:
+    """Deterministic uniforms in [0,1) from (seed, position, purpose) with a splitmix64-style hash."""
+    x = seed * 0x9E3779B1 + pos * 0x85EBCA77 + purpose * 0xC2B2AE3D
+    for mul in (0xBF58476D1CE4E5B9 - (1 << 64), 0x94D049BB133111EB - (1 << 64)):
+        x = (x ^ (x >> 31) & 0x1FFFFFFFF) * mul
+    x = x ^ ((x >> 29) & 0x7FFFFFFFF)
+    return ((x >> 11) & ((1 << 53) - 1)).double().mul(2.0 ** -53).float()
+
+
+def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:
+    """The distribution each row samples from: penalties, then greedy one-hot or temperature,
+    top-k, top-p and min-p filtering. logits [B,R,V] fp32; counts [B,R,V] output-token counts."""
+    rep, pres, freq = sp.rep[b, None, None], sp.presence[b, None, None], sp.frequency[b, None, None]
+    seen = sp.prompt_mask[b, None] | (counts > 0)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - pres * (counts > 0) - freq * counts
+    temp = sp.temperature[b, None, None]
+    greedy = temp == 0
+    logits = logits / torch.where(greedy, 1.0, temp)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(-1)
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    k = sp.top_k[b, None, None]
+    drop = ((k > 0) & (rank >= k)) | (greedy & (rank > 0))
+    drop = drop | ((probs.cumsum(-1) - probs) >= sp.top_p[b, None, None])    # keep the smallest nucleus
+    drop = (drop | (probs < sp.min_p[b, None, None] * probs[..., :1])) & (rank > 0)
+    probs = probs.masked_fill(drop, 0.0)
+    probs = probs / probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [..., V], u [...] -> token ids [...]."""
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1).contiguous()).squeeze(-1)
+    return idx.clamp(max=probs.shape[-1] - 1)
+
+
+def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor):
+    """Speculative verification of K drafts with K+1 target rows.
+
+    probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K];
+    pos [B] the position of row 0. Returns (tokens [B,K+1], n_accepted [B]): the committed tokens
+    are tokens[:, :n_accepted+1] (accepted drafts, then a correction or bonus token).
+    """
+    B, R, _ = probs.shape
+    K = R - 1
+    rows = pos[:, None] + torch.arange(R, device=probs.device)
+    if K:
+        p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # [B,K]
+        accept = uniform(seed[:, None], rows[:, :K], 1) < p_draft
+        n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
+    final_row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, probs.shape[-1])).squeeze(1)
+    if K:
+        # rejected at row n: remove the draft from that row's distribution (bonus rows keep all)
+        rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
+        residual = final_row.scatter(-1, rejected[:, None], 0.0)
+        final_row = torch.where((n_acc < K)[:, None], residual, final_row)
+    final_pos = pos + n_acc
+    last = sample_from(final_row, uniform(seed, final_pos, 2))
+    tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
+    tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
+    return tokens, n_acc

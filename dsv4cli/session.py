@@ -1,0 +1,57 @@
+"""From resolved settings to a ready engine: device, dtype, model, tokenizer, sampling defaults."""
+import torch
+
+from dsv4cli.config import Settings
+from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.errors import UsageError
+from dsv4cli.model import LoadError, load_model
+from dsv4cli.tokenizer import Tokenizer
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        try:
+            import torch_npu  # noqa: F401 - registers the npu device
+            if torch.npu.is_available():
+                return torch.device("npu")
+        except ImportError:
+            pass
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            raise UsageError("--device npu: torch_npu is not installed (pip install -e '.[npu]')") from None
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":   # bf16 matmuls are slow on most CPUs
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, name)
+
+
+def sampling_params(s: Settings) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, seed=s.seed, max_tokens=s.max_tokens,
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+
+
+def load_engine(s: Settings) -> Engine:
+    """Load the model and tokenizer the settings name and build an engine for them."""
+    if s.tp > 1:
+        raise UsageError("--tp > 1 is not available yet in this build")
+    device = pick_device(s.device)
+    path = s.model_dir
+    try:
+        tokenizer = Tokenizer.from_dir(path)
+        model = load_model(path, device=device, dtype=pick_dtype(s.dtype, device))
+    except (LoadError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if s.mtp and not model.cfg.n_mtp_layers:
+        raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
+    return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp)

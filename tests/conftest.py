@@ -1,0 +1,38 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))          # `scripts` (corpus, tokenizer training) for tests
+
+
+@pytest.fixture(scope="session")
+def small_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE with the DSV4 special tokens, trained on a little corpus (vocab 300)."""
+    from scripts.corpus import build_corpus
+    from scripts.train_tokenizer import train_tokenizer
+
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(build_corpus(0, 200, 50), path, vocab_size=300)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, small_tokenizer_dir):
+    """A random tiny DeepSeek V4 checkpoint (official float layout, with MTP) plus tokenizer files:
+    a complete model directory for end-to-end CLI tests that don't need a trained model."""
+    import json
+    import shutil
+
+    from tiny import tiny_config, write_checkpoint
+
+    from dsv4cli.tokenizer import Tokenizer
+
+    path = tmp_path_factory.mktemp("model")
+    vocab = Tokenizer.from_dir(small_tokenizer_dir).vocab_size
+    write_checkpoint(path, tiny_config(vocab_size=vocab), seed=0)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(small_tokenizer_dir / name, path / name)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "temperature": 0.0}))
+    return path

@@ -1,0 +1,160 @@
+"""The engine: greedy speculative output equals plain greedy, sampling stays distribution-exact,
+seeds reproduce, cancel and stop rules work, and a decode step syncs with the host once."""
+import pytest
+import torch
+from tiny import random_model, tiny_config
+
+from dsv4cli.engine.engine import Engine
+from dsv4cli.engine.sampling import SamplingParams, SlotParams, target_probs, verify
+from dsv4cli.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(small_tokenizer_dir):
+    return Tokenizer.from_dir(small_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return random_model(tiny_config(vocab_size=tok.vocab_size), seed=3)
+
+
+def prompts(n_list, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(21, vocab, (n,), generator=g).tolist() for n in n_list]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@torch.no_grad()
+def test_speculative_greedy_equals_plain_greedy(model, tok):
+    # prompt lengths around the window (16), ratio-4 and ratio-128 boundaries
+    ps = prompts([3, 15, 17, 127, 129, 200], tok.vocab_size)
+    plain = [s.output_ids for s in Engine(model, tok, max_batch=5, max_seq_len=320, mtp=0).generate(ps, GREEDY)]
+    ids = list(ps[4])
+    for _ in range(24):                                # and plain decoding equals the full forward pass
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    assert plain[4] == ids[len(ps[4]):]
+    for k, batch in ((1, 5), (2, 3), (3, 1), (4, 5)):     # every depth; full, partial and single batches
+        eng = Engine(model, tok, max_batch=batch, max_seq_len=320, mtp=k)
+        got = [s.output_ids for s in eng.generate(ps, GREEDY)]
+        assert got == plain, f"K={k} batch={batch}"
+
+
+@torch.no_grad()
+def test_context_exhaustion(model, tok):
+    ps = prompts([50, 60], tok.vocab_size, seed=1)
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    ref = Engine(model, tok, max_batch=2, max_seq_len=70, mtp=0).generate(ps, params)
+    for k in (1, 4):
+        got = Engine(model, tok, max_batch=2, max_seq_len=70, mtp=k).generate(ps, params)
+        assert [s.output_ids for s in got] == [s.output_ids for s in ref]
+        assert [len(s.prompt_ids) + len(s.output_ids) for s in got] == [70, 70]
+        assert all(s.finish_reason == "length" for s in got)
+
+
+def test_verify_is_distribution_exact():
+    """With argmax drafts, committed tokens follow the target rows exactly: the first token ~ p0,
+    and given it equals draft 1, the second ~ p1 (chi-square over 40k independent seeds)."""
+    V, N = 6, 40_000
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)
+    drafts = torch.tensor([p[0].argmax(), p[1].argmax()])
+    probs = p.expand(N, -1, -1)
+    tokens, n_acc = verify(probs, drafts.expand(N, -1), torch.arange(N), torch.zeros(N, dtype=torch.long))
+    first = tokens[:, 0]
+    second = tokens[n_acc >= 1, 1]
+
+    def chi2(samples, q):
+        counts = torch.bincount(samples, minlength=V).double()
+        expected = q.double() * samples.numel()
+        keep = expected > 0
+        return (((counts - expected) ** 2)[keep] / expected[keep]).sum().item()
+
+    # 99.9% quantile of chi-square with 5 degrees of freedom is 20.5
+    assert chi2(first, p[0]) < 20.5
+    assert chi2(second, p[1]) < 20.5
+    assert (n_acc == 2).any() and (n_acc == 0).any()
+
+
+def test_sampling_filters():
+    sp = SlotParams(4, 5, "cpu")
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).expand(4, 1, 5)
+    for slot, p in enumerate([SamplingParams(temperature=0), SamplingParams(top_k=2),
+                              SamplingParams(top_p=0.5), SamplingParams(min_p=0.3)]):
+        sp.set(slot, p, 0, torch.tensor([], dtype=torch.long))
+    probs = target_probs(logits, sp, slice(0, 4), torch.zeros(4, 1, 5))[:, 0]
+    assert probs[0].tolist() == [1, 0, 0, 0, 0]
+    assert (probs[1, 2:] == 0).all() and (probs[1, :2] > 0).all()
+    assert probs[2].tolist() == [1, 0, 0, 0, 0]          # the top token alone holds > 0.5
+    full = logits[0, 0].softmax(-1)
+    assert ((probs[3] > 0) == (full >= 0.3 * full[0])).all()
+    assert torch.allclose(probs.sum(-1), torch.ones(4))
+
+
+@torch.no_grad()
+def test_seeded_sampling_reproducible_across_batches_and_k(model, tok):
+    ps = prompts([9, 30, 140], tok.vocab_size, seed=2)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    a = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=1).generate(ps, params)]
+    b = [s.output_ids for s in Engine(model, tok, max_batch=1, max_seq_len=256, mtp=1).generate(ps, params)]
+    assert a == b
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    c = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=1).generate(ps, other)]
+    assert c != a
+
+
+@torch.no_grad()
+def test_cancel_and_continuous_batching(model, tok):
+    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=1)
+    ps = prompts([10, 12, 14], tok.vocab_size, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seqs = [eng.submit(p, params) for p in ps]
+    eng.step()
+    assert seqs[2] in eng.waiting                       # only two slots
+    eng.cancel(seqs[0])
+    while eng.has_work():
+        eng.step()
+    assert seqs[0].finish_reason == "cancelled" and len(seqs[0].output_ids) < 20
+    ref = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).generate(ps[1:], params)
+    assert [s.output_ids for s in seqs[1:]] == [s.output_ids for s in ref]
+
+
+@torch.no_grad()
+def test_stop_rules(model, tok):
+    p = prompts([20], tok.vocab_size, seed=4)[0]
+    free = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=1).generate(
+        [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    stop_id = free.output_ids[5]
+    first = free.output_ids.index(stop_id)
+    s = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=2).generate(
+        [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert s.output_ids == free.output_ids[:first] and s.finish_reason == "stop"
+    needle = free.text[10:13]
+    s = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=2).generate(
+        [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[needle]))[0]
+    assert s.text == free.text[: free.text.find(needle)] and s.finish_reason == "stop"
+    s = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=3).generate(
+        [p], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    assert s.output_ids == free.output_ids[:7] and s.finish_reason == "length"
+
+
+@torch.no_grad()
+def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
+    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2)
+    for p in prompts([10, 40], tok.vocab_size, seed=5):
+        eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+    eng.step()                                          # admission (prefill) + first decode step
+    syncs = []
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+        def counted(self, *a, _orig=orig, _name=name, **kw):
+            syncs.append(_name)
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(3):
+        syncs.clear()
+        eng.step()
+        assert syncs == ["tolist"], syncs

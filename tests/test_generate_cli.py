@@ -1,0 +1,34 @@
+"""`dsv4 generate` end to end in a subprocess."""
+import json
+import subprocess
+import sys
+
+
+def dsv4(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dsv4cli", *args], capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_generate_json_greedy_spec_equals_plain(tiny_model_dir):
+    runs = []
+    for k in ("0", "2"):
+        r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "What is 2 plus 3?", "--max-tokens", "12",
+                 "--temperature", "0", "--mtp", k, "--ignore-eos", "--json")
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] and len(runs[0]["token_ids"]) == 12
+    assert runs[0]["finish_reason"] == "length"
+    stats = runs[1]["stats"]
+    assert stats["draft_tokens"] == 2 * stats["drafts"] and 0 <= stats["acceptance_rate"] <= 1
+    assert len(stats["per_position"]) == 2
+
+
+def test_generate_streams_text(tiny_model_dir):
+    r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "-n", "8", "--temperature", "0", "--raw")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.endswith("\n")
+
+
+def test_generate_bad_model_dir_is_one_line(tmp_path):
+    r = dsv4("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
+    assert r.returncode == 2
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
