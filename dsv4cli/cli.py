@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Verbs in their own modules add themselves to `app` on import.
-from dsv4cli import generate  # noqa: E402, F401
+from dsv4cli import bench, generate  # noqa: E402, F401
+from dsv4cli.batch import command as batch_command  # noqa: E402, F401
+from dsv4cli.chat import command as chat_command  # noqa: E402, F401
 
 if __name__ == "__main__":
     # Run the importable dsv4cli.cli, not this __main__ copy: verbs register on dsv4cli.cli.app.

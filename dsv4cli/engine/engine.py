@@ -107,6 +107,9 @@ class Event:
     finished: bool
 
 
+CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this many tokens
+
+
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int = 1, prefill_chunk: int = 256):
@@ -185,7 +188,7 @@ class Engine:
         for a in range(0, n, self.prefill_chunk):
             b = min(a + self.prefill_chunk, n)
             start = torch.tensor([a], device=self.device)
-            logits, h = self.model.step(ids[None, a:b], start, view, last_only=True)
+            logits, h = self.model.step(ids[None, a:b], start, view, last_only=True, context=b)
             if b < n:
                 nxt = ids[None, a + 1:b + 1]
             else:
@@ -222,7 +225,7 @@ class Engine:
         pos, last = self.pos[b], self.last[b]
         drafts = self.drafts[b, :k]
         rows = torch.cat([last[:, None], drafts], 1)                          # [nb, K+1]
-        logits, h = self.model.step(rows, pos, view)
+        logits, h = self.model.step(rows, pos, view, context=self._context_bound(nb))
         # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
         counts = self.params.output_counts[b, None].expand(-1, k + 1, -1)
         if k:
@@ -263,6 +266,12 @@ class Engine:
             m.t_last = now
             events.append(self._emit(seq, row[: n + 1]))
         return [e for e in events if e is not None]
+
+    def _context_bound(self, nb: int) -> int:
+        """A bound on every position this step touches, from host-side lengths, rounded up to a
+        bucket so shapes (and captured graphs) repeat."""
+        longest = max(len(s.prompt_ids) + len(s.output_ids) for s in self.slots[:nb] if s is not None)
+        return -(-(longest + self.k + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
 
     def _emit(self, seq: Sequence, tokens: list[int], first_token: bool = False) -> Event:
         """Append committed tokens to a sequence, applying stop rules; free its slot when done.

@@ -1,7 +1,7 @@
 """One op set, several backends. The backend is picked from the tensor's device.
 
-reference: plain torch (CPU and any device); npu: torch_npu fused ops; cuda: torch ops that map to
-cuBLAS int8 GEMMs. Non-reference backends fall back to the reference for ops they don't override.
+reference: plain torch, on any device (on CUDA its torch._int_mm is the cuBLAS int8 GEMM); npu:
+torch_npu fused ops, falling back to the reference for the ops it doesn't override.
 """
 from . import reference
 

@@ -45,7 +45,10 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     """int8 x int8 -> int32 GEMM; y = acc * token_scale * channel_scale. weight [out,in] int8, scale [out,1]."""
     shape = x.shape
     q, sx = quantize_per_token(x.reshape(-1, shape[-1]))
-    acc = torch._int_mm(q, weight.t())
+    rows = q.shape[0]
+    if q.is_cuda and rows <= 16:   # the cuBLAS int8 GEMM behind torch._int_mm needs more than 16 rows
+        q = F.pad(q, (0, 0, 0, 17 - rows))
+    acc = torch._int_mm(q, weight.t())[:rows]
     y = acc.float() * sx * weight_scale.view(1, -1).float()
     return y.to(x.dtype).view(*shape[:-1], -1)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .model import Linear, Transformer
+from .model import Transformer
 
 
 def save_checkpoint(tensors: dict[str, torch.Tensor], config: dict, out_dir, max_shard_bytes: int = 0,
@@ -72,11 +72,3 @@ def init_weights(model: Transformer, seed: int = 0, std: float = 0.02, spread: f
             t.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[: t.shape[1]]
                                  for _ in range(t.shape[0])]).int())
 
-
-def state_dict_for_save(model: Transformer) -> dict[str, torch.Tensor]:
-    """The model's tensors under their official names (quantised linears keep weight_scale)."""
-    sd = {k: v for k, v in model.state_dict().items()}
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.weight_scale is not None:
-            sd[f"{name}.weight_offset"] = torch.zeros_like(mod.weight_scale)
-    return sd

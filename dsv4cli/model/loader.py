@@ -1,88 +1,160 @@
-"""Load a DeepSeek V4 checkpoint: official float layout or msModelSlim W8A8_DYNAMIC.
+"""Load a DeepSeek V4 checkpoint: the official float or FP8/FP4 layout, or msModelSlim W8A8_DYNAMIC.
 
-Shards are memory-mapped and read tensor by tensor; each rank reads only its own slice (heads,
-groups, experts, vocabulary rows) and places it straight on the target device and dtype.
+Every tensor is first checked against config.json from the safetensors headers alone (names, shapes,
+dtypes), so a bad checkpoint fails before anything is read. Then the shards are memory-mapped and
+read tensor by tensor: each rank takes only its slice (heads, groups, experts, vocabulary rows),
+decodes FP8/FP4 if needed and copies it straight to the target device and dtype. A tensor's mapped
+pages are dropped once it is copied, so host memory stays close to what the rank keeps.
 """
 import json
+import math
+import mmap
+import os
+import re
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from .model import Transformer, world
+from .model import Linear, Transformer, world
+from .quant import (
+    FP4_BLOCK,
+    FP8_BLOCK,
+    FP32_TENSORS,
+    MTP_COPIES,
+    W8A8_DESCRIPTION,
+    W8A8_PREFIX,
+    fp4_to_float,
+    fp8_to_float,
+    is_w8a8_linear,
+)
 
-W8A8_DESCRIPTION = "quant_model_description.json"
-# Copies of embed/head that msModelSlim writes for the MTP layer; the model shares the originals.
-MTP_COPIES = ("mtp.0.emb.tok_emb.weight", "mtp.0.head.weight")
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
+FLOATS = ("F32", "BF16", "F16")
+SCALES = ("F8_E8M0", "F32")      # E8M0 in the release; V4 Base ships fp32 scales
 
 
 class LoadError(ValueError):
     """A checkpoint problem a user can fix; one line naming the file or tensor."""
 
 
-def checkpoint_files(path: Path) -> tuple[str, list[Path], dict]:
-    """(format, shard files, quant description) for a checkpoint directory."""
-    desc_file = path / W8A8_DESCRIPTION
-    description = {}
-    if desc_file.exists():
-        fmt = "w8a8"
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LoadError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object")
+    return data
+
+
+# Legacy (HF-style) name parts and what the official convert.py renames them to.
+LEGACY_NAMES = {"self_attn": "attn", "mlp": "ffn", "weight_scale_inv": "scale", "e_score_correction_bias": "bias"}
+
+
+def native_name(name: str) -> str:
+    return ".".join(LEGACY_NAMES.get(part, part) for part in name.removeprefix("model.").split("."))
+
+
+class Entry(NamedTuple):
+    """A tensor's safetensors header entry; begin/end are byte offsets into the data section."""
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+class Shard:
+    """One safetensors file: its header (tensors under their native names), and its tensors as views
+    of a private read-only mapping."""
+
+    def __init__(self, path: Path):
+        self.path, self.map = path, None
+        self.entries: dict[str, Entry] = {}
         try:
-            description = json.loads(desc_file.read_text())
-        except json.JSONDecodeError as e:
-            raise LoadError(f"{desc_file}: invalid JSON: {e.msg}") from None
-        index = path / "quant_model_weights.safetensors.index.json"
-    else:
-        fmt = "float"
-        index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise LoadError(f"{path}: no .safetensors files")
-    for f in files:
-        if not f.exists():
-            raise LoadError(f"{f}: shard listed in the index is missing")
-    return fmt, files, description
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                n = int.from_bytes(f.read(8), "little")
+                if size < 8 or n > size - 8:
+                    raise ValueError(f"header length {n} exceeds the file size {size}")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            for name, h in header.items():
+                begin, end = h["data_offsets"]
+                self.entries[native_name(name)] = Entry(h["dtype"], tuple(h["shape"]), begin, end)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise LoadError(f"{path}: not a valid safetensors file ({type(e).__name__}: {e})") from None
+        self.start = 8 + n
+        for name, (dtype, shape, begin, end) in self.entries.items():
+            if dtype not in DTYPES or end - begin != math.prod(shape) * DTYPES[dtype].itemsize:
+                raise LoadError(f"{path}: corrupt header entry '{name}' ({dtype} {list(shape)}, {end - begin} bytes)")
+        needed = self.start + max((e.end for e in self.entries.values()), default=0)
+        if needed > size:
+            raise LoadError(f"{path}: truncated: {size} bytes, its header describes {needed}")
+
+    def view(self, name: str) -> torch.Tensor:
+        """The whole tensor as a view of the mapped file; pages are read when it is used."""
+        if self.map is None:
+            with open(self.path, "rb") as f:
+                self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        dtype, shape, begin, end = self.entries[name]
+        if begin == end:
+            return torch.empty(shape, dtype=DTYPES[dtype])
+        return torch.frombuffer(self.map, dtype=DTYPES[dtype], count=math.prod(shape),
+                                offset=self.start + begin).view(shape)
+
+    def release(self, name: str) -> None:
+        """Unmap a tensor's pages from this process (the OS page cache may keep them)."""
+        e = self.entries[name]
+        first = (self.start + e.begin) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self.map is not None and e.end > e.begin and hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED, first, self.start + e.end - first)
 
 
-def open_shards(files: list[Path]) -> dict:
-    """name -> (file, handle); a truncated or corrupt shard is reported by file name."""
-    tensors = {}
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="pt")
-            for name in handle.keys():
-                tensors[name] = handle
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise LoadError(f"{f}: unreadable safetensors file ({e})") from None
-    return tensors
+@dataclass
+class Checkpoint:
+    path: Path
+    config: ModelConfig
+    format: str                    # "float", "fp8" (official release) or "w8a8"
+    shards: list[Shard]
+    tensors: dict[str, Shard]      # tensor name -> the shard holding it
+    description: dict              # quant_model_description.json (W8A8 only)
+
+    def entry(self, name: str) -> Entry:
+        return self.tensors[name].entries[name]
+
+    def dtype(self, name: str) -> str:
+        return self.entry(name).dtype
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entry(name).shape
+
+    def nbytes(self, name: str) -> int:
+        return self.entry(name).end - self.entry(name).begin
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.tensors[name].view(name)
+
+    def position(self, name: str) -> tuple[Path, int]:
+        return self.tensors[name].path, self.entry(name).begin
+
+    def label(self, name: str) -> str:
+        """The W8A8 label of a tensor: from the description, else from its dtype."""
+        if self.description:
+            return self.description.get(name, "FLOAT")
+        return "W8A8_DYNAMIC" if self.format == "w8a8" and self.dtype(name) == "I8" else "FLOAT"
 
 
-def keep_fp32(name: str) -> bool:
-    return any(k in name for k in ("hc_", ".ape", "attn_sink", "gate.bias", "norm.weight"))
-
-
-def read_slice(handle, name: str, local_shape: torch.Size) -> torch.Tensor:
-    """Read this rank's part of a tensor: the whole tensor, or a contiguous block along the one
-    dimension where the local shape is smaller (the official tensor-parallel split)."""
-    sl = handle.get_slice(name)
-    full = sl.get_shape()
-    if list(full) == list(local_shape) or len(full) != len(local_shape):
-        return handle.get_tensor(name)
-    rank = world()[0]
-    dims = [d for d in range(len(full)) if full[d] != local_shape[d]]
-    if len(dims) != 1 or full[dims[0]] != local_shape[dims[0]] * world()[1]:
-        raise LoadError(f"tensor '{name}': shape {list(full)}, expected {list(local_shape)}")
-    d, n = dims[0], local_shape[dims[0]]
-    index = tuple(slice(rank * n, (rank + 1) * n) if i == d else slice(None) for i in range(len(full)))
-    return sl[index]
-
-
-def load_model(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
+def open_checkpoint(path) -> Checkpoint:
+    """Read config.json, the index, the description and every shard header; check that they agree."""
     path = Path(path)
     if not path.is_dir():
         raise LoadError(f"{path}: model directory not found")
@@ -90,61 +162,238 @@ def load_model(path, device="cpu", dtype=torch.bfloat16) -> Transformer:
         cfg = ModelConfig.from_file(path / "config.json")
     except ConfigError as e:
         raise LoadError(str(e)) from None
-    if cfg.raw.get("quantization_config", {}).get("quant_method") == "fp8":
-        raise LoadError(f"{path}: official FP8/FP4 release; convert it first with `dsv4 convert`")
-    fmt, files, description = checkpoint_files(path)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    tensors = open_shards(files)
-    expected = dict(model.named_parameters())
-    expected.update(model.named_buffers())
-    seen = set()
-    for name, meta in expected.items():
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if name not in tensors:
-            raise LoadError(f"{path}: missing tensor '{name}'")
-        handle = tensors[name]
-        t = read_slice(handle, name, meta.shape)
-        if t.shape != meta.shape:
-            raise LoadError(f"tensor '{name}': shape {list(t.shape)}, expected {list(meta.shape)}")
-        seen.add(name)
-        if t.dtype == torch.int8:
-            if attr != "weight" or not hasattr(module, "weight_scale"):
-                raise LoadError(f"tensor '{name}': int8 but this tensor is not a quantisable linear")
-            if fmt == "w8a8" and description.get(name) not in ("W8A8_DYNAMIC", None):
-                raise LoadError(f"tensor '{name}': int8 but labelled {description.get(name)!r}")
-            scale_name = f"{module_name}.weight_scale"
-            if scale_name not in tensors:
-                raise LoadError(f"{path}: missing tensor '{scale_name}'")
-            scale = read_slice(tensors[scale_name], scale_name, torch.Size([meta.shape[0], 1]))
-            if list(scale.shape) != [meta.shape[0], 1]:
-                raise LoadError(f"tensor '{scale_name}': shape {list(scale.shape)}, expected [{meta.shape[0]}, 1]")
-            module.weight_scale = nn.Parameter(scale.to(device, torch.float32), requires_grad=False)
-            seen.update({scale_name, f"{module_name}.weight_offset"})
-            t = t.to(device)
-        elif name.endswith("tid2eid"):
-            t = t.to(device, torch.int32)
-        elif not t.is_floating_point():
-            raise LoadError(f"tensor '{name}': dtype {t.dtype}, expected a float type")
-        else:
-            t = t.to(device, torch.float32 if keep_fp32(name) else dtype)
-        if isinstance(meta, nn.Parameter):
-            module._parameters[attr] = nn.Parameter(t, requires_grad=False)
-        else:
-            module._buffers[attr] = t
-    rank, ws = world()
-    extra = [n for n in tensors if n not in seen and n not in MTP_COPIES and not is_other_rank_expert(n, cfg)]
-    if extra:
-        raise LoadError(f"{path}: unexpected tensor '{extra[0]}'" + (f" (+{len(extra) - 1} more)" if len(extra) > 1 else ""))
-    return model.eval()
+    description = read_json(path / W8A8_DESCRIPTION) if (path / W8A8_DESCRIPTION).exists() else {}
+    index = path / (f"{W8A8_PREFIX}.safetensors.index.json" if description else "model.safetensors.index.json")
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise LoadError(f"{index}: no 'weight_map' object")
+        files = sorted({path / f for f in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{path}: no .safetensors files")
+    for f in files:
+        if not f.exists():
+            raise LoadError(f"{f}: listed in {index.name} but missing")
+    shards = [Shard(f) for f in files]
+    tensors = {}
+    for shard in shards:
+        for name in shard.entries:
+            if name in tensors:
+                raise LoadError(f"{path}: tensor '{name}' is in both {tensors[name].path.name} and {shard.path.name}")
+            tensors[name] = shard
+
+    w8a8 = next((n for n in tensors if n.endswith(".weight_scale")), None)
+    fp8 = next((n for n in tensors if n.endswith(".scale") or tensors[n].entries[n].dtype == "F8_E4M3"), None)
+    if (w8a8 or description) and fp8:
+        raise LoadError(f"{path}: mixes W8A8 tensors ('{w8a8 or W8A8_DESCRIPTION}') with FP8 tensors ('{fp8}'); "
+                        "a W8A8 checkpoint is QuaRot-rotated and cannot take original weights")
+    fmt = "w8a8" if w8a8 or description else "fp8" if fp8 else "float"
+    ckpt = Checkpoint(path, cfg, fmt, shards, tensors, description)
+    check_config(ckpt)
+    return ckpt
+
+
+def check_config(ckpt: Checkpoint) -> None:
+    """config.json against what the tensor names and the embedding say."""
+    cfg, names, where = ckpt.config, ckpt.tensors, ckpt.path / "config.json"
+
+    def indices(pattern):
+        return {int(m.group(1)) for n in names if (m := re.search(pattern, n))}
+
+    for field, want, have, what in (
+            ("num_hidden_layers", cfg.n_layers, indices(r"^layers\.(\d+)\."), "layers"),
+            ("num_nextn_predict_layers", cfg.n_mtp_layers, indices(r"^mtp\.(\d+)\."), "MTP layers"),
+            ("n_routed_experts", cfg.n_routed_experts, indices(r"\.experts\.(\d+)\."), "routed experts")):
+        if have and have != set(range(want)):
+            raise LoadError(f"{where}: {field} is {want} but the checkpoint has {what} "
+                            f"{min(have)}..{max(have)} ({len(have)})")
+    if "embed.weight" in names and ckpt.shape("embed.weight") != (cfg.vocab_size, cfg.dim):
+        raise LoadError(f"{where}: vocab_size x hidden_size is {[cfg.vocab_size, cfg.dim]} but embed.weight "
+                        f"is {list(ckpt.shape('embed.weight'))}")
+    quant = (cfg.raw.get("quantization_config") or {}).get("quant_method")
+    if quant and ckpt.format != "fp8":
+        raise LoadError(f"{where}: quantization_config says {quant} but the checkpoint is {ckpt.format}; "
+                        "remove quantization_config")
+
+
+@dataclass
+class Item:
+    """One model tensor and the checkpoint tensors it is read from (the weight first)."""
+    name: str
+    shape: torch.Size              # this rank's shape
+    kind: str                      # float | index | w8a8 | fp8 | fp4
+    sources: tuple[str, ...]
+
+
+def keep_fp32(name: str) -> bool:
+    """Kept fp32 in memory whatever the compute dtype: what the files store fp32, and the norms."""
+    return any(k in name for k in (*FP32_TENSORS, "norm.weight"))
+
+
+def split_dim(full: tuple[int, ...], local: tuple[int, ...]) -> int | None:
+    """The dimension a tensor is split along across ranks (None: whole); raises if the shapes don't fit."""
+    ws = world()[1]
+    dims = [d for d in range(len(full)) if full[d] != local[d]] if len(full) == len(local) else [-1]
+    if not dims:
+        return None
+    if len(dims) > 1 or full[dims[0]] != local[dims[0]] * ws:
+        raise ValueError
+    return dims[0]
+
+
+def local_index(full: tuple[int, ...], local: tuple[int, ...]) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """This rank's block of a (possibly split) tensor: the index and where it starts."""
+    d, rank = split_dim(full, local), world()[0]
+    start = tuple(rank * local[i] if i == d else 0 for i in range(len(full)))
+    return tuple(slice(s, s + n) for s, n in zip(start, local)), start
 
 
 def is_other_rank_expert(name: str, cfg: ModelConfig) -> bool:
     """Routed experts owned by another rank are skipped, not reported as extra."""
-    parts = name.split(".")
-    if "experts" not in parts or world()[1] == 1:
-        return False
-    expert = int(parts[parts.index("experts") + 1])
-    n_local = cfg.n_routed_experts // world()[1]
-    return expert // n_local != world()[0]
+    rank, ws = world()
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return ws > 1 and m is not None and int(m.group(1)) // (cfg.n_routed_experts // ws) != rank
+
+
+def plan(ckpt: Checkpoint, model: Transformer) -> tuple[list[Item], list[str]]:
+    """What to read for each of the model's tensors, and every problem the headers show."""
+    items, problems, used = [], [], set(MTP_COPIES.values())
+    modules = dict(model.named_modules())
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    def check(name, shape, dtypes, local=True):
+        if name not in ckpt.tensors:
+            problems.append(f"missing tensor '{name}'")
+            return False
+        used.add(name)
+        have = ckpt.shape(name)
+        try:
+            ok = split_dim(have, tuple(shape)) is None or local
+        except ValueError:
+            ok = False
+        if not ok:
+            rank_part = f" (this rank's part of {world()[1]})" if world()[1] > 1 and local else ""
+            problems.append(f"tensor '{name}': shape {list(have)}, expected {list(shape)}{rank_part}")
+        elif ckpt.dtype(name) not in dtypes:
+            problems.append(f"tensor '{name}': dtype {ckpt.dtype(name)}, expected {' or '.join(dtypes)}")
+        return ok and ckpt.dtype(name) in dtypes
+
+    for name, meta in expected.items():
+        prefix, _, attr = name.rpartition(".")
+        if name not in ckpt.tensors:
+            problems.append(f"missing tensor '{name}'")
+            continue
+        linear = attr == "weight" and isinstance(modules[prefix], Linear)
+        label = ckpt.label(name) if linear else "FLOAT"
+        if label not in ("FLOAT", "W8A8_DYNAMIC"):
+            problems.append(f"tensor '{name}': labelled {label!r}; only W8A8_DYNAMIC and FLOAT are supported")
+            continue
+        if label == "W8A8_DYNAMIC":
+            if not is_w8a8_linear(prefix):
+                problems.append(f"tensor '{name}': labelled W8A8_DYNAMIC, but the W8A8 recipe keeps "
+                                f"'{prefix}' float")
+                continue
+            item = Item(name, meta.shape, "w8a8", (name, f"{prefix}.weight_scale", f"{prefix}.weight_offset"))
+            if check(name, meta.shape, ("I8",)):
+                rows = ckpt.shape(name)[0]
+                for extra in item.sources[1:]:
+                    check(extra, (rows, 1), FLOATS, local=False)
+        elif linear and ckpt.format == "fp8" and ckpt.dtype(name) == "F8_E4M3":
+            item = Item(name, meta.shape, "fp8", (name, f"{prefix}.scale"))
+            if check(name, meta.shape, ("F8_E4M3",)):
+                rows, cols = ckpt.shape(name)
+                check(item.sources[1], (-(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)), SCALES, local=False)
+        elif linear and ckpt.format == "fp8" and ckpt.dtype(name) == "I8":
+            rows, cols = meta.shape                     # routed experts: whole on their rank, never split
+            item = Item(name, meta.shape, "fp4", (name, f"{prefix}.scale"))
+            if check(name, (rows, cols // 2), ("I8",), local=False):
+                check(item.sources[1], (rows, cols // FP4_BLOCK), SCALES, local=False)
+        elif attr == "tid2eid":
+            item = Item(name, meta.shape, "index", (name,))
+            check(name, meta.shape, ("I64", "I32"))
+        else:
+            item = Item(name, meta.shape, "float", (name,))
+            check(name, meta.shape, FLOATS)
+        items.append(item)
+    extra = [n for n in ckpt.tensors if n not in used and not is_other_rank_expert(n, ckpt.config)]
+    problems += [f"unexpected tensor '{n}'" for n in extra]
+    return items, problems
+
+
+def read_item(ckpt: Checkpoint, item: Item, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's part of one model tensor on `device` (float in `dtype` unless kept fp32), plus the
+    int8 weight's per-channel scale for a W8A8 linear."""
+    full, scale = ckpt.view(item.sources[0]), None
+    if item.kind == "fp4":              # routed experts are whole on their rank
+        t = fp4_to_float(full, ckpt.view(item.sources[1])).to(device, dtype)
+    else:
+        index, start = local_index(tuple(full.shape), tuple(item.shape))
+        part = full[index]
+        if item.kind == "float":
+            t = part.to(device, torch.float32 if keep_fp32(item.name) else dtype, copy=True)
+        elif item.kind == "index":
+            t = part.to(device, torch.int32, copy=True)
+        elif item.kind == "fp8":
+            t = fp8_to_float(part, ckpt.view(item.sources[1]), start).to(device, dtype)
+        else:
+            if ckpt.view(item.sources[2]).any():
+                raise LoadError(f"{ckpt.path}: tensor '{item.sources[2]}' is not all zeros; only symmetric "
+                                "W8A8_DYNAMIC is supported")
+            t = part.to(device, copy=True)
+            scale = ckpt.view(item.sources[1])[index[0]].to(device, torch.float32, copy=True)
+    for name in item.sources:
+        ckpt.tensors[name].release(name)
+    return t, scale
+
+
+def assign(model: nn.Module, name: str, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+    prefix, _, attr = name.rpartition(".")
+    module = model.get_submodule(prefix)
+    if attr in module._buffers:
+        module._buffers[attr] = t
+    else:
+        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    if scale is not None:
+        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+
+
+@contextmanager
+def progress_bar(show: bool | None, total: int, label: str):
+    """Yields advance(nbytes); a rich bar on stderr when `show`, or when None and stderr is a terminal."""
+    if not (sys.stderr.isatty() if show is None else show):
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None = None) -> Transformer:
+    """Build the model for this rank and fill it from `path`; raises LoadError naming the first problem."""
+    ckpt = open_checkpoint(path)
+    with torch.device("meta"):
+        model = Transformer(ckpt.config)
+    items, problems = plan(ckpt, model)
+    if problems:
+        more = f" (+{len(problems) - 1} more; `dsv4 inspect --check` lists them)" if len(problems) > 1 else ""
+        raise LoadError(f"{ckpt.path}: {problems[0]}{more}")
+    items.sort(key=lambda it: ckpt.position(it.sources[0]))      # sequential reads, shard by shard
+    total = sum(ckpt.nbytes(n) for it in items for n in it.sources)
+    with progress_bar(progress, total, f"loading {ckpt.path.name}") as advance:
+        for item in items:
+            assign(model, item.name, *read_item(ckpt, item, device, dtype))
+            advance(sum(ckpt.nbytes(n) for n in item.sources))
+    return model.eval()

@@ -176,7 +176,7 @@ class CompressPlan:
     shapes stay static (rows that don't exist write to the sink slot).
     """
 
-    def __init__(self, r: int, start, pos, S: int, ring: int, blocks: int, table):
+    def __init__(self, r: int, start, pos, S: int, ring: int, blocks: int, visible_blocks: int, table):
         coff = 2 if r == 4 else 1
         n = -(-S // r)
         first = (r - 1 - start % r) % r                                        # [B]
@@ -192,7 +192,8 @@ class CompressPlan:
         from_ring = cand < start[:, None, None]
         self.src = torch.where(from_ring, cand % ring, ring + cand - start[:, None, None]).clamp(0, ring + S - 1)
         self.cand_valid = cand >= 0
-        visible = torch.arange(blocks - 1, device=pos.device) < ((pos + 1) // r)[..., None]  # [B,S,T]
+        self.n_visible = visible_blocks                       # blocks attention reads: a static bound
+        visible = torch.arange(visible_blocks, device=pos.device) < ((pos + 1) // r)[..., None]  # [B,S,T]
         self.causal = torch.zeros(visible.shape, device=pos.device).masked_fill(~visible, NEG_INF)
 
 
@@ -200,7 +201,7 @@ class Step:
     """Everything the layers share for one call: positions, RoPE rows, masks, write slots."""
 
     def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, cfg: ModelConfig,
-                 compressed: bool = True):
+                 compressed: bool = True, context: int | None = None):
         B, S = tokens.shape
         dev = tokens.device
         self.tokens, self.start, self.state, self.B, self.S = tokens, start, state, B, S
@@ -220,9 +221,14 @@ class Step:
         self.write_rows = slice(S - keep, S)
         self.write_slot = self.pos[:, S - keep:] % R
         ratios = set(cfg.compress_ratios[: cfg.n_layers]) - {0} if compressed else set()
-        blocks = state.max_len // 4 + 1, state.max_len // 128 + 1
-        self.plans = {r: CompressPlan(r, start, self.pos, S, R, blocks[r == 128], state.rope["compress"])
-                      for r in ratios}
+        # `context` (a host-side bound on every position in the call) limits how many compressed
+        # blocks are read; without it the whole preallocated cache is read, masked.
+        context = min(context or state.max_len, state.max_len)
+        self.plans = {}
+        for r in ratios:
+            blocks = state.max_len // r + 1
+            self.plans[r] = CompressPlan(r, start, self.pos, S, R, blocks, min(context // r, blocks - 1),
+                                         state.rope["compress"])
 
     def write_ring(self, ring: torch.Tensor, rows: torch.Tensor):
         """Store this chunk's per-token rows in a position-addressed ring (after it has been read)."""
@@ -290,7 +296,7 @@ class Indexer(nn.Module):
         self.compressor(x, step, cache.idx_kv, cache.idx_gate, cache.idx_cmp)
         cos, sin = step.rope["compress"]
         q = kernels.rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        keys = cache.idx_cmp[:B, :-1]
+        keys = cache.idx_cmp[:B, : step.plans[4].n_visible]
         w = self.weights_proj(x).float() * self.scale
         scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
         scores = all_reduce((scores * w[..., None]).sum(dim=2))                  # [B,S,T]
@@ -335,7 +341,7 @@ class Attention(nn.Module):
         keys, bias = [cache.win[:B], kv], [step.win_bias]
         if self.ratio:
             self.compressor(x, step, cache.cmp_kv, cache.cmp_gate, cache.cmp)
-            keys.append(cache.cmp[:B, :-1])
+            keys.append(cache.cmp[:B, : step.plans[self.ratio].n_visible])
             bias.append(self.indexer(x, qr, step, cache) if self.ratio == 4 else step.plans[self.ratio].causal)
         o = kernels.attention(q, torch.cat(keys, 1), torch.cat(bias, -1), self.attn_sink, self.scale)
         step.write_ring(cache.win, kv)
@@ -550,11 +556,13 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def step(self, tokens, start, state: DecodeState, last_only: bool = False):
+    def step(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
         """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.
 
-        Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D] before hc_head)."""
-        step = Step(tokens, start, state, self.cfg)
+        `context` optionally bounds every position + 1 in the call (host-known, so no sync), which
+        limits the compressed blocks read. Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D]
+        before hc_head)."""
+        step = Step(tokens, start, state, self.cfg, context=context)
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         for layer, cache in zip(self.layers, state.layers):
             h = layer(h, step, cache, tokens)

@@ -28,6 +28,7 @@ W8A8_DESCRIPTION = "quant_model_description.json"
 FP8_BLOCK = 128   # official FP8 linears: one scale per 128 x 128 tile
 FP4_BLOCK = 32    # official FP4 experts: one scale per 32 consecutive inputs
 FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+FP32_TENSORS = ("hc_", ".ape", "attn_sink", "gate.bias")   # stored fp32 in every layout; the rest bf16
 
 
 def is_w8a8_linear(prefix: str) -> bool:
@@ -35,9 +36,12 @@ def is_w8a8_linear(prefix: str) -> bool:
     return _W8A8_LINEAR.fullmatch(prefix) is not None
 
 
-def stored_float_dtype(name: str) -> torch.dtype:
-    """How the official layout stores a float tensor: mHC, ape, sinks and gate bias fp32, the rest bf16."""
-    return torch.float32 if any(k in name for k in ("hc_", ".ape", "attn_sink", "gate.bias")) else torch.bfloat16
+def as_stored(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A float tensor (or the hash routing table) as the official layout stores it: mHC, ape, sinks
+    and gate bias fp32, tid2eid int64, the rest bf16."""
+    if name.endswith("tid2eid"):
+        return t.to(torch.int64)
+    return t.to(torch.float32 if any(k in name for k in FP32_TENSORS) else torch.bfloat16)
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,8 +151,8 @@ class W8A8Writer:
         self._add(f"{prefix}.weight_offset", torch.zeros_like(scale), "W8A8_DYNAMIC")
 
     def tensor(self, name: str, t: torch.Tensor) -> None:
-        """A float tensor (or the hash routing table), stored as the official layout stores it."""
-        t = t.to(torch.int64) if name.endswith("tid2eid") else t.to(stored_float_dtype(name))
+        """A float tensor (or the hash routing table), labelled FLOAT."""
+        t = as_stored(name, t)
         self._add(name, t, "FLOAT")
         if self.mtp and name in MTP_COPIES:
             self._add(MTP_COPIES[name], t.clone(), "FLOAT")
@@ -164,18 +168,19 @@ class W8A8Writer:
 @torch.no_grad()
 def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 << 30,
               extra_files: dict[str, str] | None = None) -> None:
-    """Write `model` in the msModelSlim W8A8_DYNAMIC layout; linears not yet int8 are quantised on
-    the way out if the recipe lists them."""
+    """Write `model` in the msModelSlim W8A8_DYNAMIC layout: the recipe's linears as W8A8_DYNAMIC
+    (int8 ones as they are, float ones quantised on the way out), everything else as FLOAT;
+    config.json loses its quantization_config."""
     writer = W8A8Writer(out_dir, max_shard_bytes, mtp=config.get("num_nextn_predict_layers", 0) > 0)
-    modules = dict(model.named_modules())
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    for name, t in state.items():
         prefix, _, attr = name.rpartition(".")
-        module = modules.get(prefix)
         if attr == "weight_scale":
-            continue                               # written with its weight
-        if isinstance(module, Linear) and attr == "weight" and (module.quantized or is_w8a8_linear(prefix)):
-            q, scale = (t, module.weight_scale) if module.quantized else quantize_weight(t)
-            writer.linear(prefix, q, scale)
+            continue                                        # written with its weight
+        if t.dtype == torch.int8:
+            writer.linear(prefix, t, state[f"{prefix}.weight_scale"])
+        elif attr == "weight" and is_w8a8_linear(prefix):
+            writer.linear(prefix, *quantize_weight(t))
         else:
             writer.tensor(name, t)
     writer.close(config, extra_files)

@@ -1,0 +1,131 @@
+"""Checkpoint load throughput and peak host memory, against a plain read of the same files.
+
+    python benchmarks/load.py [PATH] [--device cpu] [--dtype bfloat16] [--out load.json]
+
+Without PATH it first writes a synthetic W8A8 checkpoint (about 1 GB, random weights) to a temporary
+directory. The raw read and the load each run in a fresh process, after one warm-up read, so both
+see a warm page cache and each peak RSS is its own. `rss_over_weights` is the load's peak RSS above
+the process's RSS before loading, divided by the bytes of weights the model keeps.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SYNTHETIC = {   # a small V4-shaped model dominated by its experts, like the real one
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 32768,
+    "hidden_size": 2048, "num_hidden_layers": 4, "num_nextn_predict_layers": 1, "num_attention_heads": 16,
+    "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024,
+    "o_groups": 4, "n_routed_experts": 32, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 1024, "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5,
+    "num_hash_layers": 1, "swiglu_limit": 10.0, "sliding_window": 128, "compress_ratios": [0, 4, 128, 4, 0],
+    "index_n_heads": 16, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "rms_norm_eps": 1e-6,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                     "beta_slow": 1},
+}
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
+
+
+def files_of(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def write_synthetic(path: Path) -> dict:
+    """Tensor by tensor from the model's shapes, so writing never holds the whole model."""
+    import torch
+
+    from dsv4cli.model import ModelConfig, Transformer
+    from dsv4cli.model.quant import W8A8Writer, is_w8a8_linear, quantize_weight
+
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dict(SYNTHETIC))
+    writer = W8A8Writer(path, max_shard_bytes=256 << 20)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        prefix, _, attr = name.rpartition(".")
+        if name.endswith("tid2eid"):
+            writer.tensor(name, torch.randint(0, SYNTHETIC["n_routed_experts"], t.shape))
+        elif attr == "weight" and is_w8a8_linear(prefix):
+            writer.linear(prefix, *quantize_weight(torch.randn(t.shape) * 0.02))
+        else:
+            writer.tensor(name, torch.randn(t.shape) * 0.02)
+    writer.close(SYNTHETIC)
+    return {"bytes": sum(f.stat().st_size for f in files_of(path))}
+
+
+def raw_read(path: Path) -> dict:
+    """Every file read into freshly allocated memory that is kept, as a load must."""
+    import torch
+
+    start, kept = time.perf_counter(), []
+    for f in files_of(path):
+        kept.append(torch.empty(f.stat().st_size, dtype=torch.uint8))
+        with open(f, "rb", buffering=0) as fh:
+            fh.readinto(memoryview(kept[-1].numpy()))
+    seconds = time.perf_counter() - start
+    total = sum(t.numel() for t in kept)
+    return {"bytes": total, "seconds": seconds, "gb_per_s": total / seconds / 1e9, "peak_rss": peak_rss()}
+
+
+def load(path: Path, device: str, dtype: str, threads: str) -> dict:
+    import torch
+
+    from dsv4cli.model import load_model
+
+    if int(threads):
+        torch.set_num_threads(int(threads))
+    before = peak_rss()
+    start = time.perf_counter()
+    model = load_model(path, device, getattr(torch, dtype), progress=False)
+    seconds = time.perf_counter() - start
+    kept = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    on_disk = sum(f.stat().st_size for f in files_of(path))
+    return {"bytes": on_disk, "seconds": seconds, "gb_per_s": on_disk / seconds / 1e9, "weights_kept": kept,
+            "rss_before": before, "peak_rss": peak_rss(), "rss_over_weights": (peak_rss() - before) / kept}
+
+
+def child(*args: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("path", nargs="?", type=Path, help="checkpoint directory (default: a synthetic one)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the load (0: torch's default)")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, path, *rest = args.child
+        run = {"write": write_synthetic, "raw": raw_read, "load": load}[mode]
+        print(json.dumps(run(Path(path), *rest)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.path
+        if path is None:
+            path = Path(tmp)
+            child("write", tmp)
+        child("raw", str(path))                                     # warm the page cache
+        report = {"path": str(args.path or "synthetic W8A8"), "device": args.device, "dtype": args.dtype,
+                  "threads": args.threads, "load_average": os.getloadavg()[0],
+                  "raw_read": child("raw", str(path)),
+                  "load": child("load", str(path), args.device, args.dtype, str(args.threads))}
+    report["load_over_raw"] = report["load"]["gb_per_s"] / report["raw_read"]["gb_per_s"]
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

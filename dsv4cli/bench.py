@@ -1,0 +1,175 @@
+"""`dsv4 bench`: decode speed of plain vs MTP speculative decoding, in one process.
+
+Every configuration (MTP depth x batch x prompt length) runs on the same loaded model; speed-ups are
+ratios against plain decoding (K = 0) measured in the same run. When transformers is installed its
+`generate` runs on the same weights (dequantised to float if the checkpoint is W8A8) as a peer.
+"""
+import dataclasses
+import json
+import tempfile
+import time
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dsv4cli.cli import CliOptions, app, model_options
+from dsv4cli.encoding import encode_messages
+from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.errors import UsageError
+from dsv4cli.model.checkpoint import save_checkpoint
+from dsv4cli.session import load_engine
+
+QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
+             "What color is the sky?", "Tell me a short story.", "What is the opposite of hot?",
+             "What is 15 minus 4?", "What is the capital of Japan?"]
+
+
+def bench_prompts(tok, kind: str, n: int) -> list[list[int]]:
+    """n chat prompts: short single questions, or long ones (a ~400-token earlier conversation)."""
+    prompts = []
+    for i in range(n):
+        q = QUESTIONS[i % len(QUESTIONS)]
+        messages = [{"role": "user", "content": q}]
+        if kind == "long":
+            history = []
+            for j in range(12):
+                history += [{"role": "user", "content": QUESTIONS[(i + j) % len(QUESTIONS)]},
+                            {"role": "assistant", "content": "Let me think about that. " * 3}]
+            messages = history + messages
+        prompts.append(tok.encode(encode_messages(messages)))
+    return prompts
+
+
+def run_config(engine: Engine, prompts, max_tokens: int) -> dict:
+    """Decode-phase speed: tokens after each request's first over the wall time after admission."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    seqs = [engine.submit(p, params) for p in prompts]
+    engine.step()                               # admits the batch (prefill) and runs the first step
+    t0, steps = time.perf_counter(), 1
+    done_before = sum(len(s.output_ids) for s in seqs)
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    tokens = sum(len(s.output_ids) for s in seqs) - done_before
+    drafts = sum(s.metrics.drafts for s in seqs)
+    draft_tokens = sum(s.metrics.draft_tokens for s in seqs)
+    accepted = sum(s.metrics.accepted_tokens for s in seqs)
+    return {"tokens_per_s": tokens / dt, "step_ms": 1000 * dt / max(steps - 1, 1),
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
+            "ttft_ms": 1000 * sum(s.metrics.ttft for s in seqs) / len(seqs), "decode_tokens": tokens}
+
+
+def float_copy(engine: Engine, out_dir) -> None:
+    """The engine's weights in the official float layout (W8A8 linears dequantised), for transformers."""
+    tensors = {}
+    for name, t in engine.model.state_dict().items():
+        if name.endswith("weight_scale"):
+            continue
+        scale = engine.model.state_dict().get(name[: -len("weight")] + "weight_scale")
+        tensors[name] = t.float() * scale.float() if t.dtype == torch.int8 else t.float()
+    config = {k: v for k, v in engine.model.cfg.raw.items() if k != "quantization_config"}
+    save_checkpoint(tensors, config, out_dir)
+
+
+def run_transformers(engine: Engine, prompts, max_tokens: int) -> dict | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        float_copy(engine, tmp)
+        model = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    total, elapsed = 0, 0.0
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=1, do_sample=False)          # prefill-only pass, timed apart
+            t0 = time.perf_counter()
+            first = model.generate(ids, max_new_tokens=1, do_sample=False)
+            t_first = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, min_new_tokens=max_tokens)
+            elapsed += time.perf_counter() - t0 - t_first
+        total += out.shape[1] - first.shape[1]
+    return {"tokens_per_s": total / elapsed}
+
+
+def bench(engine: Engine, depths, batches, kinds, max_tokens: int, with_hf: bool) -> list[dict]:
+    rows = []
+    for kind in kinds:
+        for batch in batches:
+            prompts = bench_prompts(engine.tok, kind, batch)
+            base = None
+            for k in depths:
+                eng = Engine(engine.model, engine.tok, max_batch=batch, max_seq_len=engine.max_seq_len, mtp=k)
+                run_config(eng, prompts[:1], 2)                       # warm-up
+                r = run_config(eng, prompts, max_tokens)
+                base = r["tokens_per_s"] if k == 0 else base
+                r.update(impl="dsv4", mtp=k, batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
+                         speedup=r["tokens_per_s"] / base if base else None)
+                rows.append(r)
+            if with_hf and batch == 1:
+                hf = run_transformers(engine, prompts, max_tokens)
+                if hf:
+                    rows.append({**hf, "impl": "transformers", "mtp": 0, "batch": 1, "prompt": kind,
+                                 "prompt_tokens": len(prompts[0]), "speedup": hf["tokens_per_s"] / base})
+    return rows
+
+
+def render(rows: list[dict], console: Console) -> None:
+    table = Table("impl", "prompt", "batch", "MTP K", "tok/s", "step ms", "accept", "mean len", "vs K=0")
+    for r in rows:
+        def fmt(key, spec):
+            v = r.get(key)
+            return "-" if v is None else format(v, spec)
+        table.add_row(r["impl"], f"{r['prompt']} ({r['prompt_tokens']})", str(r["batch"]), str(r["mtp"]),
+                      fmt("tokens_per_s", ".1f"), fmt("step_ms", ".1f"), fmt("acceptance_rate", ".2f"),
+                      fmt("mean_acceptance_length", ".2f"), fmt("speedup", ".2f") + "x")
+    console.print(table)
+
+
+def parse_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise UsageError(f"{name}: expected non-negative integers, got {text!r}")
+    return values
+
+
+@app.command("bench")
+@model_options()
+def bench_command(
+    opts: CliOptions,
+    depths: str = typer.Option("0,1,2,3,4", "--depths", help="MTP depths to compare (0 = plain)"),
+    batches: str = typer.Option("1,4,16", "--batches", help="Batch sizes"),
+    prompts: str = typer.Option("short,long", "--prompts", help="Prompt lengths: short, long"),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as JSON"),
+    no_hf: bool = typer.Option(False, "--no-transformers", help="Skip the transformers peer"),
+) -> int:
+    """Decode speed: plain vs MTP K = 1..4 at several batch sizes and prompt lengths, with a peer."""
+    settings, sources = opts.resolve()
+    kinds = [k.strip() for k in prompts.split(",") if k.strip()]
+    if not kinds or set(kinds) - {"short", "long"}:
+        raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
+    depth_list, batch_list = parse_list(depths, "--depths"), parse_list(batches, "--batches")
+    if 0 not in depth_list:
+        depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
+    if sources["max_tokens"] == "default":
+        settings = dataclasses.replace(settings, max_tokens=64)
+    engine = load_engine(settings)
+    with torch.no_grad():
+        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf)
+    meta = {"model": str(settings.model_dir), "device": str(engine.device), "dtype": str(engine.model.dtype),
+            "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens}
+    if as_json:
+        print(json.dumps({"meta": meta, "results": rows}, indent=2))
+    else:
+        render(rows, Console())
+    return 0

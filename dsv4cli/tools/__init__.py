@@ -1,0 +1,1 @@
+"""Checkpoint tools: `dsv4 inspect` and `dsv4 convert`."""

@@ -1,0 +1,73 @@
+"""The `dsv4 inspect` and `dsv4 convert` verbs; `register(app)` adds them to the CLI.
+
+Checkpoint and config problems become UsageError: one `error:` line and exit code 2.
+"""
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from dsv4cli.errors import UsageError
+
+
+class Target(str, Enum):
+    w8a8 = "w8a8"
+    bf16 = "bf16"
+
+
+def inspect(
+    path: Path | None = typer.Argument(None, help="Model directory (default: the bundled dsv4-tiny)"),
+    tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel cards, for the memory per card"),
+    check: bool = typer.Option(False, "--check", help="Also check every tensor's presence, shape and dtype"),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead"),
+) -> int:
+    """Describe a checkpoint from its config and headers: format, parameters, layers, memory."""
+    from rich.console import Console
+
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.model.loader import LoadError
+    from dsv4cli.tools import inspect as tool
+
+    if path is None and not BUNDLED_MODEL_DIR.is_dir():
+        raise UsageError(f"no PATH given and the bundled model is not installed ({BUNDLED_MODEL_DIR})")
+    path = path or BUNDLED_MODEL_DIR
+    try:
+        info = tool.describe(path, tp)
+    except LoadError as e:
+        raise UsageError(str(e)) from None
+    problems = tool.check(path) if check else []
+    if as_json:
+        print(json.dumps({**info, **({"problems": problems} if check else {})}, indent=2))
+    else:
+        Console().print(tool.render(info))
+        for problem in problems:
+            print(f"problem: {problem}")
+        if check and not problems:
+            print(f"check: all {info['tensors']} tensors have the names, shapes and dtypes the config needs")
+    if problems:
+        raise UsageError(f"{path}: {len(problems)} problem(s) found")
+    return 0
+
+
+def convert(
+    src: Path = typer.Argument(..., help="Official release (FP8/FP4) or float checkpoint directory"),
+    dst: Path = typer.Argument(..., help="New directory for the converted checkpoint"),
+    to: Target = typer.Option(Target.w8a8, "--to", help="w8a8: msModelSlim W8A8_DYNAMIC layout; bf16: official layout"),
+) -> int:
+    """Convert a checkpoint, streaming shard by shard with bounded memory."""
+    from dsv4cli.model.loader import LoadError
+    from dsv4cli.tools.convert import convert as run
+
+    try:
+        run(src, dst, to=to.value, progress=sys.stderr.isatty())
+    except LoadError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {dst}")
+    return 0
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect")(inspect)
+    app.command("convert")(convert)

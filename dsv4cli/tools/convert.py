@@ -1,0 +1,72 @@
+"""`dsv4 convert`: the official FP8/FP4 (or float) release to the msModelSlim W8A8 layout or to bf16.
+
+It streams: source tensors are decoded one at a time in file order and written out as they come, so
+memory holds one output shard (at most `max_shard_bytes`) and one tensor, never the whole model.
+"""
+import shutil
+from pathlib import Path
+
+import torch
+
+from dsv4cli.model.loader import LoadError, open_checkpoint, plan, progress_bar, read_item
+from dsv4cli.model.model import Transformer
+from dsv4cli.model.quant import (
+    ShardWriter,
+    W8A8Writer,
+    as_stored,
+    is_w8a8_linear,
+    quantize_weight,
+    write_config,
+)
+
+TARGETS = ("w8a8", "bf16")
+# Files next to the weights that a converted checkpoint keeps.
+COPIED = ("tokenizer*", "generation_config.json", "special_tokens_map.json", "*.jinja")
+
+
+def convert(src, dst, to: str = "w8a8", progress: bool = True, max_shard_bytes: int = 4 << 30) -> None:
+    """Write the checkpoint at `src` to the new directory `dst` in the `to` layout."""
+    if to not in TARGETS:
+        raise ValueError(f"to must be one of {', '.join(TARGETS)}, got {to!r}")
+    src, dst = Path(src), Path(dst)
+    ckpt = open_checkpoint(src)
+    if ckpt.format == "w8a8":
+        raise LoadError(f"{src}: already W8A8 (and QuaRot-rotated); convert the original release instead")
+    with torch.device("meta"):
+        model = Transformer(ckpt.config)
+    items, problems = plan(ckpt, model)
+    if problems:
+        raise LoadError(f"{src}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise LoadError(f"{dst}: already exists; choose a new directory")
+    tmp = dst.with_name(dst.name + ".partial")        # renamed to dst only once complete
+    shutil.rmtree(tmp, ignore_errors=True)
+    if to == "w8a8":
+        out = W8A8Writer(tmp, max_shard_bytes, mtp=ckpt.config.n_mtp_layers > 0)
+    else:
+        out = ShardWriter(tmp, "model", max_shard_bytes)
+    items.sort(key=lambda it: ckpt.position(it.sources[0]))
+    total = sum(ckpt.nbytes(n) for it in items for n in it.sources)
+    with progress_bar(progress, total, f"converting {src.name} to {to}") as advance:
+        for item in items:
+            t, _ = read_item(ckpt, item, "cpu", torch.bfloat16)      # FP8 and FP4 values fit bf16 exactly
+            prefix, _, attr = item.name.rpartition(".")
+            if to == "bf16":
+                out.add(item.name, as_stored(item.name, t))
+            elif attr == "weight" and is_w8a8_linear(prefix):
+                out.linear(prefix, *quantize_weight(t))
+            else:
+                out.tensor(item.name, t)
+            advance(sum(ckpt.nbytes(n) for n in item.sources))
+    if to == "w8a8":
+        out.close(ckpt.config.raw)
+    else:
+        out.close()
+        write_config(tmp, {**ckpt.config.raw, "torch_dtype": "bfloat16"}, drop=("quantization_config", "expert_dtype"))
+    for pattern in COPIED:
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, tmp / f.name)
+    if dst.exists():
+        dst.rmdir()
+    tmp.rename(dst)
