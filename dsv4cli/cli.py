@@ -32,7 +32,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from dsv4cli.config import SPEC, Settings, format_value, resolve
-from dsv4cli.errors import UsageError
+from dsv4cli.errors import RunError, UsageError
 from dsv4cli.tools.commands import register as register_tool_commands
 
 app = typer.Typer(
@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except typer.Abort:
         print("error: aborted", file=sys.stderr)
         return 1

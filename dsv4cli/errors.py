@@ -6,3 +6,8 @@ class UsageError(Exception):
 
     The message is one line that names the place, e.g. `x.toml: [sampling].top_p: must be in (0, 1], got 2`.
     """
+
+
+class RunError(Exception):
+    """A run that cannot go on for a reason outside the user's input (e.g. a tensor-parallel rank
+    died): one `error: ...` line and exit code 1."""

@@ -1,0 +1,103 @@
+"""Result lines (OpenAI batch output format) and the append-only files they go to.
+
+Each record is one whole line written with a single write() on an O_APPEND descriptor, so a crash can
+only leave a torn last line; `repair` cuts that off and `scan` reads back what is already answered.
+"""
+import json
+import os
+import time
+from pathlib import Path
+
+from dsv4cli.encoding import parse_completion
+from dsv4cli.engine.engine import Sequence
+from dsv4cli.errors import UsageError
+
+from .requests import BadLine, Request
+
+
+def result_record(req: Request, seq: Sequence, model: str) -> dict:
+    usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+             "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+    finish_reason = seq.finish_reason
+    if req.chat:
+        parsed = parse_completion(seq.text, req.thinking)
+        message = {"role": "assistant", "content": parsed["content"]}
+        if req.thinking:
+            message["reasoning_content"] = parsed["reasoning_content"]
+        if parsed["tool_calls"]:
+            message["tool_calls"] = parsed["tool_calls"]
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        body = {"id": f"chatcmpl-{req.line}", "object": "chat.completion"}
+    else:
+        choice = {"index": 0, "text": seq.text, "finish_reason": finish_reason, "logprobs": None}
+        body = {"id": f"cmpl-{req.line}", "object": "text_completion"}
+    body |= {"created": int(time.time()), "model": model, "choices": [choice], "usage": usage,
+             "dsv4_stats": seq.metrics.as_dict()}
+    return {"id": f"batch_req_{req.line}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": f"req_{req.line}", "body": body}, "error": None}
+
+
+def error_record(bad: BadLine) -> dict:
+    return {"id": f"batch_req_{bad.line}", "custom_id": bad.custom_id, "response": None,
+            "error": {"code": bad.code, "message": bad.message, "line": bad.line}}
+
+
+class ResultFile:
+    """An append-only JSONL file: one write per record, fsync at most once a second and on close."""
+
+    def __init__(self, path: Path, fsync_every: float = 1.0):
+        self.path, self.fsync_every = path, fsync_every
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UsageError(f"{path}: cannot write: {e.strerror}") from None
+        self.synced = time.monotonic()
+
+    def append(self, record: dict) -> None:
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        while data:   # a regular file takes it all in one write; the loop only guards a short write
+            data = data[os.write(self.fd, data):]
+        if time.monotonic() - self.synced >= self.fsync_every:
+            os.fsync(self.fd)
+            self.synced = time.monotonic()
+
+    def close(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+
+def repair(path: Path) -> int:
+    """Cut a torn last line (a write a crash interrupted) off the file; returns the bytes dropped."""
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as f:
+        end = size = f.seek(0, os.SEEK_END)
+        while end > 0:   # back to just after the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            cut = f.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+        f.truncate(end)
+    return size - end
+
+
+def scan(path: Path) -> tuple[set[str], set[int]]:
+    """The custom_ids a result file answers and the input lines it records as errors."""
+    done, errored = set(), set()
+    if not path.exists():
+        return done, errored
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                record = json.loads(raw)
+                if record.get("response") is not None:
+                    done.add(record["custom_id"])
+                else:
+                    errored.add(record["error"]["line"])
+            except (ValueError, AttributeError, KeyError, TypeError):
+                raise UsageError(f"{path}: line {n}: not a batch result line; cannot resume from this file") from None
+    return done, errored

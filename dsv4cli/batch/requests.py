@@ -1,0 +1,177 @@
+"""Input lines -> requests the engine can run, or a BadLine with the line number, a code and a message.
+
+Two line forms:
+  OpenAI batch: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
+  simple:       {"id", "messages": [...] | "prompt": "...", sampling keys...}  (the line is its own body)
+"""
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+from dsv4cli.config import check
+from dsv4cli.encoding import encode_messages
+from dsv4cli.engine import SamplingParams
+from dsv4cli.errors import UsageError
+from dsv4cli.tokenizer import Tokenizer
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+
+# body key -> settings key; the values are checked by the same rules as the flags
+SAMPLING_KEYS = {
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "seed": "seed", "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+}
+
+
+@dataclass
+class Request:
+    line: int
+    custom_id: str
+    chat: bool                      # /v1/chat/completions; else /v1/completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    thinking: bool
+
+
+class BadLine(Exception):
+    """A line that cannot run; `parse` fills in its line number and custom_id (when it has one)."""
+
+    def __init__(self, code: str, message: str, custom_id: str | None = None):
+        super().__init__(message)
+        self.code, self.message, self.custom_id, self.line = code, message, custom_id, 0
+
+
+def request_seed(run_seed: int, custom_id: str) -> int:
+    """The seed of a request that names none: fixed by the run seed and its custom_id, so a resumed
+    run samples it exactly as an uninterrupted one would."""
+    digest = hashlib.blake2b(f"{run_seed}:{custom_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2    # 62 bits, like the engine's own seeds
+
+
+class RequestParser:
+    """Parses lines in input order; remembers the custom_ids seen so a repeat is a `duplicate_custom_id`."""
+
+    def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
+                 thinking: bool = False, reasoning_effort: str | None = None):
+        self.tok, self.defaults, self.run_seed, self.max_seq_len = tok, defaults, run_seed, max_seq_len
+        self.thinking, self.reasoning_effort = thinking, reasoning_effort
+        self.seen: set[str] = set()
+
+    def parse(self, line: int, raw: bytes) -> Request:
+        """One non-blank input line (1-based number `line`) -> Request, or raise BadLine."""
+        custom_id = None
+        try:
+            try:
+                obj = json.loads(raw)
+            except ValueError as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise BadLine("invalid_json", f"not valid JSON: {e}") from None
+            if not isinstance(obj, dict):
+                raise BadLine("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
+            custom_id = self._custom_id(obj)
+            return self._request(line, obj, custom_id)
+        except BadLine as e:
+            e.line, e.custom_id = line, e.custom_id or custom_id
+            raise
+
+    def _custom_id(self, obj: dict) -> str:
+        """The line's custom_id (an int `id` of a simple line counts too), claimed even if the rest is bad."""
+        openai = "body" in obj
+        cid = obj.get("custom_id") if openai else obj.get("custom_id", obj.get("id"))
+        if cid is None:
+            raise BadLine("missing_custom_id", "custom_id: missing" if openai else "id: missing (or custom_id)")
+        if not (isinstance(cid, str) or not openai and isinstance(cid, int) and not isinstance(cid, bool)):
+            raise BadLine("invalid_request", f"custom_id: must be a string, got {json.dumps(cid)}")
+        cid = str(cid)
+        if cid in self.seen:
+            raise BadLine("duplicate_custom_id", f"custom_id {cid!r} was already used by an earlier line", cid)
+        self.seen.add(cid)
+        return cid
+
+    def _request(self, line: int, obj: dict, custom_id: str) -> Request:
+        if "body" in obj:
+            if obj.get("method", "POST") != "POST":
+                raise BadLine("unsupported_method", f"method: only POST is supported, got {json.dumps(obj['method'])}")
+            url = obj.get("url")
+            if url not in (CHAT_URL, COMPLETIONS_URL):
+                raise BadLine("unsupported_url", f"url: must be {CHAT_URL} or {COMPLETIONS_URL}, got {json.dumps(url)}")
+            body, place = obj["body"], "body."
+            if not isinstance(body, dict):
+                raise BadLine("invalid_request", "body: must be a JSON object")
+            chat = url == CHAT_URL
+        else:
+            body, place = obj, ""
+            if ("messages" in body) == ("prompt" in body):
+                raise BadLine("invalid_request", "give exactly one of messages (chat) or prompt (completion)")
+            chat = "messages" in body
+        if body.get("stream"):
+            raise BadLine("unsupported_parameter", f"{place}stream: batch requests cannot stream")
+        if body.get("n") not in (None, 1):
+            raise BadLine("unsupported_parameter", f"{place}n: only one choice per request is supported")
+        params = self._params(body, place, custom_id)
+        thinking = False
+        if chat:
+            thinking, effort = self._thinking(body, place)
+            ids = self._chat_ids(body, place, thinking, effort)
+        else:
+            ids = self._completion_ids(body, place)
+        if len(ids) >= self.max_seq_len:
+            raise BadLine("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
+        return Request(line, custom_id, chat, ids, params, thinking)
+
+    def _params(self, body: dict, place: str, custom_id: str) -> SamplingParams:
+        """The run's sampling defaults with the body's values on top."""
+        given = {}
+        for name, key in SAMPLING_KEYS.items():
+            value = body.get(name)
+            if value is not None:
+                given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
+        given.setdefault("seed", request_seed(self.run_seed, custom_id))
+        return dataclasses.replace(self.defaults, **given)
+
+    def _thinking(self, body: dict, place: str) -> tuple[bool, str | None]:
+        thinking = body.get("thinking", self.thinking)
+        if isinstance(thinking, dict):    # the DeepSeek API spelling: {"type": "enabled"}
+            thinking = thinking.get("type") == "enabled"
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            effort = _check("reasoning_effort", effort, place + "reasoning_effort")
+        return _check("thinking", thinking, place + "thinking"), effort or self.reasoning_effort
+
+    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadLine("invalid_messages", f"{place}messages: must be a non-empty list of messages")
+        try:
+            text = encode_messages([_plain(m) for m in messages], thinking=thinking, reasoning_effort=effort)
+        except ValueError as e:
+            raise BadLine("invalid_messages", f"{place}messages: {e}") from None
+        return self.tok.encode(text)
+
+    def _completion_ids(self, body: dict, place: str) -> list[int]:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadLine("invalid_prompt", f"{place}prompt: must be a string")
+        return [self.tok.bos_id, *self.tok.encode(prompt)]
+
+
+def _check(key: str, value, place: str):
+    """A body value checked by the rules of the settings key; one line's mistake must not reach the engine."""
+    try:
+        value = check(key, value, place)
+    except UsageError as e:
+        raise BadLine("invalid_parameter", str(e)) from None
+    if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
+        raise BadLine("invalid_parameter", f"{place}: must fit in 64 bits")    # the engine keeps it in an int64
+    return value
+
+
+def _plain(message):
+    """OpenAI content parts [{"type": "text", "text": ...}, ...] -> one string; anything else as is."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
+    return message

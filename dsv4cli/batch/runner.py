@@ -1,0 +1,174 @@
+"""`dsv4 batch`: stream a JSONL file of requests through the engine and append one result line each.
+
+The input is read line by line and at most 2 x max_batch requests are in the engine at once (the running
+batch plus as many waiting to take a slot the moment one frees), so memory does not grow with the file.
+Results go out in the order requests finish, matched to their input by custom_id.
+"""
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from dsv4cli.config import Settings
+from dsv4cli.engine import Engine
+from dsv4cli.engine.engine import Sequence
+from dsv4cli.errors import UsageError
+from dsv4cli.session import load_engine, sampling_params
+
+from .output import ResultFile, error_record, repair, result_record, scan
+from .requests import BadLine, Request, RequestParser
+
+DEFAULT_RUN_SEED = 0   # seeds unseeded requests when the run names no --seed
+
+
+class BatchRun:
+    """One pass over the input: parse, skip what is already answered, keep the engine fed, write results."""
+
+    def __init__(self, engine: Engine, parser: RequestParser, out: ResultFile, errors: ResultFile, model: str,
+                 done: set[str], errored: set[int], bar: Progress | None = None):
+        self.engine, self.parser, self.out, self.errors, self.model = engine, parser, out, errors, model
+        self.done, self.errored = done, errored         # from the output of an earlier run (--resume)
+        self.bar = bar
+        self.window = 2 * engine.max_batch
+        self.in_flight: dict[str, Request] = {}
+        self.peak_in_flight = 0
+        self.ok = self.failed = self.skipped = self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def run(self, lines: Iterable[bytes]) -> None:
+        requests = self._requests(lines)
+        more = True
+        while True:
+            while more and len(self.in_flight) < self.window:
+                req = next(requests, None)
+                if req is None:
+                    more = False
+                    break
+                self.engine.submit(req.prompt_ids, req.params, req.custom_id)
+                self.in_flight[req.custom_id] = req
+                self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
+            if not self.engine.has_work():
+                return
+            for event in self.engine.step():
+                if event.finished:
+                    self._finish(event.seq)
+
+    def _requests(self, lines: Iterable[bytes]) -> Iterator[Request]:
+        """The requests still to run; bad lines become error records on the way, answered ones are skipped."""
+        for n, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue   # blank lines are not requests (and not counted by count_lines)
+            try:
+                req = self.parser.parse(n, raw)   # even a line to skip: it claims its custom_id
+            except BadLine as bad:
+                if n not in self.errored:
+                    self.errors.append(error_record(bad))
+                    self.failed += 1
+                else:
+                    self.skipped += 1
+                self._tick()
+                continue
+            if req.custom_id in self.done:
+                self.skipped += 1
+                self._tick()
+                continue
+            yield req
+
+    def _finish(self, seq: Sequence) -> None:
+        req = self.in_flight.pop(seq.id)
+        self.out.append(result_record(req, seq, self.model))
+        self.ok += 1
+        self.tokens += len(seq.output_ids)
+        self._tick()
+
+    def _tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(self.bar.task_ids[0], advance=1, stats=self.rates())
+
+    def rates(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        totals = self.engine.totals
+        accept = f" · accept {totals.acceptance_rate:.0%}" if totals.draft_tokens else ""
+        return f"{self.ok / dt:.1f} req/s · {self.tokens / dt:.1f} tok/s{accept}"
+
+    def summary(self, interrupted: bool) -> str:
+        dt = time.perf_counter() - self.t0
+        skipped = f", {self.skipped} already done" if self.skipped else ""
+        state = "interrupted" if interrupted else "done"
+        return (f"batch {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
+                f" · {self.rates()}")
+
+
+def count_lines(path: Path) -> int:
+    """Non-blank lines, without parsing them: the progress bar's total."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def progress_bar(total: int) -> Progress:
+    bar = Progress(TextColumn("batch"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[stats]}"),
+                   TimeRemainingColumn(), console=Console(stderr=True))
+    bar.add_task("batch", total=total, stats="")
+    return bar
+
+
+def check_paths(s: Settings) -> tuple[Path, Path, Path | None]:
+    """The input, output and errors paths, or a UsageError for any that cannot work."""
+    if not s.input:
+        raise UsageError("missing input: give IN.jsonl (or -i/--input)")
+    if not s.output:
+        raise UsageError("-o/--output: missing; give the file to write results to")
+    src, out = Path(s.input), Path(s.output)
+    err = Path(s.errors) if s.errors else None
+    if not src.is_file():
+        raise UsageError(f"{src}: {'is a directory' if src.is_dir() else 'no such file'}")
+    for flag, path in (("-o/--output", out), ("--errors", err)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a directory; give a file path")
+        if path.exists() and path.resolve() == src.resolve():
+            raise UsageError(f"{flag} {path}: is the input file")
+        if not s.resume and path.exists() and path.stat().st_size:
+            raise UsageError(f"{flag} {path}: already has results; add --resume to continue that run (or remove it)")
+    if err is not None and err.absolute() == out.absolute():
+        raise UsageError("--errors: must be another file than -o/--output")
+    return src, out, err
+
+
+def run_batch(s: Settings) -> int:
+    src, out_path, err_path = check_paths(s)
+    engine = load_engine(s)
+    done, errored = set(), set()
+    for path in filter(None, (out_path, err_path)):
+        if s.resume:
+            repair(path)
+            answered, failed_lines = scan(path)
+            done |= answered
+            errored |= failed_lines
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"{path.parent}: cannot create: {e.strerror}") from None
+    out = ResultFile(out_path)
+    errors = ResultFile(err_path) if err_path else out
+    parser = RequestParser(engine.tok, sampling_params(s), DEFAULT_RUN_SEED if s.seed is None else s.seed,
+                           engine.max_seq_len, s.thinking, s.reasoning_effort)
+    bar = progress_bar(count_lines(src)) if sys.stderr.isatty() else None
+    batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
+    interrupted = False
+    try:
+        with open(src, "rb") as lines, bar or nullcontext():
+            batch.run(lines)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        out.close()
+        if errors is not out:
+            errors.close()
+    print(batch.summary(interrupted), file=sys.stderr)
+    return 130 if interrupted else 0

@@ -1,0 +1,187 @@
+"""Tensor parallelism on one node: `--tp N` runs N ranks, one per device, started by the CLI itself.
+
+Every rank holds its slice of the weights (heads, output groups, experts, vocabulary) and runs the
+same engine. Rank 0 owns the front end: before each engine step it broadcasts the host-side commands
+(submit, cancel, stop) so all ranks take identical steps; logits are all-gathered, so sampling and
+verification agree everywhere without further traffic. A watchdog on rank 0 ends the run with one
+line if a rank dies; followers ignore Ctrl-C and stop when rank 0 says so or disappears.
+"""
+import atexit
+import dataclasses
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv4cli.errors import RunError
+
+BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+TIMEOUT = timedelta(minutes=10)   # a generous bound for a collective; rank deaths are caught earlier
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_rank(rank: int, world: int, port: int, device: torch.device):
+    """Join the process group; returns (this rank's device, the gloo group used for commands)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    elif device.type == "npu":
+        torch.npu.set_device(rank)
+        device = torch.device("npu", rank)
+    else:   # CPU ranks share the cores instead of each starting a thread per core
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = BACKENDS[device.type]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    return device, control
+
+
+class Leader:
+    """Rank 0's engine: the Engine API, with every command mirrored to the other ranks."""
+
+    def __init__(self, engine, control, procs, watchdog: threading.Event):
+        self.engine, self.control, self.procs, self.watchdog = engine, control, procs, watchdog
+        self.pending: list[tuple] = []
+        self.closed = False
+
+    def __getattr__(self, name):          # tok, model, k, totals, max_seq_len, ... of the local engine
+        return getattr(self.engine, name)
+
+    def submit(self, prompt_ids, params, request_id=None):
+        if params.seed is None:           # every rank must draw the same numbers
+            params = dataclasses.replace(params, seed=random.getrandbits(62))
+        seq = self.engine.submit(prompt_ids, params, request_id)
+        self.pending.append(("submit", list(prompt_ids), params, seq.id))
+        return seq
+
+    def cancel(self, seq):
+        self.engine.cancel(seq)
+        self.pending.append(("cancel", seq.id))
+
+    def step(self):
+        try:
+            self._send(self.pending)
+            self.pending = []
+            return self.engine.step()
+        except RuntimeError as e:           # a collective failed: name the rank that died, if one did
+            dead = self._dead_rank()
+            if dead is None:
+                raise
+            raise RunError(dead) from e
+
+    def _dead_rank(self) -> str | None:
+        for _ in range(20):
+            for rank, p in enumerate(self.procs, 1):
+                if p.exitcode is not None:
+                    self.watchdog.set()       # this thread reports it; the watchdog stays quiet
+                    return f"tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks"
+            time.sleep(0.1)
+        return None
+
+    def generate(self, prompts, params):
+        seqs = [self.submit(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        if all(p.exitcode is None for p in self.procs):
+            try:
+                self._send([("stop",)])
+            except RuntimeError:            # a peer went away meanwhile; finish() kills the rest
+                return
+            for p in self.procs:
+                p.join(timeout=10)
+
+    def _send(self, commands):
+        dist.broadcast_object_list([commands], src=0, group=self.control)
+
+
+def follow(engine, control) -> None:
+    """A follower rank: apply rank 0's commands, then take the same step."""
+    seqs = {}
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        for cmd in box[0]:
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "submit":
+                _, ids, params, rid = cmd
+                seqs[rid] = engine.submit(ids, params, rid)
+            elif cmd[0] == "cancel":
+                engine.cancel(seqs.pop(cmd[1]))
+        engine.step()
+        seqs = {k: s for k, s in seqs.items() if not s.finished}
+
+
+def follower_main(rank: int, world: int, port: int, settings) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # rank 0 decides when to stop
+    from dsv4cli.session import build_engine, pick_device
+    device, control = init_rank(rank, world, port, pick_device(settings.device))
+    engine = build_engine(settings, device)
+    with torch.no_grad():
+        follow(engine, control)
+    dist.destroy_process_group()
+
+
+def watch(procs, stop: threading.Event) -> None:
+    """End rank 0 at once, with one line, when another rank dies: its peers would wait forever."""
+    while not stop.wait(0.2):
+        for rank, p in enumerate(procs, 1):
+            if p.exitcode is not None:
+                print(f"error: tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks",
+                      file=sys.stderr, flush=True)
+                for q in procs:
+                    q.kill()
+                os._exit(1)
+
+
+def start(settings, device: torch.device):
+    """Start ranks 1..tp-1 and join the group as rank 0.
+
+    Returns (device, control group, processes, the watchdog's stop event, finish)."""
+    world, port = settings.tp, free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=follower_main, args=(r, world, port, settings), daemon=True)
+             for r in range(1, world)]
+    for p in procs:
+        p.start()
+    stop = threading.Event()
+    threading.Thread(target=watch, args=(procs, stop), daemon=True).start()
+    device, control = init_rank(0, world, port, device)
+
+    def finish(leader: Leader | None = None):
+        stop.set()
+        if leader is not None:
+            leader.close()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+    return device, control, procs, stop, finish
+
+
+def launch_leader(settings, device, build):
+    """Rank 0 side of `--tp N`: start the followers, build the local engine, wrap it."""
+    device, control, procs, watchdog, finish = start(settings, device)
+    leader = Leader(build(device), control, procs, watchdog)
+    atexit.register(finish, leader)
+    return leader

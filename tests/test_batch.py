@@ -1,0 +1,231 @@
+"""`dsv4 batch` end to end: real subprocesses, real files, the tiny random model, greedy unless said."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dsv4cli.batch.output import ResultFile
+from dsv4cli.batch.requests import RequestParser
+from dsv4cli.batch.runner import BatchRun
+from dsv4cli.cli import main
+from dsv4cli.config import resolve
+from dsv4cli.session import load_engine, sampling_params
+
+# one torch thread: the machine's cores are shared, and two threads fighting another job are slower than one
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def dsv4(*args):
+    return subprocess.run([sys.executable, "-m", "dsv4cli", *args], capture_output=True, text=True, timeout=300,
+                          env=ENV)
+
+
+def start(*args):
+    return subprocess.Popen([sys.executable, "-m", "dsv4cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def chat(cid, content, **body):
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": content}], **body}}
+
+
+def answers(records):
+    """custom_id -> what a rerun must reproduce (the choices and usage; not timings or `created`)."""
+    return {r["custom_id"]: (r["id"], r["response"]["body"]["choices"], r["response"]["body"]["usage"])
+            for r in records if r["response"] is not None}
+
+
+def wait_for_lines(path, n, proc):
+    while proc.poll() is None and (not path.exists() or path.read_bytes().count(b"\n") < n):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+
+
+# 24 chat requests of 12 tokens, every other one sampled without a seed (a seed derived from its custom_id)
+LONG = [chat(f"q{i}", f"Question {i}: say something.", max_completion_tokens=12, ignore_eos=True,
+             **({"temperature": 0.8} if i % 2 else {})) for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def long_run(tiny_model_dir, tmp_path_factory):
+    """The uninterrupted run the interrupted ones must reproduce: (input path, its records)."""
+    tmp = tmp_path_factory.mktemp("batch")
+    src = write_jsonl(tmp / "in.jsonl", LONG)
+    r = dsv4("batch", str(src), "-o", str(tmp / "out.jsonl"), "--model", str(tiny_model_dir), "--max-batch", "4",
+             "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    return src, read_jsonl(tmp / "out.jsonl")
+
+
+def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    rows = [
+        chat("ok-1", "Hello"),
+        "{not json",
+        "",                                                                         # blank: skipped
+        "[1, 2]",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},
+        {"custom_id": 7, "method": "POST", "url": "/v1/chat/completions", "body": {}},
+        {"custom_id": "url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "get", "method": "GET", "url": "/v1/chat/completions", "body": {}},
+        chat("temp", "Hi", temperature="hot"),
+        chat("empty", "Hi") | {"body": {"messages": []}},
+        chat("role", "Hi") | {"body": {"messages": [{"role": "robot", "content": "Hi"}]}},
+        chat("long", "word " * 200),
+        chat("ok-1", "Hello again"),                                                # duplicate custom_id
+        chat("stream", "Hi", stream=True),
+        {"id": "simple", "prompt": "Once upon a time"},
+        {"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
+        chat("seed", "Hi", seed=2**70),
+        chat("think", "Hi", thinking=True),
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    r = dsv4("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-seq-len", "128", "-n", "4",
+             "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    records = read_jsonl(out)
+    errors = {rec["error"]["line"]: rec["error"]["code"] for rec in records if rec["error"]}
+    assert errors == {2: "invalid_json", 4: "invalid_request", 5: "missing_custom_id", 6: "invalid_request",
+                      7: "unsupported_url", 8: "unsupported_method", 9: "invalid_parameter", 10: "invalid_messages",
+                      11: "invalid_messages", 12: "prompt_too_long", 13: "duplicate_custom_id",
+                      14: "unsupported_parameter", 16: "invalid_request", 17: "invalid_parameter"}
+    assert all(rec["response"] is None and rec["error"]["message"] for rec in records if rec["error"])
+    ok = {rec["custom_id"]: rec for rec in records if rec["response"]}
+    assert set(ok) == {"ok-1", "simple", "think"}
+    assert ok["ok-1"]["response"]["body"]["object"] == "chat.completion"
+    assert ok["simple"]["response"]["body"]["object"] == "text_completion"
+    assert "reasoning_content" in ok["think"]["response"]["body"]["choices"][0]["message"]
+    assert "reasoning_content" not in ok["ok-1"]["response"]["body"]["choices"][0]["message"]
+    assert "3 ok, 14 errors" in r.stderr.strip().splitlines()[-1]
+
+
+def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):
+    _, reference = long_run
+    src = write_jsonl(tmp_path / "in.jsonl", LONG[:6])
+    out = tmp_path / "out.jsonl"
+    r = dsv4("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "1",
+             "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    first6 = {f"q{i}" for i in range(6)}
+    assert answers(read_jsonl(out)) == {k: v for k, v in answers(reference).items() if k in first6}
+    r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Question 2: say something.", "-n", "12",
+             "--ignore-eos", "--temperature", "0", "--json")
+    assert r.returncode == 0, r.stderr
+    [q2] = [rec["response"]["body"] for rec in reference if rec["custom_id"] == "q2"]
+    assert q2["choices"][0]["message"]["content"] == json.loads(r.stdout)["text"]
+    stats = q2["dsv4_stats"]
+    assert q2["usage"]["completion_tokens"] == 12 and stats["draft_tokens"] == stats["drafts"] > 0
+
+
+def test_kill_9_then_resume_answers_each_request_once(tiny_model_dir, tmp_path, long_run):
+    src, reference = long_run
+    out = tmp_path / "out.jsonl"
+    args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "4", "--temperature", "0")
+    proc = start(*args)
+    wait_for_lines(out, 3, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = read_jsonl(out)
+    assert 3 <= len(done) < len(LONG)
+    with open(out, "ab") as f:                                  # what a crash in the middle of a write leaves
+        f.write(json.dumps(reference[-1]).encode()[:40])
+
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert f"{len(done)} already done" in r.stderr
+    records = read_jsonl(out)                                   # the torn line is gone: every line parses
+    assert sorted(rec["custom_id"] for rec in records) == sorted(f"q{i}" for i in range(len(LONG)))
+    assert answers(records) == answers(reference)
+
+    before = out.read_bytes()
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0 and f"0 ok, 0 errors, {len(LONG)} already done" in r.stderr
+    assert out.read_bytes() == before
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_model_dir, tmp_path, long_run):
+    src, reference = long_run
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    args = ("batch", "-i", str(src), "-o", str(out), "--errors", str(errors), "--model", str(tiny_model_dir),
+            "--max-batch", "4", "--temperature", "0")
+    proc = start(*args)
+    wait_for_lines(out, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "batch interrupted" in stderr and "Traceback" not in stderr
+    assert out.read_bytes().endswith(b"\n") and len(read_jsonl(out)) < len(LONG)
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert answers(read_jsonl(out)) == answers(reference) and errors.read_text() == ""
+
+
+def test_config_file_run_with_errors_file(tiny_model_dir, tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", [chat("a", "Hi"), "oops", {"id": "b", "prompt": "Hello"}])
+    (tmp_path / "batch.toml").write_text(f"""mode = "batch"
+[model]
+model = "{tiny_model_dir}"
+max_batch = 2
+[sampling]
+temperature = 0.0
+max_tokens = 4
+[batch]
+input = "in.jsonl"
+output = "runs/out.jsonl"
+errors = "runs/errors.jsonl"
+resume = true
+""")
+    r = dsv4("run", str(tmp_path / "batch.toml"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(rec["custom_id"] for rec in read_jsonl(tmp_path / "runs/out.jsonl")) == ["a", "b"]
+    [bad] = read_jsonl(tmp_path / "runs/errors.jsonl")
+    assert bad["error"]["line"] == 2 and bad["error"]["code"] == "invalid_json" and bad["response"] is None
+
+
+def test_unusable_arguments_exit_2(tmp_path, capsys):
+    """Checked before the model loads, so main() in this process is enough."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    done = write_jsonl(tmp_path / "done.jsonl", [{"id": "batch_req_1"}])
+    for args, says in (([str(tmp_path / "missing.jsonl"), "-o", "o.jsonl"], "no such file"),
+                       ([str(src), "-o", str(tmp_path)], "is a directory"),
+                       ([str(src)], "-o/--output: missing"),
+                       ([str(src), "-i", str(src), "-o", "o.jsonl"], "given twice"),
+                       ([str(src), "-o", str(done)], "add --resume")):     # nothing gets overwritten by accident
+        assert main(["batch", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and len(err.splitlines()) == 1
+
+
+def test_large_input_keeps_a_bounded_window(tiny_model_dir, tmp_path):
+    """300 requests through the runner in this process, to read its in-flight counter."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Item {i}:", "max_tokens": 2} for i in range(300)])
+    s, _ = resolve(None, {"model": str(tiny_model_dir), "temperature": 0.0, "max_batch": 4})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = load_engine(s)
+        out = ResultFile(tmp_path / "out.jsonl")
+        run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
+                       set(), set())
+        with open(src, "rb") as lines:
+            run.run(lines)
+        out.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert run.ok == 300 and run.peak_in_flight == 2 * 4 and not run.in_flight
+    assert sorted(int(rec["custom_id"]) for rec in read_jsonl(tmp_path / "out.jsonl")) == list(range(300))

@@ -1,0 +1,102 @@
+"""--tp N on the CPU: gloo ranks started by the CLI; same logits and tokens as one process; a dead
+rank ends the run with one line instead of a hang."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from tiny import tiny_config, write_checkpoint
+
+from dsv4cli import parallel
+from dsv4cli.model import load_model
+
+# 4 heads, 2 output groups, 4 indexer heads, 8 experts, vocab 256: all divisible by 2
+CFG = tiny_config(index_n_heads=4)
+
+
+def _rank(rank, world, port, path, out):
+    torch.manual_seed(0)
+    parallel.init_rank(rank, world, port, torch.device("cpu"))
+    model = load_model(path, dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(1))
+    logits, hidden = model(ids, return_hidden=True)
+    mtp = model.mtp_forward(hidden, torch.roll(ids, -1, 1))
+    if rank == 0:
+        torch.save({"logits": logits, "mtp": mtp}, out)
+    torch.distributed.destroy_process_group()
+
+
+def test_tp2_logits_match_tp1(tmp_path):
+    write_checkpoint(tmp_path / "m", CFG, seed=2)
+    mp.start_processes(_rank, args=(2, parallel.free_port(), tmp_path / "m", tmp_path / "tp2.pt"), nprocs=2,
+                       start_method="spawn")
+    got = torch.load(tmp_path / "tp2.pt")
+    model = load_model(tmp_path / "m", dtype=torch.float32)
+    ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(1))
+    logits, hidden = model(ids, return_hidden=True)
+    mtp = model.mtp_forward(hidden, torch.roll(ids, -1, 1))
+    for name, ref in (("logits", logits), ("mtp", mtp)):
+        err = ((got[name] - ref).abs().max() / ref.abs().max()).item()
+        print(f"tp2 vs tp1 {name}: max relative error {err:.1e}")
+        assert err < 1e-5
+        assert torch.equal(got[name].argmax(-1), ref.argmax(-1))
+
+
+def dsv4(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "dsv4cli", *args], capture_output=True, text=True,
+                          timeout=300, check=False, **kw)
+
+
+def test_tp2_greedy_tokens_match(tiny_model_dir):
+    for mtp in ("0", "1"):
+        outs = []
+        for tp in ("1", "2"):
+            r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Tell me a story.", "-n", "12",
+                     "--temperature", "0", "--ignore-eos", "--mtp", mtp, "--tp", tp, "--json")
+            assert r.returncode == 0, r.stderr
+            outs.append(r.stdout.split('"token_ids": ')[1].split("]")[0])
+        assert outs[0] == outs[1], f"mtp {mtp}"
+
+
+def test_tp_that_does_not_divide_is_refused(tiny_model_dir):
+    r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "x", "--tp", "3")
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "--tp 3" in r.stderr and "Traceback" not in r.stderr
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        kids.append(int(entry))
+            except OSError:
+                pass
+    return kids
+
+
+def test_killed_rank_ends_the_run(tiny_model_dir):
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir),
+                             "--prompt", "x", "-n", "100000", "--ignore-eos", "--tp", "2", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        os.set_blocking(proc.stdout.fileno(), False)
+        deadline = time.time() + 120
+        while time.time() < deadline and not (proc.stdout.read(1) or ""):   # wait for decoding
+            time.sleep(0.2)
+        workers = [p for p in children(proc.pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert workers, "no rank process found"
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.time()
+        rc = proc.wait(timeout=30)
+        assert time.time() - t0 < 10
+        err = proc.stderr.read()
+        assert rc == 1 and "rank 1 exited" in err and "Traceback" not in err
+    finally:
+        proc.kill()
