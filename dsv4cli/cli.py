@@ -170,8 +170,6 @@ def run(
     settings, _ = resolve(file, opts.flags)
     if settings.mode is None:
         raise UsageError(f'{file}: mode: missing; set it to "chat", "generate" or "batch" at the top')
-    if settings.mode not in MODES:
-        raise UsageError(f"mode {settings.mode!r} is not available yet in this build")
     return MODES[settings.mode](settings)
 
 

@@ -34,7 +34,7 @@ from scripts.train_tokenizer import train_tokenizer  # noqa: E402
 SEED = 0
 VOCAB_TARGET = 1536        # BPE stops earlier when the corpus has no more merges to learn
 SEQ_LEN = 256              # tokens per training row (plus 2 for the next and next-next targets)
-BATCH = 16
+BATCH = 8
 LR, MIN_LR_FRAC, WARMUP, WEIGHT_DECAY = 3e-3, 0.1, 30, 0.1
 MTP_WEIGHT = 0.5
 BIAS_UPDATE = 2e-3         # aux-loss-free balancing: step of the routing bias toward equal expert load

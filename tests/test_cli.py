@@ -79,9 +79,13 @@ def test_bad_values_name_the_flag_or_variable():
     assert (out.returncode, out.stderr) == (2, "error: DSV4_MTP: must be in [0, 8], got 9\n")
 
 
-def test_run_with_unregistered_mode():
-    out = dsv4("run", "configs/chat.toml")
-    assert (out.returncode, out.stderr) == (2, "error: mode 'chat' is not available yet in this build\n")
+def test_run_dispatches_to_the_mode(tmp_path, tiny_model_dir):
+    (tmp_path / "g.toml").write_text(
+        f'mode = "generate"\n[model]\nmodel = "{tiny_model_dir}"\n[sampling]\ntemperature = 0\nmax_tokens = 3\n'
+        '[generate]\nprompt = "Hi"\njson = true\n')
+    out = dsv4("run", str(tmp_path / "g.toml"), "--max-tokens", "2")   # a flag overrides the file
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 2
 
 
 def test_run_needs_a_mode(tmp_path):

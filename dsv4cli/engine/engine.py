@@ -16,6 +16,7 @@ import torch
 from dsv4cli.model import DecodeState, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
+from .graphs import StepGraphs
 from .sampling import SamplingParams, SlotParams, sample_from, target_probs, uniform, verify
 
 
@@ -112,7 +113,7 @@ CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this m
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256):
+                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
@@ -131,6 +132,7 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.totals = Metrics()
         self._ids = itertools.count()
+        self.graphs = StepGraphs.for_device(self.device) if graphs else None
 
     # ---- API ---------------------------------------------------------------------------------
 
@@ -216,16 +218,17 @@ class Engine:
             drafts.append(draft)
         return torch.stack(drafts, 1)
 
-    @torch.no_grad()
-    def _decode(self) -> list[Event]:
-        nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+    def _device_step(self, nb: int, context: int) -> torch.Tensor:
+        """The fused step on the device for slots [0, nb): verify the drafts, commit, draft again.
+        Reads and writes only preallocated tensors, so it can be captured as a graph.
+        Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts."""
         b = slice(0, nb)
         k = self.k
         view = self.state.slot(b)
         pos, last = self.pos[b], self.last[b]
         drafts = self.drafts[b, :k]
         rows = torch.cat([last[:, None], drafts], 1)                          # [nb, K+1]
-        logits, h = self.model.step(rows, pos, view, context=self._context_bound(nb))
+        logits, h = self.model.step(rows, pos, view, context=context)
         # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
         counts = self.params.output_counts[b, None].expand(-1, k + 1, -1)
         if k:
@@ -241,12 +244,22 @@ class Engine:
             last_logits = mtp_logits.gather(1, sel.expand(-1, 1, mtp_logits.shape[-1]))[:, 0]
             last_streams = streams.gather(1, sel[..., None].expand(-1, 1, *streams.shape[2:]))
             self.drafts[b, :k] = self._chain(last_logits, last_streams, pos + n_acc + 1, view)
-        committed = tokens.gather(1, n_acc[:, None]).squeeze(1)
-        self.last[b] = committed
+        self.last[b] = tokens.gather(1, n_acc[:, None]).squeeze(1)
         self.pos[b] = pos + n_acc + 1
         self.params.output_counts[b].scatter_add_(
             1, tokens, (torch.arange(k + 1, device=self.device) <= n_acc[:, None]).float())
-        packed = torch.cat([tokens, n_acc[:, None]], 1).tolist()                # the one host sync
+        return torch.cat([tokens, n_acc[:, None]], 1)
+
+    @torch.no_grad()
+    def _decode(self) -> list[Event]:
+        nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
+        key = (nb, self._context_bound(nb))
+        if self.graphs is None:
+            packed = self._device_step(*key)
+        else:
+            packed = self.graphs.run(key, lambda: self._device_step(*key))
+        packed = packed.tolist()                                               # the one host sync
+        k = self.k
         now = time.perf_counter()
         events = []
         for i, row in enumerate(packed):

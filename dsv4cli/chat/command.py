@@ -1,0 +1,198 @@
+"""`dsv4 chat`: talk with the model in the terminal; plain lines in and out when stdin is not a terminal.
+
+Each turn re-encodes the whole conversation with the DSV4 chat format and the engine prefills all of it
+(there is no KV prefix reuse yet). Ctrl-C stops a reply between two engine steps and keeps its text.
+"""
+import atexit
+import contextlib
+import dataclasses
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from dsv4cli.cli import CliOptions, app, model_options, register_mode
+from dsv4cli.config import Settings
+from dsv4cli.engine import Engine
+from dsv4cli.session import load_engine, sampling_params
+
+from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
+from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
+
+HISTORY_FILE = Path.home() / ".dsv4_history"
+
+
+@contextlib.contextmanager
+def sigint_flag():
+    """Ctrl-C appends to the yielded list instead of raising, so a reply stops between engine steps,
+    never in the middle of one (which could leave the engine's state half updated)."""
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class Chat:
+    """The chat loop on a terminal (tty: readline prompt, live view) or on pipes (plain lines)."""
+
+    def __init__(self, engine: Engine, session: ChatSession, tty: bool):
+        self.engine, self.session, self.tty = engine, session, tty
+        # on a pipe stdout carries the replies only; everything else goes to stderr, uncoloured
+        self.console = Console(highlight=False) if tty else Console(file=sys.stderr, highlight=False,
+                                                                    color_system=None)
+
+    def run(self) -> int:
+        """The read-reply loop: 0 at the end of input or /exit; 130 when a piped run is interrupted."""
+        if self.tty:
+            self.console.print(header(self.engine, self.session.settings))
+        while True:
+            try:
+                code = self.turn()
+            except EOFError:
+                if self.tty:
+                    self.console.print()
+                return 0
+            except KeyboardInterrupt:  # at the prompt (a reply catches its own)
+                if not self.tty:
+                    return 130
+                self.console.print("\n[dim]Use Ctrl-D or /exit to quit[/]")
+                continue
+            if code is not None:
+                return code
+
+    def turn(self) -> int | None:
+        """Read a message or a command and act on it; an exit code when the chat ends."""
+        line = read_message(input, *((">>> ", "... ") if self.tty else ("", "")))
+        if not line.strip():
+            return None
+        if line.startswith("/"):
+            outcome = self.session.command(line)
+            if outcome.action == "exit":
+                return 0
+            self.handle(outcome)
+            if outcome.action != "reply":
+                return None
+        else:
+            self.session.add_user(line)
+        return None if self.reply() or self.tty else 130
+
+    def handle(self, outcome: Outcome) -> None:
+        if outcome.error:
+            self.error(outcome.message)
+        elif outcome.message:
+            self.console.print(Text(outcome.message))
+        if outcome.action == "show":
+            self.show(outcome.part)
+        elif outcome.action == "stats":
+            self.console.print(rows_table("session", self.session.totals.rows()))
+        if self.session.settings.mtp != self.engine.k:   # /set mtp or /load
+            self.rebuild_engine()
+
+    def error(self, message: str) -> None:
+        self.console.print(Text(f"error: {message}", style="red"))
+
+    def rebuild_engine(self) -> None:
+        """A new engine for the new MTP depth; the model stays loaded."""
+        s, old = self.session.settings, self.engine
+        try:
+            self.engine = Engine(old.model, old.tok, max_batch=1, max_seq_len=old.max_seq_len, mtp=s.mtp)
+        except ValueError as e:
+            self.session.settings = dataclasses.replace(s, mtp=old.k)
+            self.error(f"mtp {s.mtp}: {e}")
+
+    def show(self, part: str) -> None:
+        s = self.session
+        if part in ("", "settings"):
+            self.console.print(rows_table("settings", s.settings_rows()))
+        if part in ("", "model"):
+            self.console.print(rows_table("model", model_rows(self.engine, s.settings)))
+        if part in ("", "prompt"):
+            if not s.conversation:
+                self.console.print(Text("prompt: the conversation is empty", style="dim"))
+                return
+            prompt = s.prompt()
+            n = len(self.engine.tok.encode(prompt))
+            self.console.print(Text(f"prompt ({n} tokens, all prefilled again next turn)", style="bold"))
+            self.console.print(Text(printable(prompt)), soft_wrap=True)  # as is: no wrapping newlines added
+
+    def reply(self) -> bool:
+        """Stream the answer to the last user message into the history; False if Ctrl-C stopped it."""
+        s = self.session.settings
+        try:
+            seq = self.engine.submit(self.engine.tok.encode(self.session.prompt()), sampling_params(s))
+        except ValueError as e:  # the conversation no longer fits in max_seq_len
+            self.session.messages.pop()
+            self.error(f"{e}; your message was dropped: /undo or /clear make room")
+            return True
+        view = LiveReply(self.console, seq, self.engine.k, s.thinking) if self.tty else PlainReply(seq, s.thinking)
+        with sigint_flag() as stop, view:
+            try:
+                while not seq.finished and not stop:
+                    decoding = seq.metrics.t_first > 0   # the first step is the prefill: not a decode step
+                    t = time.perf_counter()
+                    self.engine.step()
+                    if decoding:
+                        view.step_s.append(time.perf_counter() - t)
+                    view.update()
+            finally:
+                if not seq.finished:
+                    self.engine.cancel(seq)
+        interrupted = seq.finish_reason == "cancelled"
+        self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)
+        return not interrupted
+
+
+def setup_readline() -> None:
+    """Line editing, history (kept across sessions), bracketed paste and Tab completion of commands."""
+    try:
+        import readline
+    except ImportError:  # e.g. Windows: plain input() still works
+        return
+
+    def complete(text: str, state: int) -> str | None:
+        line = readline.get_line_buffer()
+        words = COMMANDS if " " not in line else SETTABLE if line.startswith("/set ") and line.count(" ") == 1 else ()
+        options = [w + " " for w in words if w.startswith(text)]
+        return options[state] if state < len(options) else None
+
+    readline.parse_and_bind("set enable-bracketed-paste on")
+    readline.parse_and_bind("tab: complete")
+    readline.set_completer_delims(" \t\n")
+    readline.set_completer(complete)
+    readline.set_history_length(1000)
+    with contextlib.suppress(OSError):
+        readline.read_history_file(HISTORY_FILE)
+
+    def save_history() -> None:
+        with contextlib.suppress(OSError):
+            readline.write_history_file(HISTORY_FILE)
+
+    atexit.register(save_history)
+
+
+def run_chat(s: Settings) -> int:
+    tty = sys.stdin.isatty() and sys.stdout.isatty()
+    try:
+        engine = load_engine(dataclasses.replace(s, max_batch=1))  # one conversation: one sequence's cache
+    except KeyboardInterrupt:
+        return 130
+    if tty:
+        setup_readline()
+    return Chat(engine, ChatSession(s), tty).run()
+
+
+@app.command()
+@model_options("system", "thinking", "reasoning_effort")
+def chat(opts: CliOptions) -> int:
+    """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
+    When stdin is not a terminal: one message per line in, one reply per line out."""
+    settings, _ = opts.resolve()
+    return run_chat(settings)
+
+
+register_mode("chat", run_chat)

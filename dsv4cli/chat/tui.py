@@ -1,0 +1,229 @@
+"""What the chat shows: the header, the streaming reply with its live status bar, summaries and tables."""
+import re
+import sys
+import time
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.markdown import Markdown
+from rich.segment import Segment
+from rich.table import Table
+from rich.text import Text
+
+from dsv4cli.encoding import THINK_END
+from dsv4cli.engine import Metrics
+from dsv4cli.model.model import Linear
+
+SPARKS = "▁▂▃▄▅▆▇█"
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all C0 controls but tab and newline
+
+
+def printable(text: str) -> str:
+    """Model text with control characters removed: they would move the cursor or recolour the terminal."""
+    return _CONTROL.sub("", text)
+
+
+def split_reply(text: str, thinking: bool) -> tuple[str, str]:
+    """(reasoning, answer): in thinking mode the reply starts with reasoning and ends it with </think>."""
+    if not thinking:
+        return "", text
+    reasoning, found, answer = text.partition(THINK_END)
+    return reasoning, answer if found else ""
+
+
+def ms(seconds: float) -> str:
+    return f"{1000 * seconds:.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.1f} ms"
+
+
+def human(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if n < 1000:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}T"
+
+
+def sparkline(values: list[float], width: int = 20) -> str:
+    """The last `width` values as bars scaled between their min and max."""
+    values = values[-width:]
+    lo, hi = min(values, default=0), max(values, default=0)
+    return "".join(SPARKS[round((v - lo) / (hi - lo) * 7) if hi > lo else 0] for v in values)
+
+
+def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
+    """Two lines under a streaming reply: speed and step latency, then MTP acceptance."""
+    if not m.t_first:
+        return Text(f"prefilling {m.prompt_tokens} prompt tokens…", style="dim")
+
+    def stat(label: str, value: str) -> Text:
+        return Text.assemble(f"{label} " if label else "", (value, "bold"))
+
+    decoding = m.output_tokens > 1
+    speed = [stat("", f"{m.output_tokens} tok"), stat("", f"{m.tokens_per_s:.1f} tok/s" if decoding else "- tok/s"),
+             stat("TTFT", ms(m.ttft)), stat("TPOT", ms(m.tpot) if decoding else "-")]
+    if step_s:
+        speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
+    mtp = [stat("MTP", "off")]
+    if k:
+        mtp = [stat("MTP", str(k)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
+               stat("per position", " ".join(f"{p:.2f}" for p in m.per_position) or "-"),
+               stat("mean acceptance length", f"{m.mean_acceptance_length:.2f}")]
+    bar = Text("\n", style="dim").join([Text(" · ").join(speed), Text(" · ").join(mtp)])
+    bar.no_wrap, bar.overflow = True, "ellipsis"
+    return bar
+
+
+def summary_line(m: Metrics, k: int, finish_reason: str | None) -> Text:
+    """One line after each reply."""
+    parts = [f"{m.output_tokens} tokens", f"prompt {m.prompt_tokens}"]
+    if m.t_first:
+        parts.append(f"TTFT {ms(m.ttft)}")
+    if m.output_tokens > 1:
+        parts.append(f"{m.tokens_per_s:.1f} tok/s")
+    if k and m.drafts:
+        parts.append(f"accept {100 * m.acceptance_rate:.1f}% (mean length {m.mean_acceptance_length:.2f})")
+    line = Text(" · ".join(parts), style="dim")
+    if finish_reason == "cancelled":
+        line.append(" · interrupted", style="yellow")
+    elif finish_reason == "length":
+        line.append(" · stopped at max_tokens", style="yellow")
+    return line
+
+
+def reply_view(reasoning: str, answer: str, markdown: bool = True) -> Group:
+    """The reasoning dimmed, apart from the answer; the answer as Markdown, or as plain text while it
+    streams (rendering Markdown every frame would cost as much as decoding on a fast device)."""
+    reasoning, answer = printable(reasoning).strip(), printable(answer).strip()
+    parts = []
+    if reasoning:
+        parts += [Text.assemble(("thinking ", "dim bold"), (reasoning, "dim italic")), Text()]
+    if answer:
+        parts.append(Markdown(answer) if markdown else Text(answer))
+    return Group(*parts)
+
+
+class Tail:
+    """The last `height` lines of a renderable: a long reply streams at the bottom of the screen."""
+
+    def __init__(self, renderable, height: int):
+        self.renderable, self.height = renderable, height
+
+    def __rich_console__(self, console, options):
+        lines = console.render_lines(self.renderable, options.update(height=None), pad=False)
+        for line in lines[-self.height:]:
+            yield from line
+            yield Segment.line()
+
+
+class LiveReply:
+    """A reply streaming on a terminal: its latest lines with the status bar under them, redrawn at most
+    ten times a second. Closing it replaces the live view with the whole reply and a summary line.
+    Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
+
+    def __init__(self, console: Console, seq, k: int, thinking: bool):
+        self.console, self.seq, self.k, self.thinking = console, seq, k, thinking
+        self.step_s: list[float] = []
+        self.drawn = 0.0
+        self.live = Live(self, console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
+        self.tty = _NoEcho()
+
+    def __rich_console__(self, console, options):
+        height = max(options.size.height - 3, 1)
+        keep = height * options.max_width   # characters: at most what fits on the screen
+        reasoning, answer = split_reply(self.seq.text[: self.seq.emitted], self.thinking)
+        answer = answer[-keep:]
+        reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
+        yield Tail(reply_view(reasoning, answer, markdown=False), height)
+        yield status_bar(self.seq.metrics, self.k, self.step_s)
+
+    def __enter__(self):
+        self.tty.__enter__()
+        self.live.start(refresh=True)
+        return self
+
+    def __exit__(self, *exc):
+        self.live.stop()
+        self.tty.__exit__()
+        self.console.print(reply_view(*split_reply(self.seq.text[: self.seq.emitted], self.thinking)))
+        self.console.print(summary_line(self.seq.metrics, self.k, self.seq.finish_reason))
+
+    def update(self) -> None:
+        if time.perf_counter() - self.drawn >= 0.1:
+            self.live.refresh()
+            self.drawn = time.perf_counter()
+
+
+class PlainReply:
+    """A reply streaming to a pipe: the answer text only, then a newline."""
+
+    def __init__(self, seq, thinking: bool):
+        self.seq, self.thinking, self.written = seq, thinking, 0
+        self.step_s: list[float] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.update()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    def update(self) -> None:
+        answer = printable(split_reply(self.seq.text[: self.seq.emitted], self.thinking)[1])
+        sys.stdout.write(answer[self.written:])
+        sys.stdout.flush()
+        self.written = len(answer)
+
+
+class _NoEcho:
+    """Terminal echo off while a reply streams (a no-op when stdin is not a terminal)."""
+
+    def __enter__(self):
+        try:
+            import termios
+            self.saved = termios.tcgetattr(sys.stdin)
+            attrs = termios.tcgetattr(sys.stdin)
+            attrs[3] &= ~termios.ECHO
+            termios.tcsetattr(sys.stdin, termios.TCSANOW, attrs)
+        except (ImportError, OSError, ValueError):
+            self.saved = None
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            import termios
+            termios.tcsetattr(sys.stdin, termios.TCSANOW, self.saved)
+
+
+def model_rows(engine, settings) -> list[tuple[str, str]]:
+    model, cfg = engine.model, engine.model.cfg
+    w8a8 = any(isinstance(m, Linear) and m.quantized for m in model.modules())
+    return [("model", str(settings.model_dir)),
+            ("format", "w8a8 (int8 linears)" if w8a8 else "float"),
+            ("device", str(engine.device)),
+            ("dtype", str(model.embed.weight.dtype).removeprefix("torch.")),
+            ("tensor parallel", str(settings.tp)),
+            ("MTP depth", str(engine.k) if engine.k else "off"),
+            ("parameters", human(sum(p.numel() for p in model.parameters()))),
+            ("layers", f"{cfg.n_layers} (+{cfg.n_mtp_layers} MTP)"),
+            ("vocab", str(cfg.vocab_size)),
+            ("max_seq_len", str(engine.max_seq_len)),
+            ("KV prefix reuse", "not available yet: each turn prefills the whole conversation")]
+
+
+def header(engine, settings) -> Group:
+    info = dict(model_rows(engine, settings))
+    facts = [info["format"].split()[0], info["device"], info["dtype"], f"TP {info['tensor parallel']}",
+             f"MTP {info['MTP depth']}", f"{info['parameters']} params"]
+    return Group(Text.assemble(("dsv4 chat ", "bold"), (info["model"], "cyan")),
+                 Text(" · ".join(facts), style="dim"),
+                 Text('/help for commands · """ for multi-line · Ctrl-C stops a reply · Ctrl-D quits', style="dim"))
+
+
+def rows_table(title: str, rows: list[tuple[str, str]]) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.title, table.title_justify, table.title_style = title, "left", "bold"
+    table.add_column(style="dim")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, Text(value))
+    return table

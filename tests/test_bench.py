@@ -1,0 +1,24 @@
+"""`dsv4 bench` runs every configuration in one process and reports speed-ups against plain decoding."""
+import json
+import subprocess
+import sys
+
+
+def test_bench_json(tiny_model_dir):
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "bench", "--model", str(tiny_model_dir), "--depths", "1,2",
+                        "--batches", "1,2", "--prompts", "short", "--max-tokens", "6", "--json"],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = out["results"]
+    ours = [(x["batch"], x["mtp"]) for x in rows if x["impl"] == "dsv4"]
+    assert ours == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]      # plain decoding added as the baseline
+    assert all(x["tokens_per_s"] > 0 for x in rows)
+    assert all(x["speedup"] == 1.0 for x in rows if x["impl"] == "dsv4" and x["mtp"] == 0)
+    assert any(x["impl"] == "transformers" for x in rows)                  # the peer, on the same weights
+
+
+def test_bench_bad_list_is_usage_error(tiny_model_dir):
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "bench", "--model", str(tiny_model_dir), "--depths", "a"],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 2 and r.stderr.startswith("error: --depths")

@@ -1,0 +1,76 @@
+"""The bundled default model (dsv4cli/assets/dsv4-tiny, made by scripts/train_tiny.py).
+
+No skips: a missing or broken asset fails here, since every CLI verb depends on it.
+"""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dsv4cli.config import BUNDLED_MODEL_DIR
+from dsv4cli.encoding import encode_messages, parse_completion
+from dsv4cli.model import load_model
+from dsv4cli.model.quant import W8A8_DESCRIPTION
+from dsv4cli.tokenizer import Tokenizer
+from scripts.corpus import heldout_set
+
+MAX_BYTES = 20 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def config():
+    return json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())
+
+
+def test_files_and_size():
+    files = {f.name for f in BUNDLED_MODEL_DIR.iterdir()}
+    for name in ("config.json", W8A8_DESCRIPTION, "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json", "training.json"):
+        assert name in files
+    assert sum(f.stat().st_size for f in BUNDLED_MODEL_DIR.rglob("*") if f.is_file()) <= MAX_BYTES
+
+
+def test_config_has_every_v4_feature(config):
+    n = config["num_hidden_layers"]
+    trunk = config["compress_ratios"][:n]
+    assert {0, 4, 128} <= set(trunk)                          # window-only, CSA and HCA layers
+    assert config["num_nextn_predict_layers"] == 1
+    assert 0 < config["num_hash_layers"] < n                  # hash routing, then biased routing
+    assert config["n_shared_experts"] == 1 and config["hc_mult"] > 1
+    seq_len = json.loads((BUNDLED_MODEL_DIR / "training.json").read_text())["seq_len"]
+    assert config["index_topk"] < seq_len // 4                # the indexer really selects
+    assert config["sliding_window"] < seq_len
+
+
+def test_w8a8_layout(model):
+    description = json.loads((BUNDLED_MODEL_DIR / W8A8_DESCRIPTION).read_text())
+    assert description["model_quant_type"] == "W8A8_DYNAMIC"
+    int8 = [k for k, v in description.items() if v == "W8A8_DYNAMIC" and k.endswith(".weight")]
+    assert "layers.0.attn.wq_a.weight" in int8 and "mtp.0.ffn.shared_experts.w2.weight" in int8
+    shards = list(BUNDLED_MODEL_DIR.glob("quant_model_weights*.safetensors"))
+    dtypes = {}
+    for shard in shards:
+        with safe_open(str(shard), framework="pt") as f:
+            dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    assert all(dtypes[k] == "I8" for k in int8)
+    assert model.layers[0].attn.wq_a.quantized and model.mtp[0].ffn.experts[0].w1.quantized
+
+
+@torch.no_grad()
+def test_greedy_answers_heldout_questions(model):
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    items = heldout_set(seed=7, n=14)                          # two per question type
+    correct = 0
+    for item in items:
+        ids = tok.encode(encode_messages([{"role": "user", "content": item["question"]}]))
+        out = []
+        while len(out) < 24 and (not out or out[-1] != tok.eos_id):
+            out.append(int(model(torch.tensor([ids + out]))[0, -1].argmax()))
+        correct += parse_completion(tok.decode(out), thinking=False)["content"].strip() == item["answer"]
+    assert correct >= 0.8 * len(items)

@@ -1,0 +1,97 @@
+"""`dsv4 chat` end to end: in a pseudo-terminal (pexpect) and piped."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+
+from dsv4cli.chat.tui import printable
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def chat_env(home) -> dict:
+    # one torch thread: the tiny model is far faster that way on a loaded machine
+    return dict(os.environ, TERM="xterm-256color", COLUMNS="120", LINES="40", HOME=str(home), OMP_NUM_THREADS="1")
+
+
+def spawn_chat(model_dir, home, *args) -> pexpect.spawn:
+    child = pexpect.spawn(sys.executable, ["-m", "dsv4cli", "chat", "--model", str(model_dir), "--temperature", "0",
+                                           *args], env=chat_env(home), dimensions=(40, 120), encoding="utf-8",
+                          timeout=60)
+    child.expect("Ctrl-D quits")
+    child.expect(">>> ")
+    return child
+
+
+def command(child, line: str, reply: str) -> None:
+    child.sendline(line)
+    child.expect(reply)
+    child.expect(">>> ")
+
+
+def test_chat_in_a_terminal(tiny_model_dir, tmp_path):
+    child = spawn_chat(tiny_model_dir, tmp_path, "--max-tokens", "2000", "--ignore-eos", "--mtp", "2")
+    child.sendline("Tell me a long story")
+    child.expect("TPOT")          # the live status bar, while tokens stream
+    child.expect("accept")
+    child.sendcontrol("c")
+    child.expect("interrupted")   # the summary line of the stopped reply
+    child.expect(">>> ")
+
+    command(child, "/set max_tokens 3", "max_tokens = 3")
+    command(child, "Hello again", r"3 tokens · prompt \d+")   # the chat goes on
+    command(child, "/set temperature 0.5", "temperature = 0.5")
+    command(child, "/show settings", r"temperature[^\r\n]*0\.5")
+    child.sendline("/set temperature -1")
+    child.expect("error: /set temperature: must be >= 0, got -1.0")
+    child.expect(">>> ")
+    assert ANSI.sub("", child.before).strip() == ""            # one line, then the prompt again
+
+    path = tmp_path / "chat.json"
+    command(child, f"/save {path}", "saved 4 messages")
+    data = json.loads(path.read_text())
+    messages = data["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+    assert messages[0]["content"] == "Tell me a long story" and messages[1]["interrupted"] is True
+    assert data["settings"]["temperature"] == 0.5 and data["settings"]["max_tokens"] == 3
+    command(child, "/clear", "conversation cleared")
+    command(child, f"/load {path}", "loaded 4 messages")
+    command(child, "/show prompt", "Hello again")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_chat_multiline_ctrl_c_hint_and_ctrl_d(tiny_model_dir, tmp_path):
+    child = spawn_chat(tiny_model_dir, tmp_path, "--max-tokens", "2", "--mtp", "0")
+    child.sendline('"""')
+    child.sendline("line one")
+    child.sendline('line two"""')
+    child.expect(r"tokens · prompt \d+")
+    child.expect(">>> ")
+    command(child, "/show prompt", r"line one\r\nline two")
+    child.sendcontrol("c")
+    child.expect("Use Ctrl-D or /exit to quit")
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_chat_piped(tiny_model_dir, tmp_path):
+    path = tmp_path / "chat.json"
+    lines = ["Hello", "/set max_tokens 2", "/set temperature -1", "Hi there", f"/save {path}"]
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+                        "--max-tokens", "4"], input="\n".join(lines) + "\n", capture_output=True,
+                       text=True, timeout=120, env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    replies = [m["content"] for m in json.loads(path.read_text())["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 2
+    assert r.stdout == "".join(printable(text) + "\n" for text in replies)   # stdout: the replies only
+    assert "\x1b" not in r.stdout + r.stderr
+    assert "error: /set temperature: must be >= 0, got -1.0" in r.stderr

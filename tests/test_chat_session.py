@@ -1,0 +1,98 @@
+"""The chat's conversation state, slash commands and status bar, in process (no model)."""
+import json
+
+from rich.console import Console
+
+from dsv4cli.chat.session import ChatSession, read_message
+from dsv4cli.chat.tui import split_reply, status_bar
+from dsv4cli.config import Settings
+from dsv4cli.engine import Metrics
+
+
+def test_status_bar_snapshot():
+    m = Metrics(t_submit=0.0, t_first=0.12, t_last=1.32, prompt_tokens=17, output_tokens=41, drafts=16,
+                draft_tokens=32, accepted_tokens=24, accepted_per_position=[14, 10])
+    console = Console(record=True, width=100, color_system=None)
+    console.print(status_bar(m, 2, [0.030, 0.035, 0.050, 0.040, 0.080, 0.030]))
+    console.print(status_bar(m, 0, []))
+    assert console.export_text() == (
+        "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁▂▄▂█▁ 30.0 ms\n"
+        "MTP 2 · accept 75.0% · per position 0.88 0.62 · mean acceptance length 2.50\n"
+        "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms\n"
+        "MTP off\n")
+
+
+def test_set_validates_and_takes_flag_spellings():
+    s = ChatSession(Settings())
+    assert s.command("/set temp 0.5").message == "temperature = 0.5" and s.settings.temperature == 0.5
+    bad = s.command("/set temperature -1")
+    assert bad.error and bad.message == "/set temperature: must be >= 0, got -1.0" and s.settings.temperature == 0.5
+    assert s.command("/set max-tokens 7").message == "max_tokens = 7"
+    assert s.command("/set thinking on").message == "thinking = true"
+    assert s.command("/set seed 3").message == "seed = 3" and s.command("/set seed unset").message == "seed = unset"
+    assert s.command('/set stop ["\\n\\n", "END"]').message == 'stop = ["\\n\\n", "END"]'
+    assert "did you mean temperature?" in s.command("/set tmperature 1").message
+    assert "did you mean /show?" in s.command("/shwo").message
+    assert s.command("/set").action == "show" and s.command("/show prompt").part == "prompt"
+
+
+def test_regen_and_undo():
+    s = ChatSession(Settings(thinking=True))
+    assert s.command("/regen").error and s.command("/undo").error
+    s.add_user("hi")
+    reply = s.add_reply("let me think</think>Hello!", Metrics(), interrupted=False)
+    assert reply == {"role": "assistant", "content": "Hello!", "reasoning_content": "let me think"}
+    assert s.prompt().endswith("<｜User｜>hi<｜Assistant｜><think>let me think</think>Hello!<｜end▁of▁sentence｜>")
+    assert s.command("/regen").action == "reply" and s.messages == [{"role": "user", "content": "hi"}]
+    s.add_reply("unfinished thou", Metrics(), interrupted=True)
+    assert s.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": "unfinished thou",
+                              "interrupted": True}
+    assert s.totals.replies == 2 and s.totals.interrupted == 1
+    s.command("/undo")
+    assert s.messages == []
+
+
+def test_save_load_round_trip(tmp_path):
+    s = ChatSession(Settings())
+    s.command("/system Be brief.")
+    s.command("/set temperature 0.25")
+    s.add_user("hi")
+    s.add_reply("Hel", Metrics(), interrupted=True)
+    path = tmp_path / "chat.json"
+    assert not s.command(f"/save {path}").error
+    data = json.loads(path.read_text())
+    assert data["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "Hel", "interrupted": True}]
+    assert data["settings"]["temperature"] == 0.25 and "system" not in data["settings"]
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]    # no temporary file left behind
+
+    t = ChatSession(Settings())
+    assert t.command(f"/load {path}").message == f"loaded 3 messages from {path}"
+    assert t.messages == s.messages and t.settings == s.settings
+    path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
+    assert "unknown role" in t.command(f"/load {path}").message and t.messages == s.messages
+    assert t.command(f"/load {tmp_path / 'missing.json'}").error
+
+
+def test_read_message_blocks():
+    def reader(lines):
+        it = iter(lines)
+
+        def read(prompt):
+            try:
+                return next(it)
+            except StopIteration:
+                raise EOFError from None
+        return read
+
+    assert read_message(reader(["plain"])) == "plain"
+    assert read_message(reader(['"""', "one", "two", '"""'])) == "one\ntwo"
+    assert read_message(reader(['"""first', 'last"""'])) == "first\nlast"
+    assert read_message(reader(['"""inline"""'])) == "inline"
+    assert read_message(reader(['"""cut', "off"])) == "cut\noff"   # end of input closes the block
+
+
+def test_split_reply():
+    assert split_reply("a</think>b", thinking=True) == ("a", "b")
+    assert split_reply("still thinking", thinking=True) == ("still thinking", "")
+    assert split_reply("a</think>b", thinking=False) == ("", "a</think>b")
