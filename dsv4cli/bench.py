@@ -123,13 +123,13 @@ def bench(engine: Engine, depths, batches, kinds, max_tokens: int, with_hf: bool
 
 def render(rows: list[dict], console: Console) -> None:
     table = Table("impl", "prompt", "batch", "MTP K", "tok/s", "step ms", "accept", "mean len", "vs K=0")
+    def fmt(r, key, spec):
+        return "-" if r.get(key) is None else format(r[key], spec)
+
     for r in rows:
-        def fmt(key, spec):
-            v = r.get(key)
-            return "-" if v is None else format(v, spec)
         table.add_row(r["impl"], f"{r['prompt']} ({r['prompt_tokens']})", str(r["batch"]), str(r["mtp"]),
-                      fmt("tokens_per_s", ".1f"), fmt("step_ms", ".1f"), fmt("acceptance_rate", ".2f"),
-                      fmt("mean_acceptance_length", ".2f"), fmt("speedup", ".2f") + "x")
+                      fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"), fmt(r, "acceptance_rate", ".2f"),
+                      fmt(r, "mean_acceptance_length", ".2f"), fmt(r, "speedup", ".2f") + "x")
     console.print(table)
 
 

@@ -4,6 +4,7 @@ Mirrors the rendering rules of the official `encoding/encoding_dsv4.py` (docs §
 Jinja template, so this module is the chat template. Internal "task" tokens are not supported.
 """
 
+import contextlib
 import json
 import re
 
@@ -231,10 +232,8 @@ def _parse_tool_calls(block):
         args = {}
         for key, is_string, value in _PARAM.findall(body):
             if is_string == "false":
-                try:
+                with contextlib.suppress(json.JSONDecodeError):  # else keep the raw text
                     value = json.loads(value)
-                except json.JSONDecodeError:
-                    pass  # keep the raw text rather than lose the argument
             args[key] = value
         calls.append(
             {

@@ -158,3 +158,18 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
         syncs.clear()
         eng.step()
         assert syncs == ["tolist"], syncs
+
+
+def test_penalties():
+    sp = SlotParams(3, 4, "cpu")
+    logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]]).expand(3, 1, 4)
+    counts = torch.tensor([0.0, 3.0, 0.0, 0.0]).expand(3, 1, 4)          # token 1 generated three times
+    sp.set(0, SamplingParams(temperature=1, repetition_penalty=2.0), 0, torch.tensor([0, 2]))
+    sp.set(1, SamplingParams(temperature=1, presence_penalty=0.5), 0, torch.tensor([], dtype=torch.long))
+    sp.set(2, SamplingParams(temperature=1, frequency_penalty=0.5), 0, torch.tensor([], dtype=torch.long))
+    probs = target_probs(logits, sp, slice(0, 3), counts)[:, 0]
+    expect = [torch.tensor([1.0, 0.5, -2.0, 0.5]),     # seen (prompt 0, 2; output 1): >0 halved, <0 doubled
+              torch.tensor([2.0, 0.5, -1.0, 0.5]),     # presence: -0.5 once
+              torch.tensor([2.0, -0.5, -1.0, 0.5])]    # frequency: -0.5 per occurrence
+    for row, e in zip(probs, expect):
+        assert torch.allclose(row, e.softmax(-1))
