@@ -26,6 +26,7 @@ from dsv4cli import kernels
 from .config import ModelConfig
 
 NEG_INF = float("-inf")
+SPARSE_MOE_TOKENS = 128   # from this many tokens per call, experts gather their tokens (host sync allowed)
 
 
 def world() -> tuple[int, int]:
@@ -410,15 +411,22 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, input_ids)
-        # Dense routing table over this rank's experts: a static shape, no host sync. Unrouted
-        # tokens get weight 0, which zeroes their contribution exactly.
         local = idx - self.first
-        ok = (local >= 0) & (local < self.n_local)
-        table = torch.zeros(x.shape[0], self.n_local + 1, device=x.device, dtype=torch.float32)
-        table.scatter_add_(1, torch.where(ok, local, self.n_local), torch.where(ok, weights, 0.0))
         y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-        for e in range(self.n_local):
-            y += self.experts[self.first + e](x, table[:, e:e + 1]).float()
+        if x.shape[0] >= SPARSE_MOE_TOKENS:
+            # Many tokens (prefill, training): each expert runs on its own tokens only.
+            for e in range(self.n_local):
+                rows, k = (local == e).nonzero(as_tuple=True)
+                if rows.numel():
+                    y.index_add_(0, rows, self.experts[self.first + e](x[rows], weights[rows, k, None]).float())
+        else:
+            # Decode: a dense routing table over this rank's experts keeps shapes static with no host
+            # sync; unrouted tokens get weight 0, which zeroes their contribution exactly.
+            ok = (local >= 0) & (local < self.n_local)
+            table = torch.zeros(x.shape[0], self.n_local + 1, device=x.device, dtype=torch.float32)
+            table.scatter_add_(1, torch.where(ok, local, self.n_local), torch.where(ok, weights, 0.0))
+            for e in range(self.n_local):
+                y += self.experts[self.first + e](x, table[:, e:e + 1]).float()
         y = all_reduce(y)
         if self.shared_experts is not None:
             y += self.shared_experts(x).float()
