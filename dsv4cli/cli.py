@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except typer.Abort:
-        print("error: aborted", file=sys.stderr)
-        return 1
+    except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
+        print("interrupted", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - the one place an internal failure becomes a one-line report
         if debug:
             traceback.print_exc()

@@ -40,6 +40,7 @@ MTP_WEIGHT = 0.5
 BIAS_UPDATE = 2e-3         # aux-loss-free balancing: step of the routing bias toward equal expert load
 PAD = -100                 # ignore_index for padded target positions
 LOG_EVERY = 10
+PROBE_EVERY = 150
 
 
 def model_config(vocab_size: int) -> dict:
@@ -130,7 +131,9 @@ def lr_at(step: int, steps: int) -> float:
     return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def train(model: Transformer, docs, pad_id: int, steps: int, minutes: float, log) -> dict:
+def train(model: Transformer, docs, pad_id: int, steps: int, minutes: float, log, probe=None) -> dict:
+    """AdamW with warmup + cosine for `steps` steps; `probe(model)` (a one-line held-out check) is
+    logged every PROBE_EVERY steps."""
     gates = [m for m in model.modules() if isinstance(m, Gate) and not m.hash]
     biases = {id(g.bias) for g in gates}
     params = [p for p in model.parameters() if id(p) not in biases]
@@ -141,7 +144,8 @@ def train(model: Transformer, docs, pad_id: int, steps: int, minutes: float, log
     loads = {g: torch.zeros(g.cfg.n_routed_experts) for g in gates}
 
     def count(gate, args, out):
-        loads[gate] += torch.bincount(out[1].flatten(), minlength=gate.cfg.n_routed_experts)
+        if torch.is_grad_enabled():  # training forwards only, not the probes
+            loads[gate] += torch.bincount(out[1].flatten(), minlength=gate.cfg.n_routed_experts)
 
     hooks = [g.register_forward_hook(count) for g in gates]
 
@@ -170,6 +174,8 @@ def train(model: Transformer, docs, pad_id: int, steps: int, minutes: float, log
             log(f"step {step:5d}  loss {sum(h[0] for h in recent) / len(recent):.4f}  "
                 f"mtp {sum(h[1] for h in recent) / len(recent):.4f}  lr {lr_at(step, steps):.2e}  "
                 f"{el / (step + 1):.2f} s/step  {el / 60:.1f} min")
+        if probe and (step + 1) % PROBE_EVERY == 0:
+            log(f"step {step + 1:5d}  held-out: {probe(model)}")
     for h in hooks:
         h.remove()
     model.eval()
@@ -255,7 +261,7 @@ def main():
     def log(msg):
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    corpus = build_corpus(SEED)
+    corpus = build_corpus(SEED, n_chat=40000, n_text=8000)
     with tempfile.TemporaryDirectory() as tmp:
         train_tokenizer(corpus, tmp, vocab_size=VOCAB_TARGET)
         tok = Tokenizer.from_dir(tmp)

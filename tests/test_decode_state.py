@@ -2,16 +2,18 @@
 speculative rows all give the logits of one full forward pass."""
 import pytest
 import torch
-from tiny import random_model, tiny_config
+from tiny import tiny_config, write_checkpoint
 
-from dsv4cli.model import DecodeState
+from dsv4cli.model import DecodeState, load_model
 
 CFG = tiny_config(index_topk=4)   # window 16, blocks of 4 and 128
 
 
 @pytest.fixture(scope="module")
-def model():
-    return random_model(CFG, seed=7)
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(path, CFG, seed=7)
+    return load_model(path, dtype=torch.float32)
 
 
 def run_chunks(model, ids, sizes):

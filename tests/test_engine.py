@@ -2,10 +2,11 @@
 seeds reproduce, cancel and stop rules work, and a decode step syncs with the host once."""
 import pytest
 import torch
-from tiny import random_model, tiny_config
+from tiny import tiny_config, write_checkpoint
 
 from dsv4cli.engine.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, target_probs, verify
+from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
 
 
@@ -15,8 +16,10 @@ def tok(small_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def model(tok):
-    return random_model(tiny_config(vocab_size=tok.vocab_size), seed=3)
+def model(tok, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(path, tiny_config(vocab_size=tok.vocab_size), seed=3)
+    return load_model(path, dtype=torch.float32)
 
 
 def prompts(n_list, vocab, seed=0):

@@ -13,6 +13,7 @@ from rich.text import Text
 from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import Metrics
 from dsv4cli.model.model import Linear
+from dsv4cli.tools.inspect import human_count
 
 SPARKS = "▁▂▃▄▅▆▇█"
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all C0 controls but tab and newline
@@ -33,14 +34,6 @@ def split_reply(text: str, thinking: bool) -> tuple[str, str]:
 
 def ms(seconds: float) -> str:
     return f"{1000 * seconds:.0f} ms" if seconds >= 0.1 else f"{1000 * seconds:.1f} ms"
-
-
-def human(n: float) -> str:
-    for unit in ("", "K", "M", "B"):
-        if n < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}T"
 
 
 def sparkline(values: list[float], width: int = 20) -> str:
@@ -203,7 +196,7 @@ def model_rows(engine, settings) -> list[tuple[str, str]]:
             ("dtype", str(model.embed.weight.dtype).removeprefix("torch.")),
             ("tensor parallel", str(settings.tp)),
             ("MTP depth", str(engine.k) if engine.k else "off"),
-            ("parameters", human(sum(p.numel() for p in model.parameters()))),
+            ("parameters", human_count(sum(p.numel() for p in model.parameters()))),
             ("layers", f"{cfg.n_layers} (+{cfg.n_mtp_layers} MTP)"),
             ("vocab", str(cfg.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),

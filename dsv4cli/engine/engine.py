@@ -165,10 +165,9 @@ class Engine:
         events = []
         while self.waiting and None in self.slots:
             events.append(self._admit(self.waiting.pop(0)))
-        running = [s for s in self.slots if s is not None]
-        if running:
+        if any(s is not None for s in self.slots):
             events += self._decode()
-        return [e for e in events if e is not None]
+        return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         seqs = [self.submit(p, params) for p in prompts]
@@ -254,11 +253,8 @@ class Engine:
     def _decode(self) -> list[Event]:
         nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         key = (nb, self._context_bound(nb))
-        if self.graphs is None:
-            packed = self._device_step(*key)
-        else:
-            packed = self.graphs.run(key, lambda: self._device_step(*key))
-        packed = packed.tolist()                                               # the one host sync
+        step = lambda: self._device_step(*key)  # noqa: E731
+        packed = (step() if self.graphs is None else self.graphs.run(key, step)).tolist()   # the one host sync
         k = self.k
         now = time.perf_counter()
         events = []
@@ -278,7 +274,7 @@ class Engine:
                     m.accepted_per_position[j] += 1
             m.t_last = now
             events.append(self._emit(seq, row[: n + 1]))
-        return [e for e in events if e is not None]
+        return events
 
     def _context_bound(self, nb: int) -> int:
         """A bound on every position this step touches, from host-side lengths, rounded up to a
