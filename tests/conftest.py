@@ -1,7 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Tiny models gain nothing from intra-op threads, and on a shared 2-core machine oversubscribed
+# threads make every small op wait; subprocesses (the CLI under test) inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))          # `scripts` (corpus, tokenizer training) for tests
