@@ -183,7 +183,6 @@ class CompressPlan:
         first = (r - 1 - start % r) % r                                        # [B]
         rows = first[:, None] + r * torch.arange(n, device=pos.device)          # [B,n]
         valid = rows < S
-        self.rows = rows.clamp(max=S - 1)
         row_pos = start[:, None] + rows
         block = (row_pos + 1) // r - 1
         self.slot = torch.where(valid & (block < blocks - 1), block, blocks - 1)
@@ -214,7 +213,7 @@ class Step:
         q = self.pos[..., None]
         slot_pos = q - (q - torch.arange(R, device=dev)) % R                    # position held by each slot
         ring_ok = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])
-        chunk_pos = (start[:, None] + torch.arange(S, device=dev))[:, None, :]
+        chunk_pos = self.pos[:, None, :]
         chunk_ok = (chunk_pos <= q) & (chunk_pos > q - W)
         ok = torch.cat([ring_ok, chunk_ok], dim=-1)
         self.win_bias = torch.zeros(ok.shape, device=dev).masked_fill(~ok, NEG_INF)   # [B,S,R+S]
