@@ -106,7 +106,7 @@ def bench(engine: Engine, depths, batches, kinds, max_tokens: int, with_hf: bool
             prompts = bench_prompts(engine.tok, kind, batch)
             base = None
             for k in depths:
-                eng = Engine(engine.model, engine.tok, max_batch=batch, max_seq_len=engine.max_seq_len, mtp=k)
+                eng = engine.resized(batch, k)
                 run_config(eng, prompts[:1], 2)                       # warm-up
                 r = run_config(eng, prompts, max_tokens)
                 base = r["tokens_per_s"] if k == 0 else base
@@ -165,7 +165,8 @@ def bench_command(
         settings = dataclasses.replace(settings, max_tokens=64)
     engine = load_engine(settings)
     with torch.no_grad():
-        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf)
+        # the peer needs the whole model; with --tp each process holds a slice
+        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf and settings.tp == 1)
     meta = {"model": str(settings.model_dir), "device": str(engine.device), "dtype": str(engine.model.dtype),
             "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens}
     if as_json:

@@ -68,6 +68,13 @@ class Leader:
         self.pending.append(("submit", list(prompt_ids), params, seq.id))
         return seq
 
+    def resized(self, max_batch: int, mtp: int) -> "Leader":
+        """Every rank swaps in an engine of another batch size / MTP depth (on the next step)."""
+        leader = Leader(self.engine.resized(max_batch, mtp), self.control, self.procs, self.watchdog)
+        leader.pending = [*self.pending, ("resize", max_batch, mtp)]
+        self.pending = []
+        return leader
+
     def cancel(self, seq):
         self.engine.cancel(seq)
         self.pending.append(("cancel", seq.id))
@@ -128,6 +135,8 @@ def follow(engine, control) -> None:
                 seqs[rid] = engine.submit(ids, params, rid)
             elif cmd[0] == "cancel":
                 engine.cancel(seqs.pop(cmd[1]))
+            elif cmd[0] == "resize":
+                engine = engine.resized(*cmd[1:])
         engine.step()
         seqs = {k: s for k, s in seqs.items() if not s.finished}
 

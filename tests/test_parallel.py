@@ -1,5 +1,6 @@
 """--tp N on the CPU: gloo ranks started by the CLI; same logits and tokens as one process; a dead
 rank ends the run with one line instead of a hang."""
+import json
 import os
 import signal
 import subprocess
@@ -60,6 +61,15 @@ def test_tp2_greedy_tokens_match(tiny_model_dir):
             assert r.returncode == 0, r.stderr
             outs.append(r.stdout.split('"token_ids": ')[1].split("]")[0])
         assert outs[0] == outs[1], f"mtp {mtp}"
+
+
+def test_bench_resizes_every_rank(tiny_model_dir):
+    """bench swaps engines (batch sizes, MTP depths) mid-run; every rank must follow."""
+    r = dsv4("bench", "--model", str(tiny_model_dir), "--tp", "2", "--depths", "1", "--batches", "1,2",
+             "--prompts", "short", "--max-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [(x["batch"], x["mtp"]) for x in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 
 def test_tp_that_does_not_divide_is_refused(tiny_model_dir):

@@ -99,12 +99,8 @@ class Chat:
     def rebuild_engine(self) -> None:
         """A new engine for the new MTP depth; the model stays loaded."""
         s, old = self.session.settings, self.engine
-        if s.tp > 1:   # the other ranks would keep the old depth
-            self.session.settings = dataclasses.replace(s, mtp=old.k)
-            self.error(f"mtp {s.mtp}: changing the MTP depth needs a restart with --tp {s.tp}")
-            return
         try:
-            self.engine = Engine(old.model, old.tok, max_batch=1, max_seq_len=old.max_seq_len, mtp=s.mtp)
+            self.engine = old.resized(1, s.mtp)
         except ValueError as e:
             self.session.settings = dataclasses.replace(s, mtp=old.k)
             self.error(f"mtp {s.mtp}: {e}")

@@ -157,6 +157,11 @@ class Engine:
         if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
 
+    def resized(self, max_batch: int, mtp: int) -> "Engine":
+        """A new engine on the same loaded model with another batch size or MTP depth."""
+        return Engine(self.model, self.tok, max_batch=max_batch, max_seq_len=self.max_seq_len, mtp=mtp,
+                      prefill_chunk=self.prefill_chunk, graphs=self.graphs is not None)
+
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
 
