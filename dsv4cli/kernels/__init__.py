@@ -31,8 +31,8 @@ def linear(x, weight):
     return backend(x.device.type).linear(x, weight)
 
 
-def w8a8_linear(x, weight, weight_scale):
-    return backend(x.device.type).w8a8_linear(x, weight, weight_scale)
+def w8a8_linear(x, weight, weight_scale, xq=None):
+    return backend(x.device.type).w8a8_linear(x, weight, weight_scale, xq)
 
 
 def quantize_per_token(x):

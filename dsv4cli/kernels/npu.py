@@ -30,15 +30,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.unsqueeze(-1)
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """y = (int8(x) @ weight^T) * token_scale * channel_scale; weight [out,in] int8, scale [out,1] fp32."""
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None) -> torch.Tensor:
+    """y = (int8(x) @ weight^T) * token_scale * channel_scale; weight [out,in] int8, scale [out,1] fp32.
+
+    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
+    q, sx = xq if xq is not None else quantize_per_token(x)
     if x.dtype in HALF:
-        q, sx = torch_npu.npu_dynamic_quant(x)
-        y = torch_npu.npu_quant_matmul(q, weight.t(), weight_scale.view(-1), pertoken_scale=sx,
+        y = torch_npu.npu_quant_matmul(q, weight.t(), weight_scale.view(-1), pertoken_scale=sx.view(-1),
                                        output_dtype=x.dtype)
     else:   # fp32 activations (debug runs): the same integers, multiplied in fp32
-        q, sx = reference.quantize_per_token(x)
         y = (q.float() @ weight.t().float() * sx * weight_scale.view(1, -1)).to(x.dtype)
     return y.view(*shape[:-1], -1)

@@ -41,10 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype))
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """int8 x int8 -> int32 GEMM; y = acc * token_scale * channel_scale. weight [out,in] int8, scale [out,1]."""
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None) -> torch.Tensor:
+    """int8 x int8 -> int32 GEMM; y = acc * token_scale * channel_scale. weight [out,in] int8, scale [out,1].
+
+    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears."""
     shape = x.shape
-    q, sx = quantize_per_token(x.reshape(-1, shape[-1]))
+    q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
     rows = q.shape[0]
     if q.is_cuda and rows <= 16:   # the cuBLAS int8 GEMM behind torch._int_mm needs more than 16 rows
         q = F.pad(q, (0, 0, 0, 17 - rows))

@@ -53,9 +53,10 @@ class Linear(nn.Module):
     def quantized(self) -> bool:
         return self.weight.dtype == torch.int8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
+        """`xq`: x already quantised per token (several W8A8 linears reading the same x)."""
         if self.quantized:
-            return kernels.w8a8_linear(x, self.weight, self.weight_scale)
+            return kernels.w8a8_linear(x, self.weight, self.weight_scale, xq)
         return kernels.linear(x, self.weight)
 
 
@@ -365,8 +366,8 @@ class Expert(nn.Module):
         self.w2 = Linear(inter_dim, dim)
         self.w3 = Linear(dim, inter_dim)
 
-    def forward(self, x, weight=None):
-        gate, up = self.w1(x).float(), self.w3(x).float()
+    def forward(self, x, weight=None, xq=None):
+        gate, up = self.w1(x, xq).float(), self.w3(x, xq).float()
         if self.limit > 0:
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         h = F.silu(gate) * up
@@ -412,12 +413,15 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, input_ids)
         local = idx - self.first
         y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        # every expert's w1/w3 reads x: quantise its tokens once (the quantisation is per token)
+        q, sx = kernels.quantize_per_token(x) if self.experts[self.first].w1.quantized else (None, None)
         if x.shape[0] >= SPARSE_MOE_TOKENS:
             # Many tokens (prefill, training): each expert runs on its own tokens only.
             for e in range(self.n_local):
                 rows, k = (local == e).nonzero(as_tuple=True)
                 if rows.numel():
-                    y.index_add_(0, rows, self.experts[self.first + e](x[rows], weights[rows, k, None]).float())
+                    xq = (q[rows], sx[rows]) if q is not None else None
+                    y.index_add_(0, rows, self.experts[self.first + e](x[rows], weights[rows, k, None], xq).float())
         else:
             # Decode: a dense routing table over this rank's experts keeps shapes static with no host
             # sync; unrouted tokens get weight 0, which zeroes their contribution exactly.
@@ -425,10 +429,11 @@ class MoE(nn.Module):
             table = torch.zeros(x.shape[0], self.n_local + 1, device=x.device, dtype=torch.float32)
             table.scatter_add_(1, torch.where(ok, local, self.n_local), torch.where(ok, weights, 0.0))
             for e in range(self.n_local):
-                y += self.experts[self.first + e](x, table[:, e:e + 1]).float()
+                y += self.experts[self.first + e](x, table[:, e:e + 1], None if q is None else (q, sx)).float()
         y = all_reduce(y)
         if self.shared_experts is not None:
-            y += self.shared_experts(x).float()
+            shared_q = (q, sx) if q is not None and self.shared_experts.w1.quantized else None
+            y += self.shared_experts(x, xq=shared_q).float()
         return y.to(x.dtype).view(shape)
 
 
