@@ -65,7 +65,9 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
         raise UsageError(str(e)) from None
     if s.mtp and not model.cfg.n_mtp_layers:
         raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
-    return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp)
+    # a chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh
+    return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
+                  reuse_prefix=s.mode == "chat")
 
 
 def load_engine(s: Settings):

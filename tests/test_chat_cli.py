@@ -73,6 +73,7 @@ def test_chat_multiline_ctrl_c_hint_and_ctrl_d(tiny_model_dir, tmp_path):
     child.sendline('line two"""')
     child.expect(r"tokens · prompt \d+")
     child.expect(">>> ")
+    command(child, "and then?", r"tokens · prompt \d+ \(\d+ reused\)")   # the first turn's state is resumed
     command(child, "/show prompt", r"line one\r\nline two")
     child.sendcontrol("c")
     child.expect("Use Ctrl-D or /exit to quit")

@@ -177,3 +177,44 @@ def test_penalties():
               torch.tensor([2.0, -0.5, -1.0, 0.5])]    # frequency: -0.5 per occurrence
     for row, e in zip(probs, expect):
         assert torch.allclose(row, e.softmax(-1))
+
+
+@torch.no_grad()
+def test_prefix_reuse_resumes_chat_turns(model, tok):
+    """Each turn's prompt extends the previous prompt and reply: the slot's state is resumed one row
+    before the end of the shared prefix (mid-block starts, a ratio-128 block closing over rows from
+    earlier turns), and the replies equal a fresh engine's."""
+    for k in (0, 1, 3):
+        eng = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=k, reuse_prefix=True)
+        fresh = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=k)
+        conversation, shared = prompts([40], tok.vocab_size)[0], 0
+        for turn, user in enumerate(prompts([20, 30, 5, 1], tok.vocab_size, seed=2)):
+            seq = eng.generate([conversation], GREEDY)[0]
+            assert seq.output_ids == fresh.generate([conversation], GREEDY)[0].output_ids, f"K={k} turn {turn}"
+            assert seq.metrics.cached_tokens >= shared - 1, f"K={k} turn {turn}"
+            shared = len(conversation) + len(seq.output_ids)     # the previous prompt and reply
+            conversation = conversation + seq.output_ids + user
+
+
+@torch.no_grad()
+def test_prefix_reuse_partial_and_refused(model, tok):
+    """A prompt that leaves the previous one midway resumes before the divergence; one whose shared
+    rows were overwritten by later positions of the same slot is prefilled afresh."""
+    eng = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=1, reuse_prefix=True)
+    fresh = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=1)
+    base, other = prompts([150, 30], tok.vocab_size, seed=4)
+    assert eng.generate([base], GREEDY)[0].metrics.cached_tokens == 0
+    diverged = base[:100] + other
+    seq = eng.generate([diverged], GREEDY)[0]
+    assert seq.metrics.cached_tokens == 99 and seq.slot == 0       # the slot with the shared prefix
+    assert seq.output_ids == fresh.generate([diverged], GREEDY)[0].output_ids
+    # 200 more tokens overwrite the ring rows of the first ~130 positions
+    eng.generate([base[:130]], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    late = base[:130] + other
+    seq = eng.generate([late], GREEDY)[0]
+    assert seq.metrics.cached_tokens == 0
+    assert seq.output_ids == fresh.generate([late], GREEDY)[0].output_ids
+    # without reuse an engine never resumes
+    plain = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=1)
+    plain.generate([base], GREEDY)
+    assert plain.generate([base + other], GREEDY)[0].metrics.cached_tokens == 0

@@ -1,7 +1,8 @@
 """`dsv4 chat`: talk with the model in the terminal; plain lines in and out when stdin is not a terminal.
 
-Each turn re-encodes the whole conversation with the DSV4 chat format and the engine prefills all of it
-(there is no KV prefix reuse yet). Ctrl-C stops a reply between two engine steps and keeps its text.
+Each turn re-encodes the whole conversation with the DSV4 chat format; the engine resumes the previous
+turn's state and prefills only what follows the shared prefix. Ctrl-C stops a reply between two engine
+steps and keeps its text.
 """
 import atexit
 import contextlib
@@ -178,7 +179,8 @@ def setup_readline() -> None:
 def run_chat(s: Settings) -> int:
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     try:
-        engine = load_engine(dataclasses.replace(s, max_batch=1))  # one conversation: one sequence's cache
+        # one conversation: one sequence's cache, which each turn resumes
+        engine = load_engine(dataclasses.replace(s, max_batch=1, mode="chat"))
     except KeyboardInterrupt:
         return 130
     if tty:

@@ -67,7 +67,7 @@ class Totals:
     def rows(self) -> list[tuple[str, str]]:
         c = self.counts
         rows = [("replies", f"{self.replies} ({self.interrupted} interrupted)"),
-                ("prompt tokens prefilled", str(c.prompt_tokens)),
+                ("prompt tokens (reused from earlier turns)", f"{c.prompt_tokens} ({c.cached_tokens})"),
                 ("tokens generated", str(c.output_tokens)),
                 ("mean TTFT", f"{1000 * self.ttft_s / self.replies:.0f} ms" if self.replies else "-"),
                 ("decode speed", f"{self.decode_tokens / self.decode_s:.1f} tok/s" if self.decode_s else "-")]

@@ -46,7 +46,7 @@ def sparkline(values: list[float], width: int = 20) -> str:
 def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
     """Two lines under a streaming reply: speed and step latency, then MTP acceptance."""
     if not m.t_first:
-        return Text(f"prefilling {m.prompt_tokens} prompt tokens…", style="dim")
+        return Text(f"prefilling {m.prompt_tokens - m.cached_tokens} prompt tokens…", style="dim")
 
     def stat(label: str, value: str) -> Text:
         return Text.assemble(f"{label} " if label else "", (value, "bold"))
@@ -68,7 +68,8 @@ def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
 
 def summary_line(m: Metrics, k: int, finish_reason: str | None) -> Text:
     """One line after each reply."""
-    parts = [f"{m.output_tokens} tokens", f"prompt {m.prompt_tokens}"]
+    reused = f" ({m.cached_tokens} reused)" if m.cached_tokens else ""
+    parts = [f"{m.output_tokens} tokens", f"prompt {m.prompt_tokens}{reused}"]
     if m.t_first:
         parts.append(f"TTFT {ms(m.ttft)}")
     if m.output_tokens > 1:

@@ -27,6 +27,7 @@ class Metrics:
     t_first: float = 0.0
     t_last: float = 0.0
     prompt_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose state was reused, not prefilled
     output_tokens: int = 0
     drafts: int = 0                 # steps that proposed drafts
     draft_tokens: int = 0           # drafts proposed
@@ -61,6 +62,7 @@ class Metrics:
 
     def merge(self, other: "Metrics") -> None:
         self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
         self.output_tokens += other.output_tokens
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
@@ -71,7 +73,8 @@ class Metrics:
             self.accepted_per_position[i] += a
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "output_tokens": self.output_tokens,
                 "ttft_s": round(self.ttft, 6), "tpot_s": round(self.tpot, 6),
                 "tokens_per_s": round(self.tokens_per_s, 3), "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
@@ -109,18 +112,37 @@ class Event:
 
 
 CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this many tokens
+SPARE_RING_ROWS = 64   # ring rows beyond need, so a prompt can resume a slot a little before its end
+
+
+@dataclass
+class SlotHistory:
+    """What a slot's device state holds, tracked on the host for prefix reuse.
+
+    tokens:     every token committed in the slot; the state has the rows of positions < len - 1
+    valid_from: ring rows of positions below this may hold other positions' data
+    written_to: a bound on the highest position any write reached (rejected rows, MTP chains)
+    """
+    tokens: list[int] = field(default_factory=list)
+    valid_from: int = 0
+    written_to: int = -1
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True):
+                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True, reuse_prefix: bool = False):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
         self.max_batch, self.max_seq_len, self.k = max_batch, max_seq_len, mtp
         self.prefill_chunk = prefill_chunk
         self.device = model.embed.weight.device
-        self.state = DecodeState(model, max_batch, max_seq_len, max_draft=max(mtp, 1) + 1)
+        # Prefix reuse: a new prompt starts where a free slot's state stops matching it (a chat turn
+        # resumes the previous one). Off by default: batch output must not depend on slot history.
+        self.reuse_prefix = reuse_prefix
+        self.state = DecodeState(model, max_batch, max_seq_len, max_draft=max(mtp, 1) + 1,
+                                 spare=SPARE_RING_ROWS if reuse_prefix else 0)
+        self.history = [SlotHistory() for _ in range(max_batch)]
         vocab = model.cfg.vocab_size
         self.params = SlotParams(max_batch, vocab, self.device)
         # device-resident speculative state per slot: the last committed token (not yet run through
@@ -160,7 +182,8 @@ class Engine:
     def resized(self, max_batch: int, mtp: int) -> "Engine":
         """A new engine on the same loaded model with another batch size or MTP depth."""
         return Engine(self.model, self.tok, max_batch=max_batch, max_seq_len=self.max_seq_len, mtp=mtp,
-                      prefill_chunk=self.prefill_chunk, graphs=self.graphs is not None)
+                      prefill_chunk=self.prefill_chunk, graphs=self.graphs is not None,
+                      reuse_prefix=self.reuse_prefix)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -182,16 +205,44 @@ class Engine:
 
     # ---- internals ---------------------------------------------------------------------------
 
+    def _resume_point(self, h: SlotHistory, prompt: list[int]) -> int:
+        """The first prompt position to prefill in a slot holding `h`; the state of every row before it
+        is the one this prompt would produce."""
+        n = min(len(prompt), len(h.tokens))
+        same = next((i for i in range(n) if prompt[i] != h.tokens[i]), n)
+        # row p of the MTP layer read token p+1: redo the row before the first differing token
+        start = same - 1
+        if start <= 0:
+            return 0
+        # the rows the prefill reads before `start` must still be in the rings, not overwritten
+        # by later positions of the same slot
+        lowest = max(0, start - self.state.lookback)
+        return start if lowest >= max(h.valid_from, h.written_to - self.state.ring + 1) else 0
+
+    def _record(self, slot: int, tokens: list[int]) -> None:
+        h = self.history[slot]
+        h.tokens += tokens
+        # trunk rows reach pos + K, MTP chains pos + n_acc + K - 1: both below len + K
+        h.written_to = max(h.written_to, len(h.tokens) + self.k)
+
     @torch.no_grad()
     def _admit(self, seq: Sequence) -> Event:
-        """Chunked prefill of the trunk and the MTP layer, first token, first drafts."""
-        slot = self.slots.index(None)
+        """Chunked prefill of the trunk and the MTP layer (from the reusable prefix on), first token,
+        first drafts."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        starts = {i: self._resume_point(self.history[i], seq.prompt_ids) if self.reuse_prefix else 0 for i in free}
+        slot = max(free, key=lambda i: (starts[i], -i))
+        reused, old = starts[slot], self.history[slot]
+        self.history[slot] = SlotHistory(
+            valid_from=max(old.valid_from, old.written_to - self.state.ring + 1) if reused else 0,
+            written_to=old.written_to if reused else -1)
         self.slots[slot], seq.slot = seq, slot
+        seq.metrics.cached_tokens = reused
         ids = torch.tensor(seq.prompt_ids, device=self.device)
         self.params.set(slot, seq.params, seq.seed, ids)
         view = self.state.slot(slot)
         n = len(seq.prompt_ids)
-        for a in range(0, n, self.prefill_chunk):
+        for a in range(reused, n, self.prefill_chunk):
             b = min(a + self.prefill_chunk, n)
             start = torch.tensor([a], device=self.device)
             logits, h = self.model.step(ids[None, a:b], start, view, last_only=True, context=b)
@@ -208,6 +259,7 @@ class Engine:
             self.drafts[slot, : self.k] = self._chain(mtp_logits[:, -1], streams[:, -1:], n, view)[0]
         self.last[slot], self.pos[slot] = first[0], n
         self.params.output_counts[slot, first[0]] += 1
+        self._record(slot, seq.prompt_ids + [int(first[0])])
         return self._emit(seq, [int(first[0])], first_token=True)
 
     def _chain(self, logits, streams, pos, state):
@@ -278,6 +330,7 @@ class Engine:
                 for j in range(n):
                     m.accepted_per_position[j] += 1
             m.t_last = now
+            self._record(i, row[: n + 1])
             events.append(self._emit(seq, row[: n + 1]))
         return events
 

@@ -133,16 +133,20 @@ class DecodeState:
     """Preallocated KV / compressor state for up to `batch` sequences of `max_len` tokens.
 
     `max_draft` is the most rows one call may write past the last committed token; the rings are
-    that much longer than the window so rejected rows never overwrite a slot still in use.
+    that much longer than the window so rejected rows never overwrite a slot still in use. `spare`
+    more ring rows let a new prompt resume a slot up to that many rows before the previous writes
+    ended (prefix reuse).
     """
 
-    def __init__(self, model: "Transformer", batch: int, max_len: int, max_draft: int = 8,
+    def __init__(self, model: "Transformer", batch: int, max_len: int, max_draft: int = 8, spare: int = 0,
                  device=None, dtype=None):
         cfg = model.cfg
         device = device or model.embed.weight.device
         dtype = dtype or model.dtype
         self.batch, self.max_len, self.max_draft = batch, max_len, max_draft
-        self.ring = max(cfg.window_size, 128) + max_draft + 1
+        # rows any call reads before its first position: the window, or a ratio-128 block's candidates
+        self.lookback = max(cfg.window_size, 128) - 1
+        self.ring = self.lookback + 1 + max_draft + 1 + spare
         ratios = cfg.compress_ratios
         self.layers = [LayerCache(cfg, ratios[i], batch, self.ring, max_len, device, dtype)
                        for i in range(cfg.n_layers)]
