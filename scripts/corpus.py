@@ -1,8 +1,9 @@
 """Deterministic synthetic corpus for the bundled tiny DeepSeek-V4 model (no downloads).
 
-Chat documents teach the V4 chat format on tiny question types (small sums, a few fact tables);
-plain-text documents (short stories and template prose) teach ordinary English. The held-out split
-uses unseen operand pairs for arithmetic and unseen phrasings of the same facts for the tables.
+Chat documents teach the V4 chat format on tiny question types (small sums, a few fact tables,
+greetings); plain-text documents (short stories and template prose) teach ordinary English. The
+held-out split uses unseen operand pairs for arithmetic, question frames never seen with that fact
+table (though seen with the others), and unseen opener + tail combinations for greetings.
 """
 
 import random
@@ -37,71 +38,37 @@ ANIMAL_SOUNDS = {
 }
 # fmt: on
 
-# Question phrasings per split: held-out phrasings never occur in training documents.
-PHRASINGS = {
-    "add": {
-        "train": [
-            "What is {a} + {b}?",
-            "What is {a} plus {b}?",
-            "Add {a} and {b}.",
-            "{a} + {b} = ?",
-            "How much is {a} plus {b}?",
-        ],
-    },
-    "sub": {
-        "train": [
-            "What is {a} - {b}?",
-            "What is {a} minus {b}?",
-            "Subtract {b} from {a}.",
-            "{a} - {b} = ?",
-            "How much is {a} minus {b}?",
-        ],
-    },
-    "capital": {
-        "train": [
-            "What is the capital of {x}?",
-            "What's the capital of {x}?",
-            "Which city is the capital of {x}?",
-            "Name the capital of {x}.",
-        ],
-        "heldout": [
-            "Tell me the capital of {x}.",
-            "What city is the capital of {x}?",
-            "Do you know the capital of {x}?",
-        ],
-    },
-    "color": {
-        "train": ["What color is {x}?", "What colour is {x}?", "Which color is {x}?"],
-        "heldout": ["Tell me the color of {x}.", "What is the color of {x}?"],
-    },
-    "opposite": {
-        "train": [
-            "What is the opposite of {x}?",
-            "What's the opposite of {x}?",
-            "Give me the opposite of {x}.",
-        ],
-        "heldout": ["Tell me the opposite of {x}.", "Which word is the opposite of {x}?"],
-    },
-    "animal_sound": {
-        "train": ["What sound does {x} make?", "What does {x} say?", "What noise does {x} make?"],
-        "heldout": ["Which sound does {x} make?", "Tell me the sound {x} makes."],
-    },
-    "greet": {
-        "train": [
-            "Hi",
-            "Hi!",
-            "Hello",
-            "Hello!",
-            "Hey",
-            "Hey!",
-            "Hi there!",
-            "Good morning!",
-            "Good afternoon!",
-            "Hi, how are you?",
-        ],
-        "heldout": ["Hello there!", "Hey there!", "Good morning to you!", "Hi again!"],
-    },
+# Fact questions are built from frames shared by the relations ("Tell me the {rel} of {x}.") plus
+# frames of their own ("What color is {x}?"). Each relation holds out two shared frames that training
+# shows only with the other relations, so held-out questions test whether the model composes a known
+# frame with a known relation, not whether it memorised one string.
+SHARED_FRAMES = [
+    "What is the {rel} of {x}?",
+    "What's the {rel} of {x}?",
+    "Tell me the {rel} of {x}.",
+    "Name the {rel} of {x}.",
+    "Do you know the {rel} of {x}?",
+    "Can you tell me the {rel} of {x}?",
+    "Please give the {rel} of {x}.",
+    "I want to know the {rel} of {x}.",
+]
+FACTS = {  # kind: (table, relation noun, own frames, held-out shared frames)
+    "capital": (CAPITALS, "capital", ["Which city is the capital of {x}?", "{x} has which capital?"], [2, 4]),
+    "color": (COLORS, "color", ["What color is {x}?", "What colour is {x}?", "Which color is {x}?"], [0, 2]),
+    "opposite": (OPPOSITES, "opposite", ["Give me the opposite of {x}.", "What word is the opposite of {x}?"],
+                 [2, 5]),
+    "animal_sound": (ANIMAL_SOUNDS, "sound", ["What sound does {x} make?", "What does {x} say?",
+                                              "What noise does {x} make?"], [1, 6]),
 }
+ARITHMETIC = {
+    "add": ["What is {a} + {b}?", "What is {a} plus {b}?", "Add {a} and {b}.", "{a} + {b} = ?",
+            "How much is {a} plus {b}?", "Compute {a} + {b}.", "What do you get if you add {a} and {b}?"],
+    "sub": ["What is {a} - {b}?", "What is {a} minus {b}?", "Subtract {b} from {a}.", "{a} - {b} = ?",
+            "How much is {a} minus {b}?", "Compute {a} - {b}.", "What do you get if you take {b} from {a}?"],
+}
+# Greetings: an opener and a tail; a fixed share of the combinations is held out.
+GREET_OPENERS = ["Hi", "Hello", "Hey", "Good morning", "Good afternoon", "Good evening", "Greetings"]
+GREET_TAILS = ["", "!", " there!", " again!", ", how are you?", " friend!", ", nice to meet you!"]
 GREETING_ANSWER = "Hello! How can I help you?"
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -110,10 +77,12 @@ SYSTEM_PROMPTS = [
     "You are a tiny model. Be brief.",
 ]
 SPLITS = ("train", "heldout")
+# Arithmetic is the hardest type to generalise (unseen operand pairs), so it gets a larger share.
+KIND_WEIGHTS = {"add": 3, "sub": 5, "capital": 1, "color": 1, "opposite": 1, "animal_sound": 1, "greet": 1}
 
 
 def question_types() -> list[str]:
-    return list(PHRASINGS)
+    return list(KIND_WEIGHTS)
 
 
 def make_qa(kind: str, rng: random.Random, split: str) -> tuple[str, str]:
@@ -127,16 +96,27 @@ def _is_heldout_pair(a, b):
     return (a * 7 + b) % 10 == 3
 
 
+def _frames(kind, split):
+    table, rel, own, heldout = FACTS[kind]
+    if split == "heldout":
+        return [SHARED_FRAMES[i].replace("{rel}", rel) for i in heldout]
+    shared = [f.replace("{rel}", rel) for i, f in enumerate(SHARED_FRAMES) if i not in heldout]
+    return shared + own
+
+
+def _greetings(split):
+    combos = [opener + tail for opener in GREET_OPENERS for tail in GREET_TAILS]
+    return [g for i, g in enumerate(combos) if (i % 6 == 4) == (split == "heldout")]
+
+
 def _make(kind, rng, split):
     """(question, answer, short reasoning) for one instance."""
-    if kind not in PHRASINGS:
+    if kind not in KIND_WEIGHTS:
         raise ValueError(f"unknown question type {kind!r}; expected one of {question_types()}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    templates = PHRASINGS[kind].get(split, PHRASINGS[kind]["train"])
-    template = rng.choice(templates)
 
-    if kind in ("add", "sub"):
+    if kind in ARITHMETIC:
         while True:
             a, b = rng.randint(0, 20), rng.randint(0, 20)
             if kind == "sub" and b > a:
@@ -144,29 +124,23 @@ def _make(kind, rng, split):
             if _is_heldout_pair(a, b) == (split == "heldout"):
                 break
         op, word, result = ("+", "plus", a + b) if kind == "add" else ("-", "minus", a - b)
-        return template.format(a=a, b=b), f"{a} {op} {b} = {result}.", f"{a} {word} {b} is {result}."
+        question = rng.choice(ARITHMETIC[kind]).format(a=a, b=b)
+        return question, f"{a} {op} {b} = {result}.", f"{a} {word} {b} is {result}."
     if kind == "greet":
-        return template, GREETING_ANSWER, "The user greets me."
+        return rng.choice(_greetings(split)), GREETING_ANSWER, "The user greets me."
 
+    table = FACTS[kind][0]
+    x, y = rng.choice(list(table.items()))
+    if kind == "opposite" and rng.random() < 0.5:
+        x, y = y, x
+    question = rng.choice(_frames(kind, split)).format(x=x)
     if kind == "capital":
-        country, city = rng.choice(list(CAPITALS.items()))
-        answer = f"The capital of {country} is {city}."
-        return template.format(x=country), answer, f"{country} has the capital {city}."
+        return question, f"The capital of {x} is {y}.", f"{x} has the capital {y}."
     if kind == "color":
-        thing, color = rng.choice(list(COLORS.items()))
-        return template.format(x=thing), f"{_cap(thing)} is {color}.", f"{_cap(thing)} looks {color}."
+        return question, f"The color of {x} is {y}.", f"{_cap(x)} looks {y}."
     if kind == "opposite":
-        word, other = rng.choice(list(OPPOSITES.items()))
-        if rng.random() < 0.5:
-            word, other = other, word
-        answer = f"The opposite of {word} is {other}."
-        return template.format(x=word), answer, f"{_cap(word)} and {other} are opposites."
-    animal, sound = rng.choice(list(ANIMAL_SOUNDS.items()))
-    return (
-        template.format(x=animal),
-        f"{_cap(animal)} says {sound}.",
-        f"{_cap(animal)} makes the sound {sound}.",
-    )
+        return question, f"The opposite of {x} is {y}.", f"{_cap(x)} and {y} are opposites."
+    return question, f"{_cap(x)} says {y}.", f"{_cap(x)} makes the sound {y}."
 
 
 def _cap(text):
@@ -234,7 +208,7 @@ def make_prose(rng: random.Random) -> str:
     kind = rng.choice(["facts", "day", "weather"])
     if kind == "facts":
         facts = [f"The capital of {c} is {city}." for c, city in rng.sample(list(CAPITALS.items()), 2)]
-        facts += [f"{_cap(t)} is {c}." for t, c in rng.sample(list(COLORS.items()), 2)]
+        facts += [f"The color of {t} is {c}." for t, c in rng.sample(list(COLORS.items()), 2)]
         facts += [f"{_cap(a)} says {s}." for a, s in rng.sample(list(ANIMAL_SOUNDS.items()), 1)]
         facts += [f"The opposite of {w} is {o}." for w, o in rng.sample(list(OPPOSITES.items()), 1)]
         rng.shuffle(facts)
@@ -266,18 +240,18 @@ def make_prose(rng: random.Random) -> str:
 
 def make_chat_document(rng: random.Random) -> str:
     """A full conversation in chat mode (sometimes thinking mode), ending with the answer and EOS."""
-    kinds = question_types()
+    kinds, weights = question_types(), list(KIND_WEIGHTS.values())
     thinking = rng.random() < 0.1
     messages = []
     if rng.random() < 0.25:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     if rng.random() < 0.25:
-        question, answer, reasoning = _make(rng.choice(kinds), rng, "train")
+        question, answer, reasoning = _make(rng.choices(kinds, weights)[0], rng, "train")
         messages += [
             {"role": "user", "content": question},
             {"role": "assistant", "content": answer, "reasoning_content": reasoning},
         ]
-    question, answer, reasoning = _make(rng.choice(kinds), rng, "train")
+    question, answer, reasoning = _make(rng.choices(kinds, weights)[0], rng, "train")
     messages.append({"role": "user", "content": question})
     completion = (reasoning + THINK_END if thinking else "") + answer + EOS
     return encode_messages(messages, thinking=thinking) + completion

@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsv4cli.tokenizer import DEFAULT_BOS, DEFAULT_EOS, SPECIAL_TOKENS
 
@@ -20,7 +20,12 @@ def train_tokenizer(texts, out_dir, vocab_size: int = 1024, model_max_length: in
     the official vocab; every byte is in the base alphabet, so any text can be encoded.
     """
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Every digit is its own token (no merges across digits), so numbers are spelt digit by digit and
+    # sums of unseen operands share the digit patterns of seen ones.
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

@@ -65,16 +65,22 @@ def test_w8a8_layout(model):
 
 @torch.no_grad()
 def test_greedy_answers_heldout_questions():
-    """Held-out phrasings of the fact questions are answered; the overall held-out accuracy (arithmetic
-    on unseen operand pairs included) is printed and recorded in training.json."""
+    """The held-out set of training.json (unseen operand pairs, unseen question phrasings and greetings),
+    answered greedily through the engine with MTP: the accuracy it reports, and MTP acceptance."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=8, max_seq_len=256, mtp=1)
-    items = heldout_set(seed=7, n=70)
+    report = json.loads((BUNDLED_MODEL_DIR / "training.json").read_text())
+    items = heldout_set(seed=report["heldout_seed"], n=report["heldout_items"])
     prompts = [tok.encode(encode_messages([{"role": "user", "content": it["question"]}])) for it in items]
-    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=32))
     right = [parse_completion(s.text, thinking=False)["content"].strip() == it["answer"] for s, it in zip(seqs, items)]
-    facts = [r for r, it in zip(right, items) if it["kind"] in ("capital", "opposite", "animal_sound")]
-    print(f"held-out accuracy {sum(right) / len(right):.2f}, facts {sum(facts) / len(facts):.2f}, "
-          f"MTP acceptance {engine.totals.acceptance_rate:.2f}")
-    assert sum(facts) >= 0.8 * len(facts)        # measured 0.91 (30 of 33) when it was trained
+    facts = [r for r, it in zip(right, items) if it["kind"] not in ("add", "sub")]
+    accuracy = sum(right) / len(right)
+    print(f"held-out accuracy {accuracy:.3f}, facts and greetings {sum(facts) / len(facts):.3f}, "
+          f"MTP acceptance {engine.totals.acceptance_rate:.3f}")
+    # greedy with MTP == plain greedy, so this is training.json's number (up to a near-tie flipped by
+    # another CPU's float rounding)
+    assert abs(accuracy - report["w8a8"]["accuracy"]) <= 2 / len(items)
+    assert accuracy >= 0.8
+    assert sum(facts) >= 0.95 * len(facts)
     assert engine.totals.acceptance_rate >= 0.6

@@ -6,7 +6,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for `scripts.*`
-from scripts.corpus import build_corpus, heldout_set, make_qa, question_types
+from scripts.corpus import (
+    FACTS,
+    GREET_OPENERS,
+    GREET_TAILS,
+    SHARED_FRAMES,
+    build_corpus,
+    heldout_set,
+    make_qa,
+    question_types,
+)
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -94,3 +103,28 @@ def test_bad_arguments():
         make_qa("poetry", random.Random(0), "train")
     with pytest.raises(ValueError, match="unknown split"):
         make_qa("add", random.Random(0), "test")
+
+
+def test_heldout_questions_compose_seen_parts():
+    """A held-out fact frame is seen in training with other relations; a held-out greeting's opener and
+    tail are both seen in training greetings. Only the combination is new."""
+    rng = random.Random(0)
+    train = {kind: {make_qa(kind, rng, "train")[0] for _ in range(3000)} for kind in question_types()}
+    for kind, (table, rel, _, heldout) in FACTS.items():
+        x = next(iter(table))
+        for i in heldout:
+            frame = SHARED_FRAMES[i]
+            assert frame.replace("{rel}", rel).format(x=x) not in train[kind]
+            others = [(k, r) for k, (_, r, _, h) in FACTS.items() if k != kind and i not in h]
+            assert others, (kind, frame)
+            for other, other_rel in others:
+                prefix = frame.replace("{rel}", other_rel).split("{x}")[0]
+                assert any(q.startswith(prefix) for q in train[other]), (other, frame)
+    heldout_greetings = {make_qa("greet", rng, "heldout")[0] for _ in range(500)}
+    assert len(heldout_greetings) >= 5
+    for greeting in heldout_greetings:
+        opener = max((o for o in GREET_OPENERS if greeting.startswith(o)), key=len)
+        tail = greeting[len(opener):]
+        assert tail in GREET_TAILS
+        assert any(g.startswith(opener) for g in train["greet"])
+        assert any(g.endswith(tail) and g != greeting for g in train["greet"])

@@ -33,6 +33,14 @@ def tok(tokenizer_dir):
     return Tokenizer.from_dir(tokenizer_dir)
 
 
+def test_digits_are_single_tokens(tok):
+    """Numbers are spelt digit by digit (sums of unseen operands share the seen digit patterns)."""
+    text = "What is 18 + 217? 18 + 217 = 235."
+    pieces = [tok.decode([i]) for i in tok.encode(text)]
+    assert "".join(pieces) == text
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("1821718217235")
+
+
 def test_special_tokens_are_single_ids(tok):
     assert (tok.bos_id, tok.eos_id, tok.special_ids["<｜▁pad▁｜>"]) == (0, 1, 2)
     assert set(tok.special_ids) == set(SPECIAL_TOKENS)
