@@ -127,6 +127,10 @@ class SlotHistory:
     valid_from: int = 0
     written_to: int = -1
 
+    def trusted_from(self, ring: int) -> int:
+        """The lowest position whose ring rows still hold that position."""
+        return max(self.valid_from, self.written_to - ring + 1)
+
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
@@ -217,9 +221,11 @@ class Engine:
         # the rows the prefill reads before `start` must still be in the rings, not overwritten
         # by later positions of the same slot
         lowest = max(0, start - self.state.lookback)
-        return start if lowest >= max(h.valid_from, h.written_to - self.state.ring + 1) else 0
+        return start if lowest >= h.trusted_from(self.state.ring) else 0
 
     def _record(self, slot: int, tokens: list[int]) -> None:
+        if not self.reuse_prefix:
+            return
         h = self.history[slot]
         h.tokens += tokens
         # trunk rows reach pos + K, MTP chains pos + n_acc + K - 1: both below len + K
@@ -233,9 +239,8 @@ class Engine:
         starts = {i: self._resume_point(self.history[i], seq.prompt_ids) if self.reuse_prefix else 0 for i in free}
         slot = max(free, key=lambda i: (starts[i], -i))
         reused, old = starts[slot], self.history[slot]
-        self.history[slot] = SlotHistory(
-            valid_from=max(old.valid_from, old.written_to - self.state.ring + 1) if reused else 0,
-            written_to=old.written_to if reused else -1)
+        self.history[slot] = (SlotHistory(valid_from=old.trusted_from(self.state.ring), written_to=old.written_to)
+                              if reused else SlotHistory())
         self.slots[slot], seq.slot = seq, slot
         seq.metrics.cached_tokens = reused
         ids = torch.tensor(seq.prompt_ids, device=self.device)
