@@ -65,11 +65,11 @@ def run_config(engine: Engine, prompts, max_tokens: int) -> dict:
 
 def float_copy(engine: Engine, out_dir) -> None:
     """The engine's weights in the official float layout (W8A8 linears dequantised), for transformers."""
-    tensors = {}
-    for name, t in engine.model.state_dict().items():
+    tensors, state = {}, engine.model.state_dict()      # one state_dict: packed int8 weights unpack on the way
+    for name, t in state.items():
         if name.endswith("weight_scale"):
             continue
-        scale = engine.model.state_dict().get(name[: -len("weight")] + "weight_scale")
+        scale = state.get(name[: -len("weight")] + "weight_scale")
         tensors[name] = t.float() * scale.float() if t.dtype == torch.int8 else t.float()
     config = {k: v for k, v in engine.model.cfg.raw.items() if k != "quantization_config"}
     save_checkpoint(tensors, config, out_dir)

@@ -197,6 +197,26 @@ def test_stacked_experts_give_the_same_greedy_tokens(model, tok):
         assert [s.output_ids for s in grouped] == host
 
 
+def test_rows_without_filters_skip_the_vocabulary_sort(model, tok, monkeypatch):
+    """Greedy and plain-temperature rows give the same distributions unsorted; a step sorts the
+    vocabulary only when some running request filters by top-k, top-p or min-p."""
+    sp = SlotParams(3, 50, "cpu")
+    sp.set(0, SamplingParams(temperature=0), 0, torch.tensor([1]))
+    sp.set(1, SamplingParams(temperature=0.7, repetition_penalty=1.3), 0, torch.tensor([2, 3]))
+    sp.set(2, SamplingParams(temperature=1.5, presence_penalty=0.5), 0, torch.tensor([4]))
+    logits, counts = torch.randn(3, 2, 50), torch.randint(0, 3, (3, 2, 50)).float()
+    torch.testing.assert_close(target_probs(logits, sp, slice(0, 3), counts, sort=False),
+                               target_probs(logits, sp, slice(0, 3), counts), rtol=1e-6, atol=1e-7)
+    sorts = []
+    orig = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **kw: sorts.append(t.shape[-1]) or orig(t, *a, **kw))
+    for params, sorted_vocab in ((SamplingParams(temperature=0.8, max_tokens=4), False),
+                                 (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4), True)):
+        sorts.clear()
+        Engine(model, tok, max_batch=2, max_seq_len=128, mtp=1).generate(prompts([5, 9], tok.vocab_size), params)
+        assert (tok.vocab_size in sorts or model.cfg.vocab_size in sorts) == sorted_vocab
+
+
 def test_penalties():
     sp = SlotParams(3, 4, "cpu")
     logits = torch.tensor([[2.0, 1.0, -1.0, 0.5]]).expand(3, 1, 4)

@@ -17,7 +17,7 @@ from dsv4cli.model import DecodeState, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .graphs import StepGraphs
-from .sampling import SamplingParams, SlotParams, sample_from, target_probs, uniform, verify
+from .sampling import SamplingParams, SlotParams, needs_sort, sample_from, target_probs, uniform, verify
 
 
 @dataclass
@@ -255,7 +255,7 @@ class Engine:
                 nxt = ids[None, a + 1:b + 1]
             else:
                 probs = target_probs(logits, self.params, slice(slot, slot + 1),
-                                     self.params.output_counts[slot:slot + 1, None])
+                                     self.params.output_counts[slot:slot + 1, None], needs_sort([seq.params]))
                 first = sample_from(probs[:, 0], uniform(self.params.seed[slot:slot + 1], start + b - 1 - a, 2))
                 nxt = torch.cat([ids[None, a + 1:b], first[:, None]], 1)
             if self.k:   # the MTP layer sees every prompt row so its window has no holes
@@ -279,9 +279,10 @@ class Engine:
             drafts.append(draft)
         return torch.stack(drafts, 1)
 
-    def _device_step(self, nb: int, context: int) -> torch.Tensor:
+    def _device_step(self, nb: int, context: int, sort: bool = True) -> torch.Tensor:
         """The fused step on the device for slots [0, nb): verify the drafts, commit, draft again.
-        Reads and writes only preallocated tensors, so it can be captured as a graph.
+        Reads and writes only preallocated tensors, so it can be captured as a graph. `sort`: some
+        row filters by top-k / top-p / min-p and needs the vocabulary sorted.
         Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts."""
         b = slice(0, nb)
         k = self.k
@@ -295,7 +296,7 @@ class Engine:
         if k:
             onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
             counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
-        probs = target_probs(logits, self.params, b, counts)
+        probs = target_probs(logits, self.params, b, counts, sort)
         tokens, n_acc = verify(probs, drafts, self.params.seed[b], pos)
         if k:
             # MTP over every verified row: row p takes t_{p+1}, the committed token where there is one
@@ -314,7 +315,7 @@ class Engine:
     @torch.no_grad()
     def _decode(self) -> list[Event]:
         nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
-        key = (nb, self._context_bound(nb))
+        key = (nb, self._context_bound(nb), needs_sort([s.params for s in self.slots[:nb] if s is not None]))
         step = lambda: self._device_step(*key)  # noqa: E731
         packed = (step() if self.graphs is None else self.graphs.run(key, step)).tolist()   # the one host sync
         k = self.k

@@ -61,9 +61,16 @@ def uniform(seed: torch.Tensor, pos: torch.Tensor, purpose: int) -> torch.Tensor
     return ((x >> 11) & ((1 << 53) - 1)).double().mul(2.0 ** -53).float()
 
 
-def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:
+def needs_sort(params: list[SamplingParams]) -> bool:
+    """Whether any sampled request filters by rank or mass (top-k, top-p, min-p): only those need the
+    vocabulary sorted. Decided on the host for a step's requests, so each step's shapes are static."""
+    return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
+
+
+def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor, sort: bool = True):
     """The distribution each row samples from: penalties, then greedy one-hot or temperature,
-    top-k, top-p and min-p filtering. logits [B,R,V] fp32; counts [B,R,V] output-token counts."""
+    top-k, top-p and min-p filtering. logits [B,R,V] fp32; counts [B,R,V] output-token counts.
+    With `sort` False (no row filters) greedy rows take the argmax and the rest a plain softmax."""
     rep, pres, freq = sp.rep[b, None, None], sp.presence[b, None, None], sp.frequency[b, None, None]
     seen = sp.prompt_mask[b, None] | (counts > 0)
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -71,6 +78,9 @@ def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.T
     temp = sp.temperature[b, None, None]
     greedy = temp == 0
     logits = logits / torch.where(greedy, 1.0, temp)
+    if not sort:
+        top = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.where(greedy, top, logits.softmax(-1))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(-1)
     rank = torch.arange(logits.shape[-1], device=logits.device)

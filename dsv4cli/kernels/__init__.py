@@ -76,8 +76,16 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None):
     return backend(x.device.type).grouped_experts(x, weights, local, experts, xq)
 
 
-def attention(q, kv, bias, sink, scale):
-    return backend(q.device.type).attention(q, kv, bias, sink, scale)
+def sparse_attention(q, sources, sink, scale):
+    return backend(q.device.type).sparse_attention(q, sources, sink, scale)
+
+
+def indexer_scores(q, keys, weights):
+    return backend(q.device.type).indexer_scores(q, keys, weights)
+
+
+def topk_blocks(scores, closed, k):
+    return backend(scores.device.type).topk_blocks(scores, closed, k)
 
 
 def moe_gate(x, weight, bias, tid2eid, input_ids, topk, func, route_scale):

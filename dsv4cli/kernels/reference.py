@@ -105,18 +105,69 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return y.to(x.dtype).view(*shape[:-1], -1)
 
 
-def attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sink: torch.Tensor, scale: float):
-    """Multi-query attention with a per-head sink logit in the denominator.
+def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Multi-query attention over several KV sources read in place, one softmax across them all, with
+    a per-head sink logit in the denominator (it adds exp(sink) there and contributes no value).
 
-    q [B,S,H,D], kv [B,N,D] (K = V), bias [B,S,N] (0 or -inf), sink [H]. The sink adds
-    exp(sink) to the softmax denominator and contributes no value.
-    """
-    s = torch.einsum("bshd,bnd->bshn", q.float(), kv.float()) * scale + bias.unsqueeze(2)
+    q [B,S,H,D]; each source is (kv [B,N,D] (K = V), mask, idx): with idx None the whole of kv is
+    read and mask [B,S,N] says which rows each query sees; with idx [B,S,M] each query reads only the
+    rows idx of kv, and mask [B,S,M] says which of those count. Only the small logits are joined,
+    never the caches."""
+    qf = q.float()
+    logits, values = [], []
+    for kv, mask, idx in sources:
+        if idx is None:
+            s = torch.einsum("bshd,bnd->bshn", qf, kv.float())
+            values.append((kv, "bshn,bnd->bshd"))
+        else:
+            rows = kv[torch.arange(kv.shape[0], device=kv.device)[:, None, None], idx.clamp(0, kv.shape[1] - 1)]
+            s = torch.einsum("bshd,bsmd->bshm", qf, rows.float())
+            values.append((rows, "bshm,bsmd->bshd"))
+        logits.append((s * scale).masked_fill(~mask[:, :, None], float("-inf")))
+    s = torch.cat(logits, dim=-1)
     sink = sink.float().view(1, 1, -1, 1)
     m = torch.maximum(s.amax(-1, keepdim=True), sink)
     p = torch.exp(s - m)
     p = p / (p.sum(-1, keepdim=True) + torch.exp(sink - m))
-    return torch.einsum("bshn,bnd->bshd", p, kv.float()).to(q.dtype)
+    parts = p.split([t.shape[-1] for t in logits], dim=-1)
+    o = sum(torch.einsum(eq, w, kv.float()) for (kv, eq), w in zip(values, parts))
+    return o.to(q.dtype)
+
+
+# Elements of the indexer's [rows x heads x blocks] products held at once: the scan goes through
+# the keys in slices small enough that its intermediate stays in cache.
+INDEXER_SLICE = 1 << 20
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Lightning-indexer scores sum_h weights[h] * relu(q_h . k_t) of every block t.
+
+    q [B,S,H,D], keys [B,T,D] (read in place, in slices), weights [B,S,H] fp32 -> [B,S,T] fp32."""
+    B, S, H, D = q.shape
+    T = keys.shape[1]
+    qf, w = q.float().reshape(B, S * H, D), weights.float().reshape(B * S, 1, H)
+    out = torch.empty(B, S, T, device=q.device, dtype=torch.float32)
+    step = max(INDEXER_SLICE // (S * H), 1)
+    for a in range(0, T, step):
+        b = min(a + step, T)
+        dots = torch.bmm(qf, keys[:, a:b].float().transpose(1, 2)).relu_()            # [B, S*H, n]
+        out[:, :, a:b] = torch.bmm(w, dots.view(B * S, H, b - a)).view(B, S, b - a)
+    return out
+
+
+def topk_blocks(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
+    """The k best blocks per query, best first, among blocks t < closed[b,s]; ties go to the lower
+    block index, so the choice depends neither on how many blocks the cache holds nor on the call's
+    other rows. Where fewer than k blocks are closed, the rest of the row is the lowest unclosed ones.
+
+    scores [B,S,T] fp32, closed [B,S] -> [B,S,k] int64. One exact top-k over int64 keys: the score's
+    bits mapped to an order-preserving integer, then the reversed block index."""
+    T = scores.shape[-1]
+    t = torch.arange(T, device=scores.device)
+    scores = torch.where(t < closed[..., None], scores + 0.0, float("-inf"))       # + 0.0: -0.0 ties +0.0
+    bits = scores.view(torch.int32).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                        # monotone in the score
+    return ((ordered << 32) | (T - 1 - t)).topk(k, dim=-1).indices
 
 
 def score(logits: torch.Tensor, func: str) -> torch.Tensor:

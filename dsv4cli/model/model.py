@@ -208,12 +208,21 @@ class CompressPlan:
         block_pos = (block.clamp(min=0) * r).clamp(max=table[0].shape[0] - 1)
         self.cos, self.sin = table[0][block_pos], table[1][block_pos]
         cand = row_pos[..., None] - (coff * r - 1) + torch.arange(coff * r, device=pos.device)  # [B,n,coff*r]
-        from_ring = cand < start[:, None, None]
-        self.src = torch.where(from_ring, cand % ring, ring + cand - start[:, None, None]).clamp(0, ring + S - 1)
+        self.from_ring = (cand < start[:, None, None])[..., None]
+        self.ring_row = (cand % ring).flatten(1)[..., None]
+        self.chunk_row = (cand - start[:, None, None]).clamp(0, S - 1).flatten(1)[..., None]
         self.cand_valid = cand >= 0
-        self.n_visible = visible_blocks                       # blocks attention reads: a static bound
-        visible = torch.arange(visible_blocks, device=pos.device) < ((pos + 1) // r)[..., None]  # [B,S,T]
-        self.causal = torch.zeros(visible.shape, device=pos.device).masked_fill(~visible, NEG_INF)
+        self.n_visible = visible_blocks                       # blocks a call may read: a static bound
+        self.closed = (pos + 1) // r                          # [B,S] blocks closed before each query
+
+
+    def candidates(self, ring: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+        """[B,n,coff*r,C]: each closing block's candidate rows, from the ring (earlier calls) or from
+        this chunk's rows, read in place."""
+        B, n, c = *self.cand_valid.shape[:2], self.cand_valid.shape[2]
+        from_ring = ring.gather(1, self.ring_row.expand(-1, -1, ring.shape[-1]))
+        from_chunk = chunk.gather(1, self.chunk_row.expand(-1, -1, chunk.shape[-1]))
+        return torch.where(self.from_ring, from_ring.view(B, n, c, -1), from_chunk.view(B, n, c, -1))
 
 
 class Step:
@@ -231,11 +240,9 @@ class Step:
         R, W = state.ring, cfg.window_size
         q = self.pos[..., None]
         slot_pos = q - (q - torch.arange(R, device=dev)) % R                    # position held by each slot
-        ring_ok = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])
+        self.ring_mask = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])   # [B,S,R]
         chunk_pos = self.pos[:, None, :]
-        chunk_ok = (chunk_pos <= q) & (chunk_pos > q - W)
-        ok = torch.cat([ring_ok, chunk_ok], dim=-1)
-        self.win_bias = torch.zeros(ok.shape, device=dev).masked_fill(~ok, NEG_INF)   # [B,S,R+S]
+        self.chunk_mask = (chunk_pos <= q) & (chunk_pos > q - W)                                   # [B,S,S]
         keep = min(S, R)
         self.write_rows = slice(S - keep, S)
         self.write_slot = self.pos[:, S - keep:] % R
@@ -281,12 +288,7 @@ class Compressor(nn.Module):
         B, r, d = step.B, self.ratio, self.head_dim
         kv = F.linear(x.float(), self.wkv.weight.float())
         gate = F.linear(x.float(), self.wgate.weight.float()) + self.ape[step.pos % r]
-        src_kv = torch.cat([ring_kv[:B], kv], dim=1)
-        src_gate = torch.cat([ring_gate[:B], gate], dim=1)
-        n, c = plan.src.shape[1], plan.src.shape[2]
-        idx = plan.src.reshape(B, n * c, 1).expand(-1, -1, src_kv.shape[-1])
-        cand_kv = src_kv.gather(1, idx).view(B, n, c, -1)
-        cand_gate = src_gate.gather(1, idx).view(B, n, c, -1)
+        cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
         cand_gate = cand_gate.masked_fill(~plan.cand_valid[..., None], NEG_INF)
         if self.coff == 2:   # earlier block's tokens give their first half, this block's their second
             cand_kv = torch.cat([cand_kv[:, :, :r, :d], cand_kv[:, :, r:, d:]], dim=2)
@@ -311,20 +313,17 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim)
 
     def forward(self, x, qr, step: Step, cache: LayerCache) -> torch.Tensor:
+        """The blocks each query attends to: [B,S,k] block indices, k = min(index_topk, the blocks a
+        call may read), best first; ties go to the lower block index. Where fewer blocks are closed
+        than k, the surplus indices point at blocks the query must not see (the attention masks them)."""
         B, S = step.B, step.S
         self.compressor(x, step, cache.idx_kv, cache.idx_gate, cache.idx_cmp)
         cos, sin = step.rope["compress"]
         q = kernels.rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        keys = cache.idx_cmp[:B, : step.plans[4].n_visible]
+        plan = step.plans[4]
         w = self.weights_proj(x).float() * self.scale
-        scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float()).relu()
-        scores = all_reduce((scores * w[..., None]).sum(dim=2))                  # [B,S,T]
-        causal = step.plans[4].causal
-        # A stable sort breaks ties (blocks whose heads are all relu-zero) by block index, so the
-        # choice doesn't depend on the cache length or the number of rows in the call.
-        top = (scores + causal).sort(dim=-1, descending=True, stable=True).indices[..., : self.topk]
-        chosen = torch.full_like(scores, NEG_INF).scatter_(-1, top, 0.0)
-        return chosen + causal
+        scores = all_reduce(kernels.indexer_scores(q, cache.idx_cmp[:B, : plan.n_visible], w))   # [B,S,T]
+        return kernels.topk_blocks(scores, plan.closed, min(self.topk, plan.n_visible))
 
 
 class Attention(nn.Module):
@@ -357,12 +356,19 @@ class Attention(nn.Module):
         q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
         q = kernels.rope(kernels.rms_norm(q, None, self.eps), cos, sin)
         kv = kernels.rope(self.kv_norm(self.wkv(x)), cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
-        keys, bias = [cache.win[:B], kv], [step.win_bias]
+        # KV read in place: the window ring, this chunk's rows, and the compressed blocks (CSA: the
+        # indexer's top-k, gathered by index; HCA: every closed block)
+        sources = [(cache.win[:B], step.ring_mask, None), (kv, step.chunk_mask, None)]
         if self.ratio:
             self.compressor(x, step, cache.cmp_kv, cache.cmp_gate, cache.cmp)
-            keys.append(cache.cmp[:B, : step.plans[self.ratio].n_visible])
-            bias.append(self.indexer(x, qr, step, cache) if self.ratio == 4 else step.plans[self.ratio].causal)
-        o = kernels.attention(q, torch.cat(keys, 1), torch.cat(bias, -1), self.attn_sink, self.scale)
+            plan = step.plans[self.ratio]
+            if self.ratio == 4:
+                top = self.indexer(x, qr, step, cache)
+                sources.append((cache.cmp[:B], top < plan.closed[..., None], top))
+            else:
+                visible = torch.arange(plan.n_visible, device=x.device) < plan.closed[..., None]
+                sources.append((cache.cmp[:B, : plan.n_visible], visible, None))
+        o = kernels.sparse_attention(q, sources, self.attn_sink, self.scale)
         step.write_ring(cache.win, kv)
         o = kernels.rope(o, cos, -sin).reshape(B, S, self.n_groups, -1)      # undo RoPE at the query position
         wo_a = self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1)

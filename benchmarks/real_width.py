@@ -1,0 +1,354 @@
+"""The fused decode step at DeepSeek V4 Flash's real widths, against the memory roofline.
+
+    python benchmarks/real_width.py [--layers 4,128] [--experts 64] [--vocab 129280] [--threads 1]
+        [--batches 1,8] [--depths 0,1] [--contexts 1024] [--reps 5] [--out FILE.json]
+
+The model has V4 Flash's widths (hidden 4096, 64 heads x 512, q/o rank 1024, 8 output groups,
+experts of width 2048 with 6 routed per token, the indexer's 64 x 128 heads and top-512, vocabulary
+129,280) and the layers given by `--layers` (compress ratios: 0 window-only, 4 CSA, 128 HCA) plus
+the MTP layer, with random W8A8 weights built in memory (no files). The decode state is filled
+with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
+
+Each (batch, MTP depth, context) runs the engine's fused step (trunk, sampling, verification, MTP
+drafting) `--reps` times; its time is split into attention, MoE, LM head and the rest (mHC, norms,
+embedding, sampling, MTP projections). The bytes each part must read are counted per call: the
+weights it uses (for the MoE: gate, shared expert and only the routed experts), and the decode
+state a query reads (window, compressor rings, indexer keys, the CSA top-k or all HCA blocks).
+They are counted as the tensors are held in memory and as stored (int8, fp32 scales, bf16).
+The bandwidth is measured in the same process by streaming reads of a buffer at least 4x the
+last-level cache with the same thread count; roofline = (bytes / bandwidth) / time. The 43-layer
+estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
+layers counted as HCA, slightly over) and keeps the rest of the step (head, MTP, sampling) once.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dsv4cli import kernels
+from dsv4cli.engine import Engine
+from dsv4cli.model import ModelConfig, Transformer
+from dsv4cli.model.loader import keep_fp32
+from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
+from dsv4cli.model.quant import FP32_TENSORS, is_w8a8_linear
+
+V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "num_nextn_predict_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_lora_rank": 1024, "o_groups": 8,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5, "num_hash_layers": 0, "swiglu_limit": 10.0, "hidden_act": "silu",
+    "sliding_window": 128, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+}
+V4_FLASH_CSA, V4_FLASH_OTHER = 21, 22     # of its 43 layers: ratio 4, and ratio 128 or window-only
+
+
+def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
+    """V4-shaped model with random weights: the W8A8 recipe's linears int8 + per-channel scales,
+    the rest float (fp32 where the checkpoints keep fp32), materialised tensor by tensor."""
+    with torch.device("meta"):
+        model = Transformer(ModelConfig.from_dict(cfg))
+    g = torch.Generator().manual_seed(0)
+    for name, module in model.named_modules():
+        for attr, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            full = f"{name}.{attr}"
+            if isinstance(module, Linear) and attr == "weight" and is_w8a8_linear(name):
+                module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8),
+                                             requires_grad=False)
+                # int8 uniform codes have std ~73: scale to ~1/sqrt(in) per weight
+                scale = torch.full((p.shape[0], 1), 1 / (73 * math.sqrt(p.shape[1])))
+                module.weight_scale = nn.Parameter(scale, requires_grad=False)
+                continue
+            t = torch.empty(p.shape, dtype=torch.float32 if keep_fp32(full) else dtype)
+            if full.endswith(("norm.weight", "_scale")):
+                t.fill_(1.0)
+            elif full.endswith(("_base", ".ape", "attn_sink", "gate.bias")):
+                t.zero_()
+            else:
+                t.normal_(0, 1 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1.0, generator=g)
+            module._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    return model.eval().prepare()
+
+
+def held_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def stored_bytes(name: str, t: torch.Tensor) -> int:
+    """Bytes in the W8A8 checkpoint: int8 weights, fp32 scales and FP32_TENSORS, other floats bf16."""
+    if t.dtype == torch.int8 or name.endswith("weight_scale") or any(k in name for k in FP32_TENSORS):
+        return held_bytes(t)
+    return t.numel() * 2
+
+
+def weight_bytes(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> tuple[int, int]:
+    """(held, stored) bytes of a module's parameters, leaving out those of the `skip` submodules."""
+    skipped = {id(p) for m in skip if m is not None for p in m.parameters()}
+    params = [(n, p) for n, p in module.named_parameters() if id(p) not in skipped]
+    return sum(held_bytes(p) for _, p in params), sum(stored_bytes(n, p) for n, p in params)
+
+
+def stream_bandwidth(threads: int) -> float:
+    """Best bytes/s of plain streaming reads over a buffer >= 4x the last-level cache (and >= 1 GiB)."""
+    llc = 32 << 20
+    for index in range(5, -1, -1):
+        path = Path(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size")
+        if path.exists():
+            text = path.read_text().strip()
+            llc = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+            break
+    n = max(4 * llc, 1 << 30)
+    buf = torch.ones(n, dtype=torch.int8)
+    best = 0.0
+    for read in (lambda: buf.amax(), lambda: buf.view(torch.float64).sum(), lambda: buf.view(torch.int64).sum()):
+        read()
+        for _ in range(3):
+            t = time.perf_counter()
+            read()
+            best = max(best, n / (time.perf_counter() - t))
+    return best
+
+
+class StepProfile:
+    """Wraps the model's attention, MoE, head and blocks to time each call and count what it must read."""
+
+    def __init__(self, model: Transformer, cfg: ModelConfig):
+        self.cfg, self.model = cfg, model
+        self.time = defaultdict(float)
+        self.bytes = defaultdict(lambda: [0, 0])        # part -> [held, stored]
+        self.block_time = defaultdict(list)             # layer kind -> seconds per trunk block call
+        self.block_bytes = defaultdict(list)
+        self.core_time = defaultdict(float)             # attention kind -> seconds in its core kernels
+        self.core_bytes = defaultdict(int)
+        self.batch_rows, self.context, self._kind = 1, 0, None
+        self._patches = []
+        experts = model.layers[0].ffn.local_experts()[0]
+        self.expert = weight_bytes(experts)
+        self.kind = {id(b): ("csa" if r == 4 else "hca" if r == 128 else "swa")
+                     for b, r in zip(model.layers, cfg.compress_ratios)}
+
+    def _wrap(self, cls, fn):
+        orig = cls.forward
+
+        def forward(module, *args, **kw):
+            return fn(module, orig, args, kw)
+
+        cls.forward = forward
+        self._patches.append((cls, orig))
+
+    def _wrap_kernel(self, name):
+        orig = getattr(kernels, name)
+
+        def kernel(*args, **kw):
+            t = time.perf_counter()
+            out = orig(*args, **kw)
+            self.core_time[self._kind] += time.perf_counter() - t
+            return out
+
+        setattr(kernels, name, kernel)
+        self._patches.append((kernels, orig, name))
+
+    def __enter__(self):
+        prof = self
+
+        def attention(module, orig, args, kw):
+            prof._kind = {4: "csa", 128: "hca"}.get(module.ratio, "swa")
+            state = prof._state_bytes(module)
+            prof.core_bytes[prof._kind] += state[0]
+            t = time.perf_counter()
+            out = orig(module, *args, **kw)
+            prof._add("attention", time.perf_counter() - t, weight_bytes(module), state)
+            return out
+
+        def moe(module, orig, args, kw):
+            prof._routed = set()
+            t = time.perf_counter()
+            out = orig(module, *args, **kw)
+            held, stored = weight_bytes(module, skip=tuple(module.local_experts()))
+            n = len(prof._routed)
+            prof._add("moe", time.perf_counter() - t, (held + n * prof.expert[0], stored + n * prof.expert[1]))
+            return out
+
+        def gate(module, orig, args, kw):
+            weights, idx = orig(module, *args, **kw)
+            prof._routed |= set(idx.flatten().tolist())
+            return weights, idx
+
+        def head(module, orig, args, kw):
+            t = time.perf_counter()
+            out = orig(module, *args, **kw)
+            prof._add("head", time.perf_counter() - t, weight_bytes(module))
+            return out
+
+        def block(module, orig, args, kw):
+            before = {k: list(v) for k, v in prof.bytes.items()}
+            t = time.perf_counter()
+            out = orig(module, *args, **kw)
+            dt = time.perf_counter() - t
+            held, stored = weight_bytes(module, skip=(module.attn, module.ffn))
+            prof.bytes["other"][0] += held
+            prof.bytes["other"][1] += stored
+            if id(module) in prof.kind:      # trunk blocks: kept per kind for the 43-layer estimate
+                grown = [sum(prof.bytes[k][i] - before.get(k, [0, 0])[i] for k in prof.bytes) for i in (0, 1)]
+                prof.block_time[prof.kind[id(module)]].append(dt)
+                prof.block_bytes[prof.kind[id(module)]].append(grown)
+            return out
+
+        self._wrap(Attention, attention)
+        self._wrap(MoE, moe)
+        self._wrap(Gate, gate)
+        self._wrap(ParallelHead, head)
+        self._wrap(Block, block)
+        # the attention core: indexer scan and top-k, attention over the gathered / visible blocks
+        for name in ("indexer_scores", "topk_blocks", "sparse_attention"):
+            self._wrap_kernel(name)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, orig, *name in reversed(self._patches):
+            setattr(owner, name[0] if name else "forward", orig)
+
+    def _add(self, part, seconds, weights, state=(0, 0)):
+        self.time[part] += seconds
+        self.bytes[part][0] += weights[0] + state[0]
+        self.bytes[part][1] += weights[1] + state[1]
+
+    def _state_bytes(self, attn: Attention) -> tuple[int, int]:
+        """Decode state one call must read, per sequence: the window and the compressed blocks it
+        attends to (the indexer's top-k for CSA, plus the indexer's keys of every visible block;
+        every visible block for HCA). The compressor's ring rows, read when a block closes, are
+        left out (under 1% of this)."""
+        c, held_el = self.cfg, self.model.dtype.itemsize
+        ctx, r = self.context, attn.ratio
+        values = c.window_size * c.head_dim
+        if r == 4:
+            values += min(c.index_topk, ctx // 4) * c.head_dim + ctx // 4 * c.index_head_dim
+        elif r == 128:
+            values += ctx // 128 * c.head_dim
+        return self.batch_rows * values * held_el, self.batch_rows * values * 2
+
+    def reset(self):
+        self.core_time.clear()
+        self.core_bytes.clear()
+        self.time.clear()
+        self.bytes.clear()
+        self.block_time.clear()
+        self.block_bytes.clear()
+
+
+def run(model, cfg, batch, depth, context, reps, bw) -> dict:
+    engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
+    g = torch.Generator().manual_seed(1)
+    for cache in engine.state.layers + engine.state.mtp:
+        for t in cache.tensors():
+            t.normal_(0, 1, generator=g)
+    vocab = cfg.vocab_size
+    bound = -(-(context + depth + 1) // 512) * 512
+    steps, parts = [], []
+    with StepProfile(model, cfg) as prof:
+        prof.batch_rows, prof.context = batch, context
+        for rep in range(reps + 1):                      # the first is a warm-up
+            engine.pos.fill_(context - 1)
+            engine.last.copy_(torch.randint(0, vocab, (batch,), generator=g))
+            engine.drafts.copy_(torch.randint(0, vocab, engine.drafts.shape, generator=g))
+            prof.reset()
+            t = time.perf_counter()
+            with torch.no_grad():
+                engine._device_step(batch, bound)
+            dt = time.perf_counter() - t
+            if rep:
+                steps.append(dt)
+                parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
+                              {k: list(v) for k, v in prof.block_time.items()},
+                              {k: list(v) for k, v in prof.block_bytes.items()},
+                              dict(prof.core_time), dict(prof.core_bytes)))
+    mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
+    median = steps[mid]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes = parts[mid]
+    times["other"] = median - sum(times.values())
+    total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
+
+    def roof(b, t):
+        return round(b / bw / t, 3) if t > 0 else None
+
+    result = {
+        "batch": batch, "mtp": depth, "context": context, "rows_per_step": batch * (depth + 1),
+        "step_ms": {"min": round(min(steps) * 1e3, 2), "median": round(median * 1e3, 2)},
+        "bytes_held": total[0], "bytes_stored": total[1], "roofline": roof(total[0], median),
+        "parts": {p: {"ms": round(times.get(p, 0.0) * 1e3, 2), "bytes_held": nbytes.get(p, [0, 0])[0],
+                      "bytes_stored": nbytes.get(p, [0, 0])[1], "roofline": roof(nbytes.get(p, [0, 0])[0],
+                                                                                  times.get(p, 0.0))}
+                  for p in ("attention", "moe", "head", "other")},
+        # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
+        # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
+        "attention_core": {k: {"ms": round(core_time[k] * 1e3, 3), "bytes_held": core_bytes[k],
+                               "roofline": roof(core_bytes[k], core_time[k])} for k in sorted(core_time)},
+    }
+    if "csa" in block_time and "hca" in block_time:
+        rest_t = median - sum(sum(v) for v in block_time.values())
+        rest_b = total[0] - sum(b[0] for v in block_bytes.values() for b in v)
+        t43 = V4_FLASH_CSA * block_time["csa"][0] + V4_FLASH_OTHER * block_time["hca"][0] + rest_t
+        b43 = V4_FLASH_CSA * block_bytes["csa"][0][0] + V4_FLASH_OTHER * block_bytes["hca"][0][0] + rest_b
+        result["v4_flash_43_layers"] = {"step_ms": round(t43 * 1e3, 1), "bytes_held": b43, "roofline": roof(b43, t43),
+                                        "tokens_per_s": round(batch * (depth + 1) / t43, 2) if depth == 0 else None}
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="4,128", help="compress ratios of the trunk layers")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--depths", default="0,1")
+    ap.add_argument("--contexts", default="1024")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    ratios = [int(r) for r in a.layers.split(",")]
+    cfg = {**V4_FLASH, "num_hidden_layers": len(ratios), "compress_ratios": ratios + [0],
+           "n_routed_experts": a.experts, "vocab_size": a.vocab}
+    t = time.perf_counter()
+    model = build_model(cfg, getattr(torch, a.dtype))
+    built = time.perf_counter() - t
+    bw = stream_bandwidth(a.threads)
+    print(f"model built in {built:.1f} s; stream read {bw / 1e9:.2f} GB/s with {a.threads} thread(s)")
+    results = []
+    for context in [int(c) for c in a.contexts.split(",")]:
+        for batch in [int(b) for b in a.batches.split(",")]:
+            for depth in [int(d) for d in a.depths.split(",")]:
+                r = run(model, model.cfg, batch, depth, context, a.reps, bw)
+                parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
+                core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']})" for k, v in r["attention_core"].items())
+                print(f"ctx {context} batch {batch} K {depth}: step {r['step_ms']['median']} ms, roofline "
+                      f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}")
+                results.append(r)
+    report = {"benchmark": "real_width", "machine": {"cpu": platform.processor() or platform.machine(),
+                                                     "cores": os.cpu_count(), "threads": a.threads},
+              "stream_read_gb_s": round(bw / 1e9, 3), "dtype": a.dtype, "layers": ratios,
+              "experts": a.experts, "vocab": a.vocab, "results": results}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
