@@ -54,6 +54,14 @@ V4_FLASH = {
     "max_position_embeddings": 1048576, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
 }
 V4_FLASH_CSA, V4_FLASH_OTHER = 21, 22     # of its 43 layers: ratio 4, and ratio 128 or window-only
+DEVICE = torch.device("cpu")
+
+
+def clock() -> float:
+    """Seconds, after the device has finished what was queued (accelerators run asynchronously)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
@@ -61,20 +69,21 @@ def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
     the rest float (fp32 where the checkpoints keep fp32), materialised tensor by tensor."""
     with torch.device("meta"):
         model = Transformer(ModelConfig.from_dict(cfg))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(DEVICE).manual_seed(0)
     for name, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is None:
                 continue
             full = f"{name}.{attr}"
             if isinstance(module, Linear) and attr == "weight" and is_w8a8_linear(name):
-                module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8),
+                module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8,
+                                                           device=DEVICE),
                                              requires_grad=False)
                 # int8 uniform codes have std ~73: scale to ~1/sqrt(in) per weight
-                scale = torch.full((p.shape[0], 1), 1 / (73 * math.sqrt(p.shape[1])))
+                scale = torch.full((p.shape[0], 1), 1 / (73 * math.sqrt(p.shape[1])), device=DEVICE)
                 module.weight_scale = nn.Parameter(scale, requires_grad=False)
                 continue
-            t = torch.empty(p.shape, dtype=torch.float32 if keep_fp32(full) else dtype)
+            t = torch.empty(p.shape, dtype=torch.float32 if keep_fp32(full) else dtype, device=DEVICE)
             if full.endswith(("norm.weight", "_scale")):
                 t.fill_(1.0)
             elif full.endswith(("_base", ".ape", "attn_sink", "gate.bias")):
@@ -82,7 +91,8 @@ def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
             else:
                 t.normal_(0, 1 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1.0, generator=g)
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
-    return model.eval().prepare()
+    model.eval()
+    return model.prepare() if hasattr(model, "prepare") else model    # (an older checkout, for before/after)
 
 
 def held_bytes(t: torch.Tensor) -> int:
@@ -113,14 +123,14 @@ def stream_bandwidth(threads: int) -> float:
             llc = int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
             break
     n = max(4 * llc, 1 << 30)
-    buf = torch.ones(n, dtype=torch.int8)
+    buf = torch.ones(n, dtype=torch.int8, device=DEVICE)
     best = 0.0
     for read in (lambda: buf.amax(), lambda: buf.view(torch.float64).sum(), lambda: buf.view(torch.int64).sum()):
         read()
         for _ in range(3):
-            t = time.perf_counter()
+            t = clock()
             read()
-            best = max(best, n / (time.perf_counter() - t))
+            best = max(best, n / (clock() - t))
     return best
 
 
@@ -155,9 +165,9 @@ class StepProfile:
         orig = getattr(kernels, name)
 
         def kernel(*args, **kw):
-            t = time.perf_counter()
+            t = clock()
             out = orig(*args, **kw)
-            self.core_time[self._kind] += time.perf_counter() - t
+            self.core_time[self._kind] += clock() - t
             return out
 
         setattr(kernels, name, kernel)
@@ -170,18 +180,18 @@ class StepProfile:
             prof._kind = {4: "csa", 128: "hca"}.get(module.ratio, "swa")
             state = prof._state_bytes(module)
             prof.core_bytes[prof._kind] += state[0]
-            t = time.perf_counter()
+            t = clock()
             out = orig(module, *args, **kw)
-            prof._add("attention", time.perf_counter() - t, weight_bytes(module), state)
+            prof._add("attention", clock() - t, weight_bytes(module), state)
             return out
 
         def moe(module, orig, args, kw):
             prof._routed = set()
-            t = time.perf_counter()
+            t = clock()
             out = orig(module, *args, **kw)
             held, stored = weight_bytes(module, skip=tuple(module.local_experts()))
             n = len(prof._routed)
-            prof._add("moe", time.perf_counter() - t, (held + n * prof.expert[0], stored + n * prof.expert[1]))
+            prof._add("moe", clock() - t, (held + n * prof.expert[0], stored + n * prof.expert[1]))
             return out
 
         def gate(module, orig, args, kw):
@@ -190,16 +200,16 @@ class StepProfile:
             return weights, idx
 
         def head(module, orig, args, kw):
-            t = time.perf_counter()
+            t = clock()
             out = orig(module, *args, **kw)
-            prof._add("head", time.perf_counter() - t, weight_bytes(module))
+            prof._add("head", clock() - t, weight_bytes(module))
             return out
 
         def block(module, orig, args, kw):
             before = {k: list(v) for k, v in prof.bytes.items()}
-            t = time.perf_counter()
+            t = clock()
             out = orig(module, *args, **kw)
-            dt = time.perf_counter() - t
+            dt = clock() - t
             held, stored = weight_bytes(module, skip=(module.attn, module.ffn))
             prof.bytes["other"][0] += held
             prof.bytes["other"][1] += stored
@@ -215,8 +225,9 @@ class StepProfile:
         self._wrap(ParallelHead, head)
         self._wrap(Block, block)
         # the attention core: indexer scan and top-k, attention over the gathered / visible blocks
-        for name in ("indexer_scores", "topk_blocks", "sparse_attention"):
-            self._wrap_kernel(name)
+        for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
+            if hasattr(kernels, name):          # "attention": the dense op of older checkouts
+                self._wrap_kernel(name)
         return self
 
     def __exit__(self, *exc):
@@ -253,7 +264,7 @@ class StepProfile:
 
 def run(model, cfg, batch, depth, context, reps, bw) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(DEVICE).manual_seed(1)
     for cache in engine.state.layers + engine.state.mtp:
         for t in cache.tensors():
             t.normal_(0, 1, generator=g)
@@ -264,13 +275,14 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
         prof.batch_rows, prof.context = batch, context
         for rep in range(reps + 1):                      # the first is a warm-up
             engine.pos.fill_(context - 1)
-            engine.last.copy_(torch.randint(0, vocab, (batch,), generator=g))
-            engine.drafts.copy_(torch.randint(0, vocab, engine.drafts.shape, generator=g))
+            engine.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
+            engine.drafts.copy_(torch.randint(0, vocab, engine.drafts.shape, generator=g,
+                                                   device=DEVICE))
             prof.reset()
-            t = time.perf_counter()
+            t = clock()
             with torch.no_grad():
                 engine._device_step(batch, bound)
-            dt = time.perf_counter() - t
+            dt = clock() - t
             if rep:
                 steps.append(dt)
                 parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
@@ -315,6 +327,7 @@ def main():
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--depths", default="0,1")
@@ -322,13 +335,15 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(a.device)
     torch.set_num_threads(a.threads)
     ratios = [int(r) for r in a.layers.split(",")]
     cfg = {**V4_FLASH, "num_hidden_layers": len(ratios), "compress_ratios": ratios + [0],
            "n_routed_experts": a.experts, "vocab_size": a.vocab}
-    t = time.perf_counter()
+    t = clock()
     model = build_model(cfg, getattr(torch, a.dtype))
-    built = time.perf_counter() - t
+    built = clock() - t
     bw = stream_bandwidth(a.threads)
     print(f"model built in {built:.1f} s; stream read {bw / 1e9:.2f} GB/s with {a.threads} thread(s)")
     results = []
@@ -341,7 +356,9 @@ def main():
                 print(f"ctx {context} batch {batch} K {depth}: step {r['step_ms']['median']} ms, roofline "
                       f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}")
                 results.append(r)
-    report = {"benchmark": "real_width", "machine": {"cpu": platform.processor() or platform.machine(),
+    gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else None
+    report = {"benchmark": "real_width", "device": gpu or a.device,
+              "machine": {"cpu": platform.processor() or platform.machine(),
                                                      "cores": os.cpu_count(), "threads": a.threads},
               "stream_read_gb_s": round(bw / 1e9, 3), "dtype": a.dtype, "layers": ratios,
               "experts": a.experts, "vocab": a.vocab, "results": results}

@@ -194,15 +194,17 @@ def moe_gate(x, weight, bias, tid2eid, input_ids, topk: int, func: str, route_sc
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,
                    xq=None) -> torch.Tensor:
     """Rows x [A, in] sorted by group; rows offs[g-1]:offs[g] are multiplied by weight[g] ([G, out, in]).
-    Rows past offs[-1] come out undefined. `group` [A] is each row's group (used by the int8 path).
+    Rows past offs[-1] come out undefined. `group` [A] is each row's group (used by the gather fallback).
 
-    Float weights use torch's grouped GEMM, which reads each group's weight in place. torch has no
-    grouped int8 GEMM, so int8 rows gather their weights (a copy per row: the fallback, exact while
-    the int8 sums stay below 2^24) and scale like `w8a8_linear`."""
-    if weight_scale is None:
+    Float weights use torch's grouped GEMM, which reads each group's weight in place (on CUDA it
+    takes bf16 only). torch has no grouped int8 GEMM, so int8 rows (and other float dtypes on CUDA)
+    gather their weights: a copy per row, the fallback, exact while int8 sums stay below 2^24."""
+    if weight_scale is None and (x.device.type != "cuda" or x.dtype == torch.bfloat16):
         return torch._grouped_mm(x, weight.transpose(1, 2).to(x.dtype), offs=offs)
-    q, sx = xq if xq is not None else quantize_per_token(x)
     g = group.clamp(max=weight.shape[0] - 1)
+    if weight_scale is None:
+        return torch.bmm(weight[g].to(x.dtype), x[:, :, None]).squeeze(-1)
+    q, sx = xq if xq is not None else quantize_per_token(x)
     acc = torch.bmm(weight[g].float(), q.float()[:, :, None]).squeeze(-1)
     return (acc * sx * weight_scale[g, :, 0].float()).to(x.dtype)
 
