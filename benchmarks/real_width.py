@@ -21,6 +21,7 @@ estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others
 layers counted as HCA, slightly over) and keeps the rest of the step (head, MTP, sampling) once.
 """
 import argparse
+import inspect
 import json
 import math
 import os
@@ -124,10 +125,13 @@ def stream_bandwidth(threads: int) -> float:
             break
     n = max(4 * llc, 1 << 30)
     buf = torch.ones(n, dtype=torch.int8, device=DEVICE)
+    rows = buf.view(torch.float32).view(-1, 1024)
+    vec = torch.ones(1024, device=DEVICE)
     best = 0.0
-    for read in (lambda: buf.amax(), lambda: buf.view(torch.float64).sum(), lambda: buf.view(torch.int64).sum()):
+    for read in (lambda: buf.amax(), lambda: buf.view(torch.float64).sum(), lambda: buf.view(torch.int64).sum(),
+                 lambda: torch.mv(rows, vec)):
         read()
-        for _ in range(3):
+        for _ in range(5):
             t = clock()
             read()
             best = max(best, n / (clock() - t))
@@ -147,8 +151,8 @@ class StepProfile:
         self.core_bytes = defaultdict(int)
         self.batch_rows, self.context, self._kind = 1, 0, None
         self._patches = []
-        experts = model.layers[0].ffn.local_experts()[0]
-        self.expert = weight_bytes(experts)
+        moe = model.layers[0].ffn
+        self.expert = weight_bytes(moe.experts[moe.first])
         self.kind = {id(b): ("csa" if r == 4 else "hca" if r == 128 else "swa")
                      for b, r in zip(model.layers, cfg.compress_ratios)}
 
@@ -189,7 +193,7 @@ class StepProfile:
             prof._routed = set()
             t = clock()
             out = orig(module, *args, **kw)
-            held, stored = weight_bytes(module, skip=tuple(module.local_experts()))
+            held, stored = weight_bytes(module, skip=tuple(module.experts))
             n = len(prof._routed)
             prof._add("moe", clock() - t, (held + n * prof.expert[0], stored + n * prof.expert[1]))
             return out
@@ -270,6 +274,8 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
             t.normal_(0, 1, generator=g)
     vocab = cfg.vocab_size
     bound = -(-(context + depth + 1) // 512) * 512
+    # greedy rows, as the engine runs them (older checkouts' steps have no `sort` argument)
+    greedy = (False,) if "sort" in inspect.signature(engine._device_step).parameters else ()
     steps, parts = [], []
     with StepProfile(model, cfg) as prof:
         prof.batch_rows, prof.context = batch, context
@@ -281,7 +287,7 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
             prof.reset()
             t = clock()
             with torch.no_grad():
-                engine._device_step(batch, bound)
+                engine._device_step(batch, bound, *greedy)
             dt = clock() - t
             if rep:
                 steps.append(dt)
