@@ -70,10 +70,9 @@ def test_multi_turn_thinking_keeps_only_reasoning_after_last_user():
     )
 
 
-def test_no_generation_prompt_and_merged_user_turns():
+def test_merged_user_turns():
     messages = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     assert encode_messages(messages) == BOS + "<｜User｜>a\n\nb<｜Assistant｜></think>"
-    assert encode_messages(messages, add_generation_prompt=False) == BOS + "<｜User｜>a\n\nb"
 
 
 def test_latest_reminder_and_developer():
