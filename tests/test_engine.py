@@ -1,5 +1,7 @@
 """The engine: greedy speculative output equals plain greedy, sampling stays distribution-exact,
 seeds reproduce, cancel and stop rules work, and a decode step syncs with the host once."""
+import copy
+
 import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
@@ -7,6 +9,7 @@ from tiny import tiny_config, write_checkpoint
 from dsv4cli.engine.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, target_probs, verify
 from dsv4cli.model import load_model
+from dsv4cli.model.model import MoE
 from dsv4cli.tokenizer import Tokenizer
 
 
@@ -144,24 +147,54 @@ def test_stop_rules(model, tok):
     assert s.output_ids == free.output_ids[:7] and s.finish_reason == "length"
 
 
+def stacked_copy(model):
+    """The model with its routed experts stacked, as accelerators run them (grouped GEMMs with the
+    routing kept on the device)."""
+    model = copy.deepcopy(model)
+    for layer in [*model.layers, *model.mtp]:
+        layer.ffn.stack_experts()
+    return model
+
+
 @torch.no_grad()
 def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
-    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2)
-    for p in prompts([10, 40], tok.vocab_size, seed=5):
-        eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
-    eng.step()                                          # admission (prefill) + first decode step
-    syncs = []
-    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-        orig = getattr(torch.Tensor, name)
-        def counted(self, *a, _orig=orig, _name=name, **kw):
-            syncs.append(_name)
-            return _orig(self, *a, **kw)
+    """Exactly one host read per step with the routing on the device (the accelerator layout). On the
+    CPU the routed experts also read their routing on the host, once per MoE call: tensors live
+    there, so those reads cost no device sync."""
+    moe_calls = []
+    monkeypatch.setattr(MoE, "_experts_on_host", spy(MoE._experts_on_host, moe_calls))
+    for run, extra in ((stacked_copy(model), 0), (model, 1)):
+        eng = Engine(run, tok, max_batch=2, max_seq_len=256, mtp=2)
+        for p in prompts([10, 40], tok.vocab_size, seed=5):
+            eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+        eng.step()                                          # admission (prefill) + first decode step
+        syncs = []
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+                m.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), syncs, name))
+            for _ in range(3):
+                syncs.clear()
+                moe_calls.clear()
+                eng.step()
+                # trunk layers + the MTP layer over the verified rows + its chained draft (K = 2)
+                assert len(moe_calls) == extra * (len(run.layers) + 2)
+                assert syncs == ["tolist"] * (1 + len(moe_calls)), syncs
 
-        monkeypatch.setattr(torch.Tensor, name, counted)
-    for _ in range(3):
-        syncs.clear()
-        eng.step()
-        assert syncs == ["tolist"], syncs
+
+def spy(fn, log, name=None):
+    def counted(*a, **kw):
+        log.append(name or fn.__name__)
+        return fn(*a, **kw)
+    return counted
+
+
+@torch.no_grad()
+def test_stacked_experts_give_the_same_greedy_tokens(model, tok):
+    ps = prompts([7, 33, 130], tok.vocab_size, seed=9)
+    for k in (0, 2):
+        host = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)]
+        grouped = Engine(stacked_copy(model), tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)
+        assert [s.output_ids for s in grouped] == host
 
 
 def test_penalties():

@@ -17,6 +17,11 @@ def __getattr__(name):
     return getattr(reference, name)
 
 
+def pack_w8a8(weight: torch.Tensor):
+    """NPU int8 weights stay [out, in] in ND layout (FRACTAL_NZ would be this backend's packed layout)."""
+    return None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     gamma = x.new_ones(x.shape[-1]) if weight is None else weight.to(x.dtype)   # gamma must match x's dtype
     return torch_npu.npu_rms_norm(x, gamma, epsilon=eps)[0]
@@ -30,10 +35,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.unsqueeze(-1)
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None,
+                packed=None) -> torch.Tensor:
     """y = (int8(x) @ weight^T) * token_scale * channel_scale; weight [out,in] int8, scale [out,1] fp32.
 
-    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears."""
+    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears; NPU
+    weights are never packed (`packed` is always None here)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     q, sx = xq if xq is not None else quantize_per_token(x)

@@ -396,4 +396,4 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None =
         for item in items:
             assign(model, item.name, *read_item(ckpt, item, device, dtype))
             advance(sum(ckpt.nbytes(n) for n in item.sources))
-    return model.eval()
+    return model.eval().prepare()

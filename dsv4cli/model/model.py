@@ -26,7 +26,6 @@ from dsv4cli import kernels
 from .config import ModelConfig
 
 NEG_INF = float("-inf")
-SPARSE_MOE_TOKENS = 128   # from this many tokens per call, experts gather their tokens (host sync allowed)
 
 
 def world() -> tuple[int, int]:
@@ -42,21 +41,36 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic)."""
+    """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic).
+
+    An int8 weight may be packed into the kernel backend's own layout (`pack`); the packed copy is
+    then the only one held, and state_dict() unpacks it."""
 
     def __init__(self, in_features: int, out_features: int, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_parameter("weight_scale", None)
+        self.packed = None
 
     @property
     def quantized(self) -> bool:
         return self.weight.dtype == torch.int8
 
+    def pack(self) -> None:
+        if self.quantized and self.packed is None:
+            self.packed = kernels.pack_w8a8(self.weight)
+            if self.packed is not None:     # keep shape and dtype, free the plain copy
+                self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = kernels.unpack_w8a8(self.packed)
+
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """`xq`: x already quantised per token (several W8A8 linears reading the same x)."""
         if self.quantized:
-            return kernels.w8a8_linear(x, self.weight, self.weight_scale, xq)
+            return kernels.w8a8_linear(x, self.weight, self.weight_scale, xq, self.packed)
         return kernels.linear(x, self.weight)
 
 
@@ -400,45 +414,92 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts (only the ones a token is routed to run) plus the shared expert.
+
+    Two ways to run the routed experts, both reading only the chosen experts' weights: on the host
+    (CPU), each expert on its own tokens; on accelerators, after `stack_experts`, grouped GEMMs over
+    the stacked weights with the routing kept on the device (static shapes, no sync)."""
+
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         rank, ws = world()
         self.n_local = cfg.n_routed_experts // ws
         self.first = rank * self.n_local
+        self.limit = cfg.swiglu_limit
         self.gate = Gate(layer_id, cfg)
         self.experts = nn.ModuleList(
             [Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if self.first <= i < self.first + self.n_local
              else None for i in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if cfg.n_shared_experts else None
+        self.stack: kernels.ExpertStack | None = None
+
+    def local_experts(self) -> list[Expert]:
+        return list(self.experts[self.first: self.first + self.n_local])
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Stack this rank's experts ([E, 2*inter, dim] for w1|w3, [E, dim, inter] for w2, scales alike)
+        and make every expert's tensors views of the stacks, so the official per-expert names still
+        read and write them. One layer's experts are copied at a time, never a second full copy."""
+        experts = self.local_experts()
+        w1 = experts[0].w1
+
+        def stacked(get):
+            parts = [get(e) for e in experts]
+            out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, device=parts[0].device)
+            for i, t in enumerate(parts):
+                out[i].copy_(t)
+            return out
+
+        inter = w1.weight.shape[0]
+        w13 = stacked(lambda e: torch.cat([e.w1.weight, e.w3.weight]))
+        w2 = stacked(lambda e: e.w2.weight)
+        s13 = stacked(lambda e: torch.cat([e.w1.weight_scale, e.w3.weight_scale])) if w1.quantized else None
+        s2 = stacked(lambda e: e.w2.weight_scale) if w1.quantized else None
+        for i, e in enumerate(experts):
+            views = {(e.w1, "weight"): w13[i, :inter], (e.w3, "weight"): w13[i, inter:], (e.w2, "weight"): w2[i]}
+            if s13 is not None:
+                views.update({(e.w1, "weight_scale"): s13[i, :inter], (e.w3, "weight_scale"): s13[i, inter:],
+                              (e.w2, "weight_scale"): s2[i]})
+            for (linear, attr), view in views.items():
+                setattr(linear, attr, nn.Parameter(view, requires_grad=False))
+        self.stack = kernels.ExpertStack(w13, w2, s13, s2, self.limit)
 
     def forward(self, x, input_ids):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x, input_ids)
         local = idx - self.first
-        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-        # every expert's w1/w3 reads x: quantise its tokens once (the quantisation is per token)
-        q, sx = kernels.quantize_per_token(x) if self.experts[self.first].w1.quantized else (None, None)
-        if x.shape[0] >= SPARSE_MOE_TOKENS:
-            # Many tokens (prefill, training): each expert runs on its own tokens only.
-            for e in range(self.n_local):
-                rows, k = (local == e).nonzero(as_tuple=True)
-                if rows.numel():
-                    xq = (q[rows], sx[rows]) if q is not None else None
-                    y.index_add_(0, rows, self.experts[self.first + e](x[rows], weights[rows, k, None], xq).float())
+        # every routed expert's w1/w3 reads x: quantise it once (the quantisation is per token)
+        quantized = self.experts[self.first].w1.quantized
+        xq = kernels.quantize_per_token(x) if quantized else None
+        if self.stack is not None:
+            y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         else:
-            # Decode: a dense routing table over this rank's experts keeps shapes static with no host
-            # sync; unrouted tokens get weight 0, which zeroes their contribution exactly.
-            ok = (local >= 0) & (local < self.n_local)
-            table = torch.zeros(x.shape[0], self.n_local + 1, device=x.device, dtype=torch.float32)
-            table.scatter_add_(1, torch.where(ok, local, self.n_local), torch.where(ok, weights, 0.0))
-            for e in range(self.n_local):
-                y += self.experts[self.first + e](x, table[:, e:e + 1], None if q is None else (q, sx)).float()
+            y = self._experts_on_host(x, weights, local, xq)
         y = all_reduce(y)
         if self.shared_experts is not None:
-            shared_q = (q, sx) if q is not None and self.shared_experts.w1.quantized else None
-            y += self.shared_experts(x, xq=shared_q).float()
+            y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
         return y.to(x.dtype).view(shape)
+
+    def _experts_on_host(self, x, weights, local, xq):
+        """Each routed expert on its own tokens, its weights read in place; the routing is read on
+        the host (where tensors live on the CPU, that costs no device sync)."""
+        k = local.shape[1]
+        key = torch.where((local >= 0) & (local < self.n_local), local, self.n_local).flatten()
+        order = key.argsort(stable=True)
+        counts = torch.bincount(key, minlength=self.n_local + 1).tolist()
+        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+        start = 0
+        for e, n in enumerate(counts[:-1]):
+            if n:
+                sel = order[start: start + n]
+                rows = sel // k
+                rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
+                out = self.experts[self.first + e](x[rows], weights.flatten()[sel, None], rows_q)
+                y.index_add_(0, rows, out.float())
+            start += n
+        return y
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,6 +632,17 @@ class Transformer(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
+
+    def prepare(self) -> "Transformer":
+        """Lay the loaded weights out for this device's kernels: on the host, int8 linears packed
+        for the CPU GEMM; on accelerators, routed experts stacked for grouped GEMMs."""
+        on_host = kernels.routes_on_host(self.embed.weight.device)
+        for module in self.modules():
+            if on_host and isinstance(module, Linear):
+                module.pack()
+            elif not on_host and isinstance(module, MoE) and module.stack is None:
+                module.stack_experts()
+        return self
 
     def step(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
         """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.

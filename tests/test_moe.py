@@ -1,0 +1,127 @@
+"""Routed-only experts: both ways of running them (host routing on the CPU, grouped GEMMs over stacked
+experts for accelerators) equal the dense oracle, read only the routed experts' weights, and the
+CPU's packed int8 GEMM gives the same sums as torch._int_mm."""
+import copy
+
+import pytest
+import torch
+from tiny import random_model, tiny_config
+
+from dsv4cli import kernels
+from dsv4cli.kernels import reference
+from dsv4cli.model import DecodeState
+from dsv4cli.model.model import MoE
+from dsv4cli.model.quant import quantize_model
+
+
+def dense_oracle(moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The former decode path: every local expert on every token through a dense routing table
+    (weight 0 for unrouted tokens), the shared expert alongside."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    weights, idx = moe.gate(x, input_ids)
+    local = idx - moe.first
+    ok = (local >= 0) & (local < moe.n_local)
+    table = torch.zeros(x.shape[0], moe.n_local + 1)
+    table.scatter_add_(1, torch.where(ok, local, moe.n_local), torch.where(ok, weights, 0.0))
+    y = torch.zeros(x.shape)
+    for e, expert in enumerate(moe.local_experts()):
+        y += expert(x, table[:, e:e + 1]).float()
+    y += moe.shared_experts(x).float()
+    return y.view(shape)
+
+
+def moe_layers(quantized: bool):
+    model = random_model(tiny_config(n_routed_experts=16, num_experts_per_tok=3), seed=4)
+    if quantized:
+        quantize_model(model)
+    return [layer.ffn for layer in model.layers] + [model.mtp[0].ffn]
+
+
+def stacked(moe: MoE) -> MoE:
+    moe = copy.deepcopy(moe)
+    moe.stack_experts()
+    return moe
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 130])
+@torch.no_grad()
+def test_host_and_grouped_paths_match_the_dense_oracle(quantized, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    for moe in moe_layers(quantized):           # layer 0 routes by hash, the others by biased top-k
+        x = torch.randn(1, tokens, 64, generator=g)
+        ids = torch.randint(0, 256, (1, tokens), generator=g)
+        want = dense_oracle(moe, x, ids)
+        for run in (moe, stacked(moe)):
+            torch.testing.assert_close(run(x, ids), want, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_grouped_experts_skip_other_ranks_experts():
+    """Indices outside this rank's range (another rank's experts) add nothing, wherever they sort."""
+    moe = stacked(moe_layers(True)[1])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g)
+    weights = torch.rand(5, 3, generator=g)
+    local = torch.tensor([[0, -3, 15], [16, 2, 2], [-1, -2, 20], [7, 15, 0], [3, 4, 5]])
+    kept = torch.where((local >= 0) & (local < 16), weights, 0.0)
+    want = sum(kernels.grouped_experts(x, kept[:, j:j + 1], local[:, j:j + 1].clamp(0, 15), moe.stack)
+               for j in range(3))
+    torch.testing.assert_close(kernels.grouped_experts(x, weights, local, moe.stack), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["host", "grouped"])
+@pytest.mark.parametrize("batch", [1, 8])
+@torch.no_grad()
+def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkeypatch):
+    """A spy on the expert GEMMs' weight arguments: the expert-weight bytes a step reads are those of
+    the experts its tokens are routed to, on both paths."""
+    model = quantize_model(random_model(tiny_config(n_routed_experts=16, num_experts_per_tok=2), seed=5))
+    moes = [layer.ffn for layer in [*model.layers, *model.mtp]]
+    if path == "grouped":
+        for moe in moes:
+            moe.stack_experts()
+    expert_bytes = {lin.weight.data_ptr(): lin.weight.numel()
+                    for moe in moes for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3)}
+    routed, read = [], []
+    gate, w8a8, grouped = kernels.moe_gate, reference.w8a8_linear, reference.grouped_linear
+
+    def spy_gate(*args, **kw):
+        weights, idx = gate(*args, **kw)
+        routed.append(set(idx.flatten().tolist()))
+        return weights, idx
+
+    def spy_w8a8(x, weight, *args, **kw):
+        read.append(expert_bytes.get(weight.data_ptr(), 0))
+        return w8a8(x, weight, *args, **kw)
+
+    def spy_grouped(x, weight, scale, offs, group, xq=None):
+        counts = torch.diff(offs, prepend=offs.new_zeros(1))
+        read.append(int((counts > 0).sum()) * weight[0].numel())
+        return grouped(x, weight, scale, offs, group, xq)
+
+    monkeypatch.setattr(kernels, "moe_gate", spy_gate)
+    monkeypatch.setattr(reference, "w8a8_linear", spy_w8a8)
+    monkeypatch.setattr(reference, "grouped_linear", spy_grouped)
+    ids = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(batch))
+    start = torch.zeros(batch, dtype=torch.long)
+    _, hidden = model.step(ids, start, DecodeState(model, batch, 64, max_draft=0))
+    model.mtp_step(hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
+    per_expert = 3 * 32 * 64                    # w1, w3 [32, 64] and w2 [64, 32] int8
+    assert len(routed) == len(moes)
+    assert sum(read) == sum(len(r) for r in routed) * per_expert
+    assert sum(len(r) for r in routed) < len(moes) * 16     # fewer than all experts
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 300])
+def test_packed_int8_gemm_equals_int_mm(rows):
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
+    scale = torch.rand(96, 1, generator=g) / 50
+    packed = reference.pack_w8a8(weight)
+    if packed is None:
+        pytest.skip("this CPU's torch has no oneDNN int8 GEMM")
+    x = torch.randn(rows, 320, generator=g) * 4
+    assert torch.equal(reference.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
+    assert torch.equal(reference.unpack_w8a8(packed), weight)
