@@ -83,13 +83,12 @@ def encode_messages(
 ) -> str:
     """Render a conversation as one prompt string.
 
-    Tools and response formats are rendered on system and developer messages; on other messages they
-    are not rendered (tools there still keep reasoning, as in the official encoder, except on user and
-    tool messages, which are rebuilt when merged).
     A user or developer turn that ends the conversation or precedes an assistant turn opens the reply:
-    `<｜Assistant｜>` plus `<think>` (thinking mode) or `</think>` (chat mode). In thinking mode with
-    `drop_thinking`, reasoning before the last user turn is left out (kept whenever tools are defined).
-    With `context` (messages already rendered), only `messages` are rendered, to be appended to it.
+    `<｜Assistant｜>` plus `<think>` (thinking mode) or `</think>` (chat mode); a message's `task` puts
+    its task token there instead. In thinking mode with `drop_thinking`, reasoning before the last user
+    turn is left out, unless a message defines tools (tools and response formats are rendered on system
+    and developer messages only). With `context` (messages already rendered), only `messages` are
+    rendered, to be appended to it.
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")

@@ -218,6 +218,9 @@ def test_parse_round_trip(thinking):
         ([{"role": "user", "content": "x", "reasoning_content": 3}], "non-string 'reasoning_content'"),
         (["hello"], "must be a dict"),
         ([], "empty conversation"),
+        ([{"role": "developer", "content": ""}], "needs non-empty 'content'"),
+        ([{"role": "user", "content": "x", "task": "summary"}], "unknown task 'summary'"),
+        ([{"role": "tool", "content": ["text"]}], "content block that is not a dict"),
     ],
 )
 def test_malformed_messages(messages, match):
@@ -515,6 +518,19 @@ def test_context_renders_only_the_new_messages():
     assert encode_messages(answered, context=[system, *context], thinking=True) == (
         "<｜User｜>What is 2+2?<｜Assistant｜><think>sum</think>4" + EOS
     )
+
+
+def test_context_counted_by_itself_in_thinking_mode():
+    # As in the official encoder, the context's surviving turns are counted on the context alone. Here
+    # the new user turn hides the context's developer turn, so the count is one too high and the new
+    # user turn is not rendered.
+    context = [
+        {"role": "user", "content": "a"},
+        {"role": "developer", "content": "D"},
+        {"role": "assistant", "content": "A", "reasoning_content": "r"},
+    ]
+    new = [{"role": "user", "content": "b"}, {"role": "assistant", "content": "B", "reasoning_content": "s"}]
+    assert encode_messages(new, context=context, thinking=True) == "s</think>B" + EOS
 
 
 def test_without_bos():
