@@ -221,6 +221,7 @@ def test_parse_round_trip(thinking):
         ([{"role": "developer", "content": ""}], "needs non-empty 'content'"),
         ([{"role": "user", "content": "x", "task": "summary"}], "unknown task 'summary'"),
         ([{"role": "tool", "content": ["text"]}], "content block that is not a dict"),
+        ([{"role": "system", "content": "S", "tools": [{"name": "f"}]}], "has a tool that is not"),
     ],
 )
 def test_malformed_messages(messages, match):
