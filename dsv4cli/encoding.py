@@ -1,10 +1,12 @@
 """DeepSeek V4 chat format: messages -> prompt string, completion text -> assistant message.
 
-Mirrors the rendering rules of the official `encoding/encoding_dsv4.py` (docs §5). V4 ships no
-Jinja template, so this module is the chat template. Internal "task" tokens are not supported.
+Renders byte for byte what the official `encoding/encoding_dsv4.py` renders (docs §5), every feature
+of it: system/developer/user/latest_reminder/tool/assistant turns, tool schemas and DSML tool calls,
+tool results merged into user turns in call order, response formats, thinking mode with dropped
+reasoning, reasoning effort, task tokens, unterminated (`wo_eos`) assistant turns and incremental
+encoding after a context. V4 ships no Jinja template, so this module is the chat template.
 """
 
-import contextlib
 import json
 import re
 
@@ -18,11 +20,21 @@ THINK_END = "</think>"
 DSML = "｜DSML｜"
 TOOL_CALLS_START = f"<{DSML}tool_calls>"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"
+TOOL_CALLS_OPENING = f"\n\n{TOOL_CALLS_START}"  # how an assistant turn's tool calls start
 
 ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
-REASONING_EFFORTS = (None, "high", "max")
+REASONING_EFFORTS = (None, "high", "max")  # "high" is the default effort: no prompt text
+# A message's `task` asks for a one-off classification right after it, instead of a normal reply.
+TASK_TOKENS = {
+    "action": "<｜action｜>",
+    "query": "<｜query｜>",
+    "authority": "<｜authority｜>",
+    "domain": "<｜domain｜>",
+    "title": "<｜title｜>",
+    "read_url": "<｜read_url｜>",
+}
 
-# The two prompt texts below are part of the format the model was trained on: keep them byte-exact.
+# The prompt texts below are part of the format the model was trained on: keep them byte-exact.
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve "
@@ -63,53 +75,72 @@ Otherwise, output directly after </think> with tool calls or final response.
 You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
 """
 
+RESPONSE_FORMAT_PROMPT = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
 
-def encode_messages(messages, thinking=False, reasoning_effort=None, add_generation_prompt=True) -> str:
-    """Render a conversation as one prompt string (starting with BOS).
 
-    When the conversation ends with a user turn and `add_generation_prompt` is set, the prompt ends
-    with `<｜Assistant｜>` plus `<think>` (thinking mode) or `</think>` (chat mode).
+def encode_messages(
+    messages, thinking=False, reasoning_effort=None, drop_thinking=True, context=None, add_bos=True
+) -> str:
+    """Render a conversation as one prompt string.
+
+    A user or developer turn that ends the conversation or precedes an assistant turn opens the reply:
+    `<｜Assistant｜>` plus `<think>` (thinking mode) or `</think>` (chat mode); a message's `task` puts
+    its task token there instead. In thinking mode with `drop_thinking`, reasoning before the last user
+    turn is left out, unless a message defines tools (tools and response formats are rendered on system
+    and developer messages only). With `context` (messages already rendered), only `messages` are
+    rendered, to be appended to it.
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")
+    context = context or []
     if not messages:
         raise ValueError("cannot encode an empty conversation")
-    for i, message in enumerate(messages):
+    for i, message in enumerate(context + messages):
         _check_message(i, message)
 
-    msgs = _merge_user_turns(messages)
-    # With tools in play every turn keeps its reasoning; otherwise thinking mode drops old reasoning.
-    keep_reasoning = any(m.get("tools") for m in msgs)
-    if thinking and not keep_reasoning:
-        last = _last_user_index(msgs)
-        msgs = [m for i, m in enumerate(msgs) if m["role"] != "developer" or i >= last]
+    msgs, n_context = _merge_user_turns(context, messages)
+    # With tools in play every turn keeps its reasoning.
+    drop = drop_thinking and not any(m.get("tools") for m in msgs)
+    if thinking and drop:
+        # Counting the context by itself as the official encoder does (the counts differ only when
+        # the new messages hide a developer turn of the context).
+        n_context = len(_drop_old_reasoning(msgs[:n_context]))
+        msgs = _drop_old_reasoning(msgs)
     last_user = _last_user_index(msgs)
 
-    prompt = BOS
-    if thinking and reasoning_effort == "max":
+    prompt = BOS if add_bos and not context else ""
+    if n_context == 0 and thinking and reasoning_effort == "max":
         prompt += REASONING_EFFORT_MAX
-    for i, m in enumerate(msgs):
-        role = m["role"]
+    for i in range(n_context, len(msgs)):
+        m, role = msgs[i], msgs[i]["role"]
         if role == "system":
-            prompt += m["content"] + _tools_suffix(m)
+            prompt += m["content"] + _system_suffix(m)
         elif role == "developer":
-            prompt += USER + m["content"] + _tools_suffix(m)
+            prompt += USER + m["content"] + _system_suffix(m)
         elif role == "user":
             prompt += USER + m["content"]
         elif role == "latest_reminder":
             prompt += LATEST_REMINDER + m["content"]
         else:
             reasoning = ""
-            if thinking and (keep_reasoning or i > last_user):
+            # A task's answer is a bare label: no reasoning part even in thinking mode.
+            if thinking and not (i > 0 and msgs[i - 1].get("task")) and (not drop or i > last_user):
                 reasoning = (m.get("reasoning_content") or "") + THINK_END
-            prompt += reasoning + (m.get("content") or "") + _render_tool_calls(m.get("tool_calls")) + EOS
+            content = m.get("content") or ""
+            prompt += reasoning + content + _render_tool_calls(m.get("tool_calls"))
+            if not m.get("wo_eos"):
+                prompt += EOS
 
         next_role = msgs[i + 1]["role"] if i + 1 < len(msgs) else None
-        opens_reply = next_role in ("assistant", "latest_reminder") or (
-            next_role is None and add_generation_prompt
-        )
-        if role in ("user", "developer") and opens_reply:
-            opens_thinking = thinking and (keep_reasoning or i >= last_user)
+        if next_role not in (None, "assistant", "latest_reminder"):
+            continue
+        task = m.get("task")
+        if task == "action":
+            prompt += ASSISTANT + (THINK_START if thinking else THINK_END) + TASK_TOKENS[task]
+        elif task:
+            prompt += TASK_TOKENS[task]
+        elif role in ("user", "developer"):
+            opens_thinking = thinking and (not drop or i >= last_user)
             prompt += ASSISTANT + (THINK_START if opens_thinking else THINK_END)
     return prompt
 
@@ -117,15 +148,16 @@ def encode_messages(messages, thinking=False, reasoning_effort=None, add_generat
 def parse_completion(text: str, thinking: bool) -> dict:
     """Split generated text back into an assistant message (the inverse of an assistant turn).
 
-    Lenient on truncation: a thinking completion cut off before `</think>` is all reasoning.
+    Gives what the official parser gives for a well-formed turn, and is lenient on truncation: a
+    thinking completion cut off before `</think>` is all reasoning, a missing EOS is fine.
     `tool_calls` holds the DSML tool calls in OpenAI form (empty when there are none).
     """
-    text = text.removesuffix(EOS)
+    text = text.partition(EOS)[0]
     reasoning = ""
     if thinking:
         reasoning, found, rest = text.partition(THINK_END)
         text = rest if found else ""
-    content, found, calls = text.partition("\n\n" + TOOL_CALLS_START)
+    content, found, calls = text.partition(TOOL_CALLS_OPENING)
     tool_calls = _parse_tool_calls(calls) if found else []
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
@@ -144,35 +176,56 @@ def _check_message(i, m):
         if content is not None and not isinstance(content, str):
             raise ValueError(f"message {i} (assistant) has non-string 'content'")
         for call in m.get("tool_calls") or []:
-            if not isinstance(call, dict) or "name" not in call.get("function", call):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or "name" not in function:
                 raise ValueError(f"message {i} (assistant) has a tool call without a function name")
+    elif role == "tool" and isinstance(content, list):
+        if not all(isinstance(block, dict) for block in content):
+            raise ValueError(f"message {i} (tool) has a content block that is not a dict")
     elif not isinstance(content, str):
         raise ValueError(f"message {i} ({role}) needs a string 'content'")
+    elif role == "developer" and not content:
+        raise ValueError(f"message {i} (developer) needs non-empty 'content'")
     if not isinstance(m.get("reasoning_content") or "", str):
         raise ValueError(f"message {i} ({role}) has non-string 'reasoning_content'")  # noqa: TRY004
+    task = m.get("task")
+    if task is not None and task not in TASK_TOKENS:
+        raise ValueError(f"message {i} ({role}) has unknown task {task!r}; expected one of {', '.join(TASK_TOKENS)}")
+    for tool in m.get("tools") or []:
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise ValueError(f"message {i} ({role}) has a tool that is not {{'type': 'function', 'function': {{...}}}}")
 
 
-def _merge_user_turns(messages):
-    """Fold tool results and consecutive user messages into single user turns (V4 has no tool role).
+def _merge_user_turns(context, messages):
+    """(turns, how many of them come from `context`): tool results and consecutive user messages
+    folded into single user turns (V4 has no tool role).
 
-    Tool results are ordered like the calls of the latest assistant turn, matched by call id.
+    A user message after a turn that carries a task starts a new turn; the context's last turn is never
+    extended by the new messages. Tool results are ordered like the calls of the latest assistant turn
+    with calls, matched by call id.
     """
-    merged, call_rank = [], {}
-    for m in messages:
+    merged, call_rank, n_context = [], {}, 0
+    for k, m in enumerate(context + messages):
+        if k == len(context):
+            n_context = len(merged)
         role = m["role"]
+        if role == "assistant" and m.get("tool_calls"):
+            ids = [c.get("id") or c["function"].get("id") for c in m["tool_calls"]]
+            call_rank = {call_id: rank for rank, call_id in enumerate(ids) if call_id}
         if role not in ("user", "tool"):
-            if role == "assistant":
-                call_rank = {c.get("id"): k for k, c in enumerate(m.get("tool_calls") or [])}
             merged.append(m)
             continue
+        previous = merged[-1] if merged and k != len(context) else None
+        extends = previous is not None and previous["role"] == "user" and (role == "tool" or not previous.get("task"))
+        if not extends:
+            turn = {"role": "user", "parts": []}
+            if role == "user" and m.get("task"):
+                turn["task"] = m["task"]
+            merged.append(turn)
         if role == "tool":
-            part = (call_rank.get(m.get("tool_call_id"), 0), f"<tool_result>{m['content']}</tool_result>")
+            merged[-1]["parts"].append((call_rank.get(m.get("tool_call_id"), 0), _tool_result(m["content"])))
         else:
-            part = (None, m["content"])
-        if merged and merged[-1]["role"] == "user":
-            merged[-1]["parts"].append(part)
-        else:
-            merged.append({"role": "user", "parts": [part]})
+            merged[-1]["parts"].append((None, m["content"]))
 
     for m in merged:
         if m["role"] == "user":
@@ -181,19 +234,41 @@ def _merge_user_turns(messages):
             for k, part in zip(slots, sorted((parts[k] for k in slots), key=lambda p: p[0])):
                 parts[k] = part
             m["content"] = "\n\n".join(text for _, text in parts)
-    return merged
+    return merged, n_context
+
+
+def _tool_result(content):
+    if isinstance(content, list):  # content blocks: text kept, anything else named
+        content = "\n\n".join(
+            b.get("text", "") if b.get("type") == "text" else f"[Unsupported {b.get('type')}]" for b in content
+        )
+    return f"<tool_result>{content}</tool_result>"
+
+
+def _drop_old_reasoning(msgs):
+    """Thinking mode: turns before the last user turn lose their reasoning, developer turns go."""
+    last = _last_user_index(msgs)
+    kept = []
+    for i, m in enumerate(msgs):
+        if i < last and m["role"] == "assistant":
+            kept.append({k: v for k, v in m.items() if k != "reasoning_content"})
+        elif i >= last or m["role"] != "developer":
+            kept.append(m)
+    return kept
 
 
 def _last_user_index(msgs):
     return max((i for i, m in enumerate(msgs) if m["role"] in ("user", "developer")), default=-1)
 
 
-def _tools_suffix(m):
-    tools = m.get("tools")
-    if not tools:
-        return ""
-    schemas = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return "\n\n" + TOOLS_PROMPT.format(schemas=schemas)
+def _system_suffix(m):
+    suffix = ""
+    if m.get("tools"):
+        schemas = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in m["tools"])
+        suffix += "\n\n" + TOOLS_PROMPT.format(schemas=schemas)
+    if m.get("response_format"):
+        suffix += "\n\n" + RESPONSE_FORMAT_PROMPT + json.dumps(m["response_format"], ensure_ascii=False)
+    return suffix
 
 
 def _render_tool_calls(tool_calls):
@@ -201,18 +276,23 @@ def _render_tool_calls(tool_calls):
         return ""
     invokes = []
     for call in tool_calls:
-        fn = call.get("function", call)  # OpenAI form {"function": {...}} or a bare {"name", "arguments"}
-        args = fn.get("arguments") or {}
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                args = {"arguments": args}
-            if not isinstance(args, dict):
-                args = {"arguments": fn["arguments"]}
-        params = "\n".join(_render_param(key, value) for key, value in args.items())
+        fn = call["function"]
+        params = "\n".join(_render_param(key, value) for key, value in _call_arguments(fn).items())
         invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n{params}\n</{DSML}invoke>')
-    return "\n\n" + TOOL_CALLS_START + "\n" + "\n".join(invokes) + "\n" + TOOL_CALLS_END
+    return TOOL_CALLS_OPENING + "\n" + "\n".join(invokes) + "\n" + TOOL_CALLS_END
+
+
+def _call_arguments(fn):
+    """The arguments as a dict: a JSON object string is decoded; anything else (text that is not
+    JSON, a non-string value) becomes the single parameter `arguments`."""
+    raw = fn.get("arguments")
+    try:
+        args = json.loads(raw)
+    except (TypeError, ValueError):
+        return {"arguments": raw}
+    if not isinstance(args, dict):
+        raise ValueError(f"tool call {fn['name']!r}: arguments must be a JSON object, got {raw!r}")
+    return args
 
 
 def _render_param(key, value):
@@ -222,23 +302,19 @@ def _render_param(key, value):
     return f'<{DSML}parameter name="{key}" string="false">{json.dumps(value, ensure_ascii=False)}</{DSML}parameter>'
 
 
-_INVOKE = re.compile(f'<{DSML}invoke name="(.*?)">\n(.*?)\n</{DSML}invoke>', re.DOTALL)
+_INVOKE = re.compile(f'<{DSML}invoke name="(.*?)">\n(.*?)\n?</{DSML}invoke>', re.DOTALL)
 _PARAM = re.compile(f'<{DSML}parameter name="(.*?)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL)
 
 
 def _parse_tool_calls(block):
+    """DSML invokes -> OpenAI tool calls. The arguments string is built as the official parser builds
+    it: string values JSON-quoted, other values as the model wrote them."""
     calls = []
     for name, body in _INVOKE.findall(block):
-        args = {}
+        params = []
         for key, is_string, value in _PARAM.findall(body):
-            if is_string == "false":
-                with contextlib.suppress(json.JSONDecodeError):  # else keep the raw text
-                    value = json.loads(value)
-            args[key] = value
-        calls.append(
-            {
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
+            if is_string == "true":
+                value = json.dumps(value, ensure_ascii=False)
+            params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
+        calls.append({"type": "function", "function": {"name": name, "arguments": "{" + ", ".join(params) + "}"}})
     return calls

@@ -84,3 +84,17 @@ def test_greedy_answers_heldout_questions():
     assert accuracy >= 0.8
     assert sum(facts) >= 0.95 * len(facts)
     assert engine.totals.acceptance_rate >= 0.6
+
+
+@torch.no_grad()
+def test_raw_prompt_continues_a_story():
+    """`generate --raw -p "Once upon a time"` tells a story like the corpus's (README); chat-form story
+    requests are not trained."""
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=1, max_seq_len=256, mtp=1)
+    opening = "Once upon a time"
+    [seq] = engine.generate([[tok.bos_id, *tok.encode(opening)]], SamplingParams(temperature=0, max_tokens=96))
+    story = opening + seq.text
+    # The corpus's shortest story has 33 words; a finished one ends a sentence.
+    assert story.startswith("Once upon a time, there was a ") and len(story.split()) >= 30
+    assert seq.finish_reason == "stop" and story.endswith(".")
