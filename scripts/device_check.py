@@ -31,6 +31,13 @@ def report(name: str, ok: bool, **facts) -> bool:
     return bool(ok)
 
 
+def counted(fn, name, log):
+    def method(*args, **kw):
+        log.append(name)
+        return fn(*args, **kw)
+    return method
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -81,7 +88,7 @@ def main() -> int:
             reads = []
             originals = {n: getattr(torch.Tensor, n) for n in ("item", "tolist", "cpu", "__bool__", "__int__")}
             for n, fn in originals.items():
-                setattr(torch.Tensor, n, lambda t, *a, _fn=fn, _n=n, **kw: reads.append(_n) or _fn(t, *a, **kw))
+                setattr(torch.Tensor, n, counted(fn, n, reads))
             try:
                 engine.step()
             finally:
