@@ -419,9 +419,10 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (only the ones a token is routed to run) plus the shared expert.
 
-    Two ways to run the routed experts, both reading only the chosen experts' weights: on the host
-    (CPU), each expert on its own tokens; on accelerators, after `stack_experts`, grouped GEMMs over
-    the stacked weights with the routing kept on the device (static shapes, no sync)."""
+    Two ways to run the routed experts, both reading only the chosen experts' weights, chosen by the
+    platform (`routes_on_host`, see `Transformer.prepare`): routing read on the host, each expert on
+    its own tokens; or, after `stack_experts`, grouped GEMMs over the stacked weights with the
+    routing kept on the device (static shapes, no sync)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
@@ -596,8 +597,9 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def prepare(self) -> "Transformer":
-        """Lay the loaded weights out for this device's kernels: on the host, int8 linears packed
-        for the CPU GEMM; on accelerators, routed experts stacked for grouped GEMMs."""
+        """Lay the loaded weights out for this device's kernels, as its platform says: routing on the
+        host, int8 linears packed in the kernels' own layout (where they have one); routing on the
+        device, routed experts stacked for grouped GEMMs."""
         on_host = platforms.for_device(self.embed.weight.device).routes_on_host
         for module in self.modules():
             if on_host and isinstance(module, Linear):
