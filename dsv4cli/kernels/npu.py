@@ -120,7 +120,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     else:
         return reference.rope(x, cos, sin)
     tokens = cos[..., 0].numel()
-    tail = x[..., -rd:].float().reshape(1, tokens, heads, rd)
+    tail = x[..., -rd:].float().reshape(1, tokens, heads, rd).contiguous()   # the doc promises no strided input
     r1 = cos.float().repeat_interleave(2, dim=-1).reshape(1, tokens, 1, rd)
     r2 = sin.float().repeat_interleave(2, dim=-1).reshape(1, tokens, 1, rd)
     rotated = torch_npu.npu_rotary_mul(tail, r1, r2, rotary_mode="interleave")
