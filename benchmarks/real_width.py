@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dsv4cli import kernels
+from dsv4cli import kernels, platforms
 from dsv4cli.engine import Engine
 from dsv4cli.model import ModelConfig, Transformer
 from dsv4cli.model.loader import keep_fp32
@@ -60,8 +60,7 @@ DEVICE = torch.device("cpu")
 
 def clock() -> float:
     """Seconds, after the device has finished what was queued (accelerators run asynchronously)."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+    platforms.for_device(DEVICE).synchronize(DEVICE)
     return time.perf_counter()
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dsv4cli import platforms
 from dsv4cli.errors import UsageError
 
 if sys.version_info >= (3, 11):
@@ -116,7 +117,7 @@ class Settings:
     )
     # [model]
     model: str | None = _key("model", None, "Model directory (unset: the bundled dsv4-tiny)", path=True)
-    device: str = _key("model", "auto", "Device to run on", choices=("auto", "cpu", "cuda", "npu"))
+    device: str = _key("model", "auto", "Device to run on", choices=("auto", *platforms.names()))
     dtype: str = _key("model", "auto", "Compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
     tp: int = _key("model", 1, "Tensor-parallel degree (devices per model)", lo=1)
     max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)

@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dsv4cli import platforms
 from dsv4cli.errors import RunError
 
-BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
 TIMEOUT = timedelta(minutes=10)   # a generous bound for a collective; rank deaths are caught earlier
 
 
@@ -35,15 +35,9 @@ def free_port() -> int:
 
 def init_rank(rank: int, world: int, port: int, device: torch.device):
     """Join the process group; returns (this rank's device, the gloo group used for commands)."""
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    elif device.type == "npu":
-        torch.npu.set_device(rank)
-        device = torch.device("npu", rank)
-    else:   # CPU ranks share the cores instead of each starting a thread per core
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    backend = BACKENDS[device.type]
+    platform = platforms.for_device(device)
+    device = platform.set_device(rank, world)
+    backend = platform.dist_backend
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=TIMEOUT)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None

@@ -1,6 +1,7 @@
 """From resolved settings to a ready engine: device, dtype, model, tokenizer, sampling defaults."""
 import torch
 
+from dsv4cli import platforms
 from dsv4cli.config import Settings
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.errors import UsageError
@@ -9,28 +10,14 @@ from dsv4cli.tokenizer import Tokenizer
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        try:
-            import torch_npu  # noqa: F401 - registers the npu device
-            if torch.npu.is_available():
-                return torch.device("npu")
-        except ImportError:
-            pass
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError:
-            raise UsageError("--device npu: torch_npu is not installed (pip install -e '.[npu]')") from None
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device is available")
-    return torch.device(name)
+    try:
+        return platforms.pick(name).device()
+    except LookupError as e:
+        raise UsageError(str(e)) from None
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":   # bf16 matmuls are slow on most CPUs
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, name)
+    return getattr(torch, platforms.for_device(device).default_dtype if name == "auto" else name)
 
 
 def sampling_params(s: Settings) -> SamplingParams:

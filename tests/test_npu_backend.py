@@ -6,31 +6,52 @@ import pytest
 import torch
 from tiny import random_model, tiny_config
 
-from dsv4cli import kernels
+from dsv4cli import kernels, platforms, session
 from dsv4cli.kernels import ExpertStack, reference
+from dsv4cli.model import load_model
 from dsv4cli.model.loader import keep_fp32
-from dsv4cli.model.quant import quantize_model
+from dsv4cli.model.quant import quantize_model, save_w8a8
+from dsv4cli.platforms.cpu import CpuPlatform
+from dsv4cli.platforms.npu import NpuPlatform
+
+STAND_IN = ("torch_npu", "torch_npu.npu", "dsv4cli.kernels.npu")
 
 
 @pytest.fixture
 def npu(monkeypatch):
-    """dsv4cli.kernels.npu imported against the stand-in; both modules are dropped afterwards."""
+    """dsv4cli.kernels.npu imported against the stand-in (an Atlas A2 unless a test sets its SoC) by a
+    fresh NPU platform; the modules and the registration are dropped afterwards."""
     monkeypatch.syspath_prepend(str(Path(__file__).parent / "fake_torch_npu"))
-    for name in ("torch_npu", "dsv4cli.kernels.npu"):
+    for name in STAND_IN:
         monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setattr(kernels, "_BACKENDS", {})
+    monkeypatch.setitem(platforms._REGISTRY, "npu", NpuPlatform())
     module = kernels.backend("npu")
     sys.modules["torch_npu"].calls.clear()
     yield module
-    for name in ("torch_npu", "dsv4cli.kernels.npu"):
+    for name in STAND_IN:
         sys.modules.pop(name, None)
     kernels.__dict__.pop("npu", None)
 
 
+@pytest.fixture
+def npu950(npu, monkeypatch):
+    """The stand-in as an Ascend 950, the chip with the mHC ops."""
+    monkeypatch.setattr(sys.modules["torch_npu.npu"], "SOC_VERSION", 260)
+    npu._has_mhc_ops.cache_clear()
+    return npu
+
+
+def run_cpu_ops_on(monkeypatch, module):
+    """Register a CPU platform whose kernels are `module`: every op of a CPU model then runs there."""
+    class HostWithOtherKernels(CpuPlatform):
+        def load_kernels(self):
+            return module
+    monkeypatch.setitem(platforms._REGISTRY, "cpu", HostWithOtherKernels())
+
+
 def test_npu_device_selects_the_npu_backend(npu):
     assert npu.__name__ == "dsv4cli.kernels.npu" and kernels.backend("npu") is npu
-    assert npu.rope is reference.rope and npu.moe_gate is reference.moe_gate
-    assert npu.sparse_attention is reference.sparse_attention
+    assert npu.sparse_attention is reference.sparse_attention and npu.moe_gate is reference.moe_gate
     assert kernels.backend("cpu") is reference
 
 
@@ -73,7 +94,7 @@ def test_w8a8_model_runs_on_the_npu_backend(npu, monkeypatch):
             p.data = p.data.float()
     ids = torch.randint(0, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     want = model(ids)
-    monkeypatch.setitem(kernels._BACKENDS, "cpu", npu)       # route every op of this CPU model to the NPU backend
+    run_cpu_ops_on(monkeypatch, npu)
     got = model(ids)
     calls = sys.modules["torch_npu"].calls
     assert calls["npu_quant_matmul"] > 0 and calls["npu_rms_norm"] > 0
@@ -112,7 +133,11 @@ def test_grouped_experts_match_reference(npu, tokens, k, limit, dtype):
     assert torch.equal(npu.grouped_experts(x, weights, local, stack), torch.zeros(tokens, 64))
 
 
-def test_w8a8_model_with_stacked_experts_runs_on_the_npu_backend(npu, monkeypatch):
+@pytest.mark.parametrize("soc", [220, 260])
+def test_w8a8_model_with_stacked_experts_runs_on_the_npu_backend(npu, monkeypatch, soc):
+    """Bit-exact on an A2 and on a 950 (mHC through npu_mhc_pre / npu_mhc_sinkhorn / npu_mhc_post)."""
+    monkeypatch.setattr(sys.modules["torch_npu.npu"], "SOC_VERSION", soc)
+    npu._has_mhc_ops.cache_clear()
     cfg = tiny_config()
     model = quantize_model(random_model(cfg)).to(torch.bfloat16)
     for name, p in model.named_parameters():         # what load_model keeps in fp32
@@ -122,9 +147,141 @@ def test_w8a8_model_with_stacked_experts_runs_on_the_npu_backend(npu, monkeypatc
         block.ffn.stack_experts()
     ids = torch.randint(0, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     want = model(ids)
-    monkeypatch.setitem(kernels._BACKENDS, "cpu", npu)
+    run_cpu_ops_on(monkeypatch, npu)
     got = model(ids)
     calls = sys.modules["torch_npu"].calls
     assert calls["npu_moe_init_routing_v2"] == cfg["num_hidden_layers"] and calls["npu_grouped_matmul"] > 0
+    assert calls["npu_rotary_mul"] > 0
+    mhc_calls = 2 * cfg["num_hidden_layers"] if soc >= 260 else 0      # two sub-layers per block
+    assert calls["npu_mhc_pre"] == calls["npu_mhc_sinkhorn"] == calls["npu_mhc_post"] == mhc_calls
     # weight scales hold bf16 values (the model was cast to bf16), so the GEMMs' bf16 scales are exact
     assert torch.equal(got, want)
+
+
+def random_mhc(g, n=4, d=32, batch=2, seq=5, dtype=torch.bfloat16):
+    """Streams h [B,S,n,D], mHC weights as a checkpoint holds them (fp32), and a sub-layer output."""
+    h = (torch.randn(batch, seq, n, d, generator=g) * 2).to(dtype)
+    fn = torch.randn(n * n + 2 * n, n * d, generator=g) / (n * d) ** 0.5
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(n * n + 2 * n, generator=g) / 4
+    return h, fn, scale, base, torch.randn(batch, seq, d, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [4, 8])
+def test_mhc_ops_match_reference(npu950, dtype, n):
+    g = torch.Generator().manual_seed(n)
+    h, fn, scale, base, out = random_mhc(g, n=n, dtype=dtype)
+    got, want = npu950.mhc_pre(h, fn, scale, base, 1e-6, 1e-6), reference.mhc_pre(h, fn, scale, base, 1e-6, 1e-6)
+    assert [t.dtype for t in got] == [dtype, torch.float32, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    comb = npu950.mhc_sinkhorn(got[2], 1e-6, 20)
+    assert torch.equal(comb, reference.mhc_sinkhorn(want[2], 1e-6, 20))
+    assert torch.allclose(comb.sum(-1), torch.ones(()), atol=1e-3) and torch.allclose(comb.sum(-2), torch.ones(()))
+    new = npu950.mhc_post(out, h, got[1], comb)
+    assert new.dtype == dtype and new.shape == h.shape
+    assert torch.equal(new, reference.mhc_post(out, h, got[1], comb))
+    calls = sys.modules["torch_npu"].calls
+    assert calls["npu_mhc_pre"] == calls["npu_mhc_sinkhorn"] == calls["npu_mhc_post"] == 1
+
+
+def test_mhc_uses_the_reference_where_the_fused_ops_do_not_apply(npu, monkeypatch):
+    """An A2 has no mHC ops; on a 950, fp32 streams and a Sinkhorn over n = 2 are outside the ops' specs."""
+    g = torch.Generator().manual_seed(0)
+    h, fn, scale, base, out = random_mhc(g)
+    x, post, comb = npu.mhc_pre(h, fn, scale, base, 1e-6, 1e-6)
+    npu.mhc_post(out, h, post, npu.mhc_sinkhorn(comb, 1e-6, 20))
+    monkeypatch.setattr(sys.modules["torch_npu.npu"], "SOC_VERSION", 260)
+    npu._has_mhc_ops.cache_clear()
+    h32, fn2, scale2, base2, out32 = random_mhc(g, n=2, dtype=torch.float32)
+    x, post, comb = npu.mhc_pre(h32, fn2, scale2, base2, 1e-6, 1e-6)
+    npu.mhc_post(out32, h32, post, npu.mhc_sinkhorn(comb, 1e-6, 20))
+    calls = sys.modules["torch_npu"].calls
+    assert calls["npu_mhc_pre"] == calls["npu_mhc_sinkhorn"] == calls["npu_mhc_post"] == 0
+
+
+def test_stand_in_refuses_what_the_docs_rule_out(npu950):
+    torch_npu = sys.modules["torch_npu"]
+    g = torch.Generator().manual_seed(0)
+    h, fn, scale, base, out = random_mhc(g)
+    with pytest.raises(RuntimeError, match="bf16/fp16"):
+        torch_npu.npu_mhc_pre(h.float(), fn, scale, base)
+    with pytest.raises(RuntimeError, match="phi must be fp32"):
+        torch_npu.npu_mhc_pre(h, fn[:-1], scale, base)
+    with pytest.raises(RuntimeError, match="n in 4/6/8"):
+        torch_npu.npu_mhc_sinkhorn(torch.rand(2, 3, 3))
+    with pytest.raises(RuntimeError, match="num_iters"):
+        torch_npu.npu_mhc_sinkhorn(torch.rand(2, 4, 4), num_iters=101)
+    with pytest.raises(RuntimeError, match="h_out must be"):
+        torch_npu.npu_mhc_post(h, torch.rand(2, 5, 4, 4), out.half(), torch.rand(2, 5, 4))
+    x = torch.randn(2, 5, 3, 8)
+    with pytest.raises(RuntimeError, match="1S1D"):       # a position row per sequence: not in interleave mode
+        torch_npu.npu_rotary_mul(x, torch.rand(2, 5, 1, 8), torch.rand(2, 5, 1, 8), rotary_mode="interleave")
+    torch_npu.npu.SOC_VERSION = 250
+    with pytest.raises(RuntimeError, match="Ascend 950 only"):
+        torch_npu.npu_mhc_post(h, torch.rand(2, 5, 4, 4), out, torch.rand(2, 5, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_matches_reference(npu, dtype):
+    """The layouts the model rotates: per-head q [B,S,H,D] with cos [B,S,1,rd/2], one row per token
+    [B,S,D] with cos [B,S,rd/2] (KV, compressed blocks), and the inverse rotation (-sin)."""
+    g = torch.Generator().manual_seed(0)
+    angles = torch.rand(3, 7, 8, generator=g) * 6
+    cos, sin = angles.cos(), angles.sin()
+    q = torch.randn(3, 7, 4, 40, generator=g).to(dtype)
+    kv = torch.randn(3, 7, 40, generator=g).to(dtype)
+    for x, c, s in ((q, cos[:, :, None], sin[:, :, None]), (q, cos[:, :, None], -sin[:, :, None]), (kv, cos, sin)):
+        got = npu.rope(x, c, s)
+        assert got.dtype == dtype and torch.equal(got, reference.rope(x, c, s))
+    assert sys.modules["torch_npu"].calls["npu_rotary_mul"] == 3
+
+
+@torch.no_grad()
+def test_a_platform_registered_here_runs_the_whole_w8a8_model(npu950, monkeypatch, tmp_path):
+    """A new platform is one Platform subclass and a registration: here a host that runs the NPU
+    kernels (stand-in Ascend 950), bf16 by default, routing on the device, preferred by `auto`.
+    Device choice, dtype, the expert layout and every op follow it with the model unedited. Its
+    logits (trunk and MTP) differ from the reference kernels' on the same loaded W8A8 model only
+    by the grouped GEMMs' bf16 weight scales: with scales holding bf16 values they are equal."""
+    class HostWithNpuKernels(CpuPlatform):
+        priority = 100
+        default_dtype = "bfloat16"
+        routes_on_host = False
+
+        def load_kernels(self):
+            return npu950
+
+    cfg = tiny_config()
+    save_w8a8(random_model(cfg, seed=1), cfg, tmp_path)
+    monkeypatch.setitem(platforms._REGISTRY, "cpu", HostWithNpuKernels())
+    device = session.pick_device("auto")
+    dtype = session.pick_dtype("auto", device)
+    assert dtype == torch.bfloat16
+    model = load_model(tmp_path, device=device, dtype=dtype)
+    blocks = [*model.layers, *model.mtp]
+    assert all(block.ffn.stack is not None for block in blocks)      # prepare() asked the platform
+    ids = torch.randint(0, cfg["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+
+    def logits(platform):
+        monkeypatch.setitem(platforms._REGISTRY, "cpu", platform)
+        out, hidden = model(ids, return_hidden=True)
+        return out, model.mtp_forward(hidden, ids)
+
+    npu_platform = platforms.get("cpu")
+    got = logits(npu_platform)
+    calls = sys.modules["torch_npu"].calls
+    for op in ("npu_quant_matmul", "npu_dynamic_quant", "npu_rms_norm", "npu_rotary_mul", "npu_moe_init_routing_v2",
+               "npu_grouped_matmul", "npu_mhc_pre", "npu_mhc_sinkhorn", "npu_mhc_post"):
+        assert calls[op] > 0, op
+    want = logits(CpuPlatform())
+    for label, a, b in zip(("trunk", "MTP"), got, want):
+        rel = (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+        agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+        print(f"stand-in NPU vs reference, W8A8 {label}: relative error {rel:.2e}, max abs {(a - b).abs().max():.2e} "
+              f"(logits up to {b.abs().max():.1f}), argmax agreement {agree:.3f}")
+        assert rel < 5e-2 and agree > 0.95
+    for block in blocks:                        # the scales the bf16 grouped GEMMs take
+        block.ffn.stack.s13.copy_(block.ffn.stack.s13.bfloat16())
+        block.ffn.stack.s2.copy_(block.ffn.stack.s2.bfloat16())
+    got, want = logits(npu_platform), logits(CpuPlatform())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,4 +1,4 @@
-"""Captured decode steps on CUDA (torch.cuda.CUDAGraph) and Ascend (torch.npu.NPUGraph).
+"""Captured decode steps where the platform has graphs (torch.cuda.CUDAGraph, torch.npu.NPUGraph).
 
 The fused step has static shapes for a given (batch bucket, context bucket) and touches only
 preallocated tensors, so each bucket is captured once and replayed: one launch instead of thousands
@@ -6,6 +6,8 @@ of small kernels. The first step of a bucket runs eagerly (it doubles as the war
 captured and replayed, later ones replay. On the CPU steps run eagerly.
 """
 import torch
+
+from dsv4cli import platforms
 
 
 class StepGraphs:
@@ -17,11 +19,8 @@ class StepGraphs:
 
     @classmethod
     def for_device(cls, device: torch.device) -> "StepGraphs | None":
-        if device.type == "cuda":
-            return cls(torch.cuda.CUDAGraph, torch.cuda.graph)
-        if device.type == "npu":
-            return cls(torch.npu.NPUGraph, torch.npu.graph)
-        return None
+        api = platforms.for_device(device).graph_api()
+        return cls(*api) if api is not None else None
 
     def run(self, key, step) -> torch.Tensor:
         if key in self.graphs:

@@ -1,26 +1,22 @@
-"""One op set, several backends. The backend is picked from the tensor's device.
+"""The op seam: every op the model runs that an accelerator may replace, dispatched by the device
+of its first tensor to that device's platform's kernel module (`dsv4cli.platforms`).
 
-reference: plain torch, on any device (on CUDA its torch._int_mm is the cuBLAS int8 GEMM); npu:
-torch_npu fused ops, falling back to the reference for the ops it doesn't override.
+reference.py is the oracle and runs anywhere (on CUDA its torch._int_mm is the cuBLAS int8 GEMM);
+npu.py runs torch_npu's fused ops and falls back to the reference for the rest. docs/design.md has
+the op table (op, reference, NPU op, CUDA path).
 """
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from dsv4cli import platforms
 
-_BACKENDS = {}
+from . import reference
 
 
 def backend(device_type: str):
-    """The op module for a device type; torch_npu is imported only when an NPU is used."""
-    if device_type not in _BACKENDS:
-        if device_type == "npu":
-            from . import npu as mod
-        else:
-            mod = reference
-        _BACKENDS[device_type] = mod
-    return _BACKENDS[device_type]
+    """The op module for a device type (torch_npu is imported only when an NPU is used)."""
+    return platforms.kernels_for(device_type)
 
 
 @dataclass
@@ -35,13 +31,6 @@ class ExpertStack:
     s13: torch.Tensor | None
     s2: torch.Tensor | None
     limit: float
-
-
-def routes_on_host(device: torch.device) -> bool:
-    """Whether routed experts read their routing on the host. On the CPU the tensors already live
-    there, so reading it costs no device sync and each expert runs on its own rows with its own
-    weights; accelerators keep routing on the device (grouped GEMMs over stacked experts)."""
-    return device.type == "cpu"
 
 
 def rms_norm(x, weight, eps):
@@ -72,8 +61,20 @@ def quantize_per_token(x):
     return backend(x.device.type).quantize_per_token(x)
 
 
+def swiglu(gate, up, limit):
+    return backend(gate.device.type).swiglu(gate, up, limit)
+
+
+def moe_gate(x, weight, bias, tid2eid, input_ids, topk, func, route_scale):
+    return backend(x.device.type).moe_gate(x, weight, bias, tid2eid, input_ids, topk, func, route_scale)
+
+
 def grouped_experts(x, weights, local, experts: ExpertStack, xq=None):
     return backend(x.device.type).grouped_experts(x, weights, local, experts, xq)
+
+
+def experts_on_host(x, weights, local, experts, xq=None):
+    return backend(x.device.type).experts_on_host(x, weights, local, experts, xq)
 
 
 def sparse_attention(q, sources, sink, scale):
@@ -88,5 +89,17 @@ def topk_blocks(scores, closed, k):
     return backend(scores.device.type).topk_blocks(scores, closed, k)
 
 
-def moe_gate(x, weight, bias, tid2eid, input_ids, topk, func, route_scale):
-    return backend(x.device.type).moe_gate(x, weight, bias, tid2eid, input_ids, topk, func, route_scale)
+def mhc_pre(h, fn, scale, base, norm_eps, hc_eps):
+    return backend(h.device.type).mhc_pre(h, fn, scale, base, norm_eps, hc_eps)
+
+
+def mhc_sinkhorn(logits, eps, iters):
+    return backend(logits.device.type).mhc_sinkhorn(logits, eps, iters)
+
+
+def mhc_post(x, res, post, comb):
+    return backend(x.device.type).mhc_post(x, res, post, comb)
+
+
+def mhc_head(h, fn, scale, base, norm_eps, hc_eps):
+    return backend(h.device.type).mhc_head(h, fn, scale, base, norm_eps, hc_eps)

@@ -1,17 +1,29 @@
-"""Ascend NPU backend: torch_npu's fused ops, called as vllm-ascend calls them for W8A8_DYNAMIC.
+"""Ascend NPU backend: torch_npu's fused ops (torch_npu 2.14.0's documented schemas), called as
+vllm-ascend calls them for W8A8_DYNAMIC.
 
-Ops not defined here are the reference ones (plain torch ops run on the NPU too). The router stays
-there as well: npu_moe_gating_top_k scores with softmax or sigmoid, not DeepSeek V4's sqrt-softplus.
+Ops not defined here, and shapes or dtypes an op does not take, run the reference (plain torch ops
+run on the NPU too). What stays in the reference and why (docs/design.md has the table):
+- the router: npu_moe_gating_top_k always applies its own softmax or sigmoid to x (renorm 0 only),
+  so neither DeepSeek V4's sqrt-softplus scores nor precomputed scores can be passed, in hash
+  mode (input_ids + tid2eid) either: its weights would be softmax/sigmoid of the logits;
+- attention: npu_sparse_flash_attention / npu_block_sparse_attention have no sink logit;
+- the clamped SwiGLU: npu_swiglu and the fused grouped GEMM + SwiGLU ops have no clamp;
+- mhc_head: npu_mhc_pre documents only the three-weight (alpha [3]) form.
 Int8 weights stay [out, in] in ND layout and are passed transposed; converting them to FRACTAL_NZ
 at load time would make the GEMMs faster.
 """
+import functools
+
 import torch
-import torch.nn.functional as F
 import torch_npu
 
 from . import reference
 
 HALF = (torch.float16, torch.bfloat16)   # the activation dtypes npu_dynamic_quant / npu_quant_matmul take
+# torch_npu.npu.get_soc_version() of Ascend 950, the first chip with the mHC ops (npu_mhc_pre/post:
+# "昇腾950", npu_mhc_sinkhorn: "Atlas A5"); the wheel's own meta registrations compare against 260.
+ASCEND950 = 260
+SINKHORN_STREAMS = (4, 6, 8)             # the n npu_mhc_sinkhorn takes
 
 
 def __getattr__(name):
@@ -87,11 +99,61 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
             [a], [w.transpose(1, 2)], scale=[w_scale.view(E, -1).to(scale_dtype)], per_token_scale=[a_scale],
             group_list=counts, split_item=2, group_type=0, group_list_type=1, output_dtype=x.dtype)[0]
 
-    h = gmm(rows, rows_scale, experts.w13, experts.s13).float()
-    gate, up = h.chunk(2, dim=-1)
-    if experts.limit > 0:
-        gate, up = gate.clamp(max=experts.limit), up.clamp(-experts.limit, experts.limit)
-    h = F.silu(gate) * up * weights.flatten()[src, None]     # the routing weight scales the intermediate
+    h = gmm(rows, rows_scale, experts.w13, experts.s13)
+    h = reference.swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[src, None]   # weight before w2
     hq, h_scale = torch_npu.npu_dynamic_quant(h.to(x.dtype))
     out = torch.where(valid[:, None], gmm(hq, h_scale, experts.w2, experts.s2).float(), 0.0)
     return torch.zeros(T, out.shape[1], device=x.device, dtype=torch.float32).index_add_(0, src // k, out)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """npu_rotary_mul in interleave mode: out = r1 * x + r2 * (-x[2i+1], x[2i]) pairwise, with r1/r2
+    the cos/sin repeated per pair. That mode takes r1/r2 only as [1, S, 1, D] for x [B, S, N, D]
+    (one position row per token, shared by batch and heads), so the batch goes into S: x's rotated
+    tail as [1, tokens, heads, rd]. Run in fp32 like the reference (a*cos + (-b)*sin is a*cos - b*sin
+    exactly). Other layouts (cos not one row per token) use the reference."""
+    rd = 2 * cos.shape[-1]
+    if cos.shape[:-1] == x.shape[:-2] + (1,):
+        heads = x.shape[-2]                     # x [..., heads, D], cos [..., 1, rd/2]
+    elif cos.shape[:-1] == x.shape[:-1]:
+        heads = 1                               # x [..., D], cos [..., rd/2]
+    else:
+        return reference.rope(x, cos, sin)
+    tokens = cos[..., 0].numel()
+    tail = x[..., -rd:].float().reshape(1, tokens, heads, rd).contiguous()   # the doc promises no strided input
+    r1 = cos.float().repeat_interleave(2, dim=-1).reshape(1, tokens, 1, rd)
+    r2 = sin.float().repeat_interleave(2, dim=-1).reshape(1, tokens, 1, rd)
+    rotated = torch_npu.npu_rotary_mul(tail, r1, r2, rotary_mode="interleave")
+    return torch.cat((x[..., :-rd], rotated.view(*x.shape[:-1], rd).to(x.dtype)), dim=-1)
+
+
+@functools.cache
+def _has_mhc_ops() -> bool:
+    return torch_npu.npu.get_soc_version() >= ASCEND950
+
+
+def mhc_pre(h, fn, scale, base, norm_eps, hc_eps):
+    """npu_mhc_pre: h_in, h_post, h_res are the reference's x, post and comb logits (ops-transformer's
+    MhcPre formula: mix = alpha * (RMSNorm(h) phi) + bias, pre = sigmoid + hc_eps, post = 2 sigmoid,
+    h_in = sum_i h_i pre_i); no gamma (V4's norm has no weight); out_flag 0, so the other three
+    outputs are not computed. h must be bf16/fp16."""
+    if not (_has_mhc_ops() and h.dtype in HALF):
+        return reference.mhc_pre(h, fn, scale, base, norm_eps, hc_eps)
+    x, post, comb = torch_npu.npu_mhc_pre(h, fn, scale, base, norm_eps=norm_eps, hc_eps=hc_eps)[:3]
+    return x, post, comb
+
+
+def mhc_sinkhorn(logits, eps, iters):
+    """npu_mhc_sinkhorn: ops-transformer's MhcSinkhorn formula is V4's step for step (softmax + eps,
+    a column normalisation, then num_iters-1 row/column rounds, every sum + eps)."""
+    if not (_has_mhc_ops() and logits.shape[-1] in SINKHORN_STREAMS and 1 <= iters <= 100):
+        return reference.mhc_sinkhorn(logits, eps, iters)
+    return torch_npu.npu_mhc_sinkhorn(logits, eps=eps, num_iters=iters)[0]
+
+
+def mhc_post(x, res, post, comb):
+    """npu_mhc_post(x=streams, h_res=comb, h_out=sub-layer output, h_post=post):
+    y = h_res^T x + h_out (x) h_post, the reference's h_k = post_k * out + sum_j comb[j,k] res_j."""
+    if not (_has_mhc_ops() and x.dtype in HALF and res.dtype == x.dtype):
+        return reference.mhc_post(x, res, post, comb)
+    return torch_npu.npu_mhc_post(res, comb, x, post)

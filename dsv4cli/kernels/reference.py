@@ -191,6 +191,38 @@ def moe_gate(x, weight, bias, tid2eid, input_ids, topk: int, func: str, route_sc
     return w * route_scale, idx
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek V4's SwiGLU in fp32: the gate clamped from above and the up projection both ways
+    (limit 0: no clamp)."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+def experts_on_host(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, experts, xq=None) -> torch.Tensor:
+    """Routed experts one at a time, each on its own tokens, for tensors in host memory (reading the
+    routing there costs no device sync), each expert's weights read in place (packed or not).
+
+    x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
+    first expert; experts: this rank's experts, callables expert(rows, routing_weight [n,1], rows_q).
+    Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
+    n_local, k = len(experts), local.shape[1]
+    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
+    order = key.argsort(stable=True)
+    counts = torch.bincount(key, minlength=n_local + 1).tolist()
+    y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    start = 0
+    for expert, n in zip(experts, counts[:-1]):
+        if n:
+            sel = order[start: start + n]
+            rows = sel // k
+            rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
+            y.index_add_(0, rows, expert(x[rows], weights.flatten()[sel, None], rows_q).float())
+        start += n
+    return y
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,
                    xq=None) -> torch.Tensor:
     """Rows x [A, in] sorted by group; rows offs[g-1]:offs[g] are multiplied by weight[g] ([G, out, in]).
@@ -224,11 +256,60 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
     offs = counts[:E].cumsum(0).to(torch.int32)
     group, token = key[order], order // k
     rows_q = None if xq is None else (xq[0][token], xq[1][token])
-    h = grouped_linear(x[token], experts.w13, experts.s13, offs, group, rows_q).float()
-    gate, up = h.chunk(2, dim=-1)
-    if experts.limit > 0:
-        gate, up = gate.clamp(max=experts.limit), up.clamp(-experts.limit, experts.limit)
-    h = F.silu(gate) * up * weights.flatten()[order, None]     # the routing weight scales the intermediate
+    h = grouped_linear(x[token], experts.w13, experts.s13, offs, group, rows_q)
+    h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
     out = grouped_linear(h.to(x.dtype), experts.w2, experts.s2, offs, group).float()
     out = torch.where((group < E)[:, None], out, 0.0)
     return torch.zeros(T, out.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out)
+
+
+# --------------------------------------------------------------------------------------------------
+# mHC (manifold-constrained hyper-connections), split as torch_npu's npu_mhc_pre / npu_mhc_sinkhorn /
+# npu_mhc_post split it: the sub-layer runs between pre and post.
+# --------------------------------------------------------------------------------------------------
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float):
+    """Collapse the n streams h [..., n, D] into the sub-layer's input, and the mixing weights.
+
+    mix = (h flattened @ fn^T) / rms(h flattened); pre = sigmoid(mix_pre * scale[0] + base_pre) + hc_eps;
+    post = 2 * sigmoid(mix_post * scale[1] + base_post); comb logits = mix_res * scale[2] + base_res
+    as [n, n] (row-major). fn [n*n + 2n, n*D] holds the pre, post and res rows in that order.
+    Returns (x = sum_i pre_i * h_i in h's dtype, post fp32 [..., n], comb logits fp32 [..., n, n])."""
+    n = h.shape[-2]
+    xf = h.flatten(-2).float()
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
+    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
+    x = (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)
+    return x, post, comb
+
+
+def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    """DeepSeek V4's Sinkhorn of the comb logits [..., n, n] (fp32): softmax over the last dim + eps,
+    a column normalisation, then iters-1 rounds of row then column normalisation, every
+    denominator + eps."""
+    comb = logits.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return comb
+
+
+def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams from the sub-layer output x [B,S,D] and the old streams res [B,S,n,D]:
+    h_k = post_k * x + sum_j comb[j,k] * res_j, in x's dtype."""
+    out = post.unsqueeze(-1) * x.float().unsqueeze(2) + torch.einsum("bsjk,bsjd->bskd", comb, res.float())
+    return out.to(x.dtype)
+
+
+def mhc_head(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+             hc_eps: float) -> torch.Tensor:
+    """The final collapse of the streams h [..., n, D] before the norm and head: mhc_pre's pre
+    weights alone (fn [n, n*D], scale [1], base [n])."""
+    xf = h.flatten(-2).float()
+    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix * scale + base) + hc_eps
+    return (pre.unsqueeze(-1) * h.float()).sum(-2).to(h.dtype)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4cli import kernels
+from dsv4cli import kernels, platforms
 
 from .config import ModelConfig
 
@@ -391,10 +391,7 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter_dim)
 
     def forward(self, x, weight=None, xq=None):
-        gate, up = self.w1(x, xq).float(), self.w3(x, xq).float()
-        if self.limit > 0:
-            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
-        h = F.silu(gate) * up
+        h = kernels.swiglu(self.w1(x, xq), self.w3(x, xq), self.limit)
         if weight is not None:       # the routing weight scales the intermediate, before w2
             h = h * weight
         return self.w2(h.to(x.dtype))
@@ -422,9 +419,10 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (only the ones a token is routed to run) plus the shared expert.
 
-    Two ways to run the routed experts, both reading only the chosen experts' weights: on the host
-    (CPU), each expert on its own tokens; on accelerators, after `stack_experts`, grouped GEMMs over
-    the stacked weights with the routing kept on the device (static shapes, no sync)."""
+    Two ways to run the routed experts, both reading only the chosen experts' weights, chosen by the
+    platform (`routes_on_host`, see `Transformer.prepare`): routing read on the host, each expert on
+    its own tokens; or, after `stack_experts`, grouped GEMMs over the stacked weights with the
+    routing kept on the device (static shapes, no sync)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
@@ -482,65 +480,16 @@ class MoE(nn.Module):
         if self.stack is not None:
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         else:
-            y = self._experts_on_host(x, weights, local, xq)
+            y = kernels.experts_on_host(x, weights, local, self.local_experts(), xq)
         y = all_reduce(y)
         if self.shared_experts is not None:
             y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
         return y.to(x.dtype).view(shape)
 
-    def _experts_on_host(self, x, weights, local, xq):
-        """Each routed expert on its own tokens, its weights read in place; the routing is read on
-        the host (where tensors live on the CPU, that costs no device sync)."""
-        k = local.shape[1]
-        key = torch.where((local >= 0) & (local < self.n_local), local, self.n_local).flatten()
-        order = key.argsort(stable=True)
-        counts = torch.bincount(key, minlength=self.n_local + 1).tolist()
-        y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-        start = 0
-        for e, n in enumerate(counts[:-1]):
-            if n:
-                sel = order[start: start + n]
-                rows = sel // k
-                rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
-                out = self.experts[self.first + e](x[rows], weights.flatten()[sel, None], rows_q)
-                y.index_add_(0, rows, out.float())
-            start += n
-        return y
-
 
 # --------------------------------------------------------------------------------------------------
 # Hyper-connections, blocks, model
 # --------------------------------------------------------------------------------------------------
-
-def hc_pre(h, fn, scale, base, cfg: ModelConfig):
-    """Collapse the streams for the sub-layer; also return post weights and the Sinkhorn-mixed comb."""
-    n = cfg.hc_mult
-    xf = h.flatten(2).float()
-    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
-    pre = torch.sigmoid(mix[..., :n] * scale[0] + base[:n]) + cfg.hc_eps
-    post = 2 * torch.sigmoid(mix[..., n:2 * n] * scale[1] + base[n:2 * n])
-    comb = (mix[..., 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n))
-    comb = comb.softmax(-1) + cfg.hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
-    for _ in range(cfg.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + cfg.hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + cfg.hc_eps)
-    x = (pre.unsqueeze(-1) * h.float()).sum(2).to(h.dtype)
-    return x, post, comb
-
-
-def hc_post(x, res, post, comb):
-    """New streams: h_k = post_k * x + sum_j comb[j,k] * res_j."""
-    out = post.unsqueeze(-1) * x.float().unsqueeze(2) + torch.einsum("bsjk,bsjd->bskd", comb, res.float())
-    return out.to(x.dtype)
-
-
-def hc_head(h, fn, scale, base, cfg: ModelConfig):
-    xf = h.flatten(2).float()
-    mix = F.linear(xf, fn.float()) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + cfg.norm_eps)
-    pre = torch.sigmoid(mix * scale + base) + cfg.hc_eps
-    return (pre.unsqueeze(-1) * h.float()).sum(2).to(h.dtype)
-
 
 class Block(nn.Module):
     def __init__(self, layer_id: int, cfg: ModelConfig):
@@ -557,10 +506,17 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def forward(self, h, step: Step, cache: LayerCache, input_ids):
-        x, post, comb = hc_pre(h, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.cfg)
-        h = hc_post(self.attn(self.attn_norm(x), step, cache), h, post, comb)
-        x, post, comb = hc_pre(h, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.cfg)
-        return hc_post(self.ffn(self.ffn_norm(x), input_ids), h, post, comb)
+        h = self.hyper_connection(h, "attn", lambda x: self.attn(self.attn_norm(x), step, cache))
+        return self.hyper_connection(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
+
+    def hyper_connection(self, h, part: str, sublayer):
+        """mHC around a sub-layer: collapse the streams h [B,S,hc,D] into its input, mix the streams
+        by the Sinkhorn-normalised comb and add its output with the post weights."""
+        c = self.cfg
+        fn, scale, base = (getattr(self, f"hc_{part}_{name}") for name in ("fn", "scale", "base"))
+        x, post, comb = kernels.mhc_pre(h, fn, scale, base, c.norm_eps, c.hc_eps)
+        comb = kernels.mhc_sinkhorn(comb, c.hc_eps, c.hc_sinkhorn_iters)
+        return kernels.mhc_post(sublayer(x), h, post, comb)
 
 
 class ParallelEmbedding(nn.Module):
@@ -618,7 +574,8 @@ class MTPBlock(Block):
         e = self.enorm(embed(next_ids))
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h_prev))
         x = super().forward(x, step, cache, next_ids)
-        y = hc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg)
+        y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+                             self.cfg.hc_eps)
         return head(self.norm(y)), x
 
 
@@ -640,9 +597,10 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def prepare(self) -> "Transformer":
-        """Lay the loaded weights out for this device's kernels: on the host, int8 linears packed
-        for the CPU GEMM; on accelerators, routed experts stacked for grouped GEMMs."""
-        on_host = kernels.routes_on_host(self.embed.weight.device)
+        """Lay the loaded weights out for this device's kernels, as its platform says: routing on the
+        host, int8 linears packed in the kernels' own layout (where they have one); routing on the
+        device, routed experts stacked for grouped GEMMs."""
+        on_host = platforms.for_device(self.embed.weight.device).routes_on_host
         for module in self.modules():
             if on_host and isinstance(module, Linear):
                 module.pack()
@@ -661,7 +619,8 @@ class Transformer(nn.Module):
         for layer, cache in zip(self.layers, state.layers):
             h = layer(h, step, cache, tokens)
         hh = h[:, -1:] if last_only else h
-        y = hc_head(hh, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg)
+        y = kernels.mhc_head(hh, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+                             self.cfg.hc_eps)
         return self.head(self.norm(y)), h
 
     def mtp_step(self, hidden, next_ids, start, state: DecodeState):

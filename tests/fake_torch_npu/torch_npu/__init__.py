@@ -1,17 +1,23 @@
 """A CPU stand-in for the torch_npu ops dsv4cli.kernels.npu calls, for tests only.
 
 Each op takes the documented arguments (torch_npu 2.14.0's _op_plugin_docs.py: npu_dynamic_quant,
-npu_quant_matmul, npu_rms_norm, npu_moe_init_routing_v2, npu_grouped_matmul; output shapes as in
-op_plugin/meta/_meta_registrations.py), rejects the shapes and dtypes the docs rule out for Atlas
-A2/A3, and computes the documented formula in fp32/int32. Outputs the docs call undefined come out
-as garbage (NaN, or out-of-range indices), so callers that read them fail. `calls` counts the calls
-so tests can see the fused path was taken.
+npu_quant_matmul, npu_rms_norm, npu_moe_init_routing_v2, npu_grouped_matmul, npu_rotary_mul,
+npu_mhc_pre, npu_mhc_sinkhorn, npu_mhc_post; output shapes as in op_plugin/meta/_meta_registrations.py),
+rejects the shapes and dtypes the docs rule out (for Atlas A2/A3; the mHC ops exist on Ascend 950
+only, so they refuse other chips, see npu.py), and computes the documented formula in fp32/int32
+(the mHC ops' formulas are not in the wheel's docs: they come from the ops' own docs in CANN's
+ops-transformer, mhc/*/docs/aclnnMhc*.md). Outputs the docs call undefined come out as garbage (NaN,
+or out-of-range indices), so callers that read them fail. `calls` counts the calls so tests can see
+the fused path was taken.
 """
 from collections import Counter
 
 import torch
 
+from . import npu
+
 calls = Counter()
+HALF = (torch.float16, torch.bfloat16)
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -161,3 +167,97 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     y = torch.full((m, n), float("nan"), dtype=output_dtype)
     y[:rows] = (acc * pts[:rows, None] * scale[group].float()).to(output_dtype)
     return [y]
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
+    """Interleave mode without rotate: output = r1 * input + r2 * x_new, x_new pairwise (-x[2i+1], x[2i]).
+    The jit_compile=False constraints: 4-D input in BSND with B * N < 1000, D < 896 and even, r1/r2
+    shaped 1S1D (one row per position, shared by batch and heads). Only interleave is modelled."""
+    calls["npu_rotary_mul"] += 1
+    _require(rotary_mode == "interleave" and rotate is None, "only interleave mode without rotate is modelled")
+    _require(all(t.dtype in (*HALF, torch.float32) for t in (input, r1, r2)), "dtypes must be fp16/bf16/fp32")
+    _require(input.dim() == 4, "input must be 4-D (BSND)")
+    b, s, n, d = input.shape
+    _require(b * n < 1000 and d < 896 and d % 2 == 0, f"input {list(input.shape)}: B*N < 1000, D < 896 and even")
+    _require(r1.shape == r2.shape == (1, s, 1, d), f"interleave mode takes r1/r2 as 1S1D [1, {s}, 1, {d}]")
+    _require(bool((r1.abs() <= 1).all() and (r2.abs() <= 1).all()), "r1/r2 must lie in [-1, 1]")
+    x1, x2 = input[..., ::2], input[..., 1::2]
+    x_new = torch.stack((-x2, x1), dim=-1).flatten(-2)
+    return r1 * input + r2 * x_new
+
+
+def _require_mhc_chip(op):
+    _require(npu.get_soc_version() >= 260, f"{op} runs on Ascend 950 only (soc_version {npu.get_soc_version()})")
+
+
+def npu_mhc_pre(x, phi, alpha, bias, *, gamma=None, norm_eps=1e-6, hc_eps=1e-6, out_flag=0, inner_precise=0):
+    """MhcPre, x [B,S,n,D] or [T,n,D] bf16/fp16, phi fp32 [n^2+2n, nD] (pre, post, res rows), alpha fp32
+    [3], bias fp32 [n^2+2n]. ops-transformer's formula (aclnnMhcPre.md; hc_eps from MhcPreBackward's):
+    h_mix = x phi^T (x flattened to nD), inv_rms = 1/sqrt(mean(x^2) + norm_eps) over nD,
+    H = alpha * (h_mix * inv_rms) + bias per part, h_pre = sigmoid(H_pre) + hc_eps, h_post = 2 sigmoid(H_post),
+    h_res = H_res as [n, n] (not Sinkhorn-normalised), h_in = sum_i x_i h_pre_i in x's dtype.
+    Returns (h_in, h_post, h_res, inv_rms, h_mix, h_pre); the last three are NaN unless out_flag is 1."""
+    calls["npu_mhc_pre"] += 1
+    _require_mhc_chip("npu_mhc_pre")
+    _require(x.dtype in HALF and x.dim() in (3, 4), f"x must be bf16/fp16 [T,n,D] or [B,S,n,D], got {x.dtype} "
+             f"{list(x.shape)}")
+    n, d = x.shape[-2:]
+    mix = n * n + 2 * n
+    _require(phi.dtype == torch.float32 and phi.shape == (mix, n * d), f"phi must be fp32 [{mix}, {n * d}]")
+    _require(alpha.dtype == torch.float32 and alpha.numel() == 3, "alpha must be fp32 [3] ([2] is not modelled)")
+    _require(bias.dtype == torch.float32 and bias.shape == (mix,), f"bias must be fp32 [{mix}]")
+    _require(gamma is None, "gamma is not modelled")
+    _require(out_flag in (0, 1) and inner_precise in (0, 1), "out_flag and inner_precise must be 0 or 1")
+    xf = x.flatten(-2).float()
+    h_mix = torch.nn.functional.linear(xf, phi)
+    inv_rms = torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)
+    mix = h_mix * inv_rms
+    h_pre = torch.sigmoid(mix[..., :n] * alpha[0] + bias[:n]) + hc_eps
+    h_post = 2 * torch.sigmoid(mix[..., n:2 * n] * alpha[1] + bias[n:2 * n])
+    h_res = (mix[..., 2 * n:] * alpha[2] + bias[2 * n:]).unflatten(-1, (n, n))
+    h_in = (h_pre.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+    inv_rms = inv_rms.squeeze(-1)
+    if not out_flag:
+        h_mix, h_pre, inv_rms = (torch.full_like(t, float("nan")) for t in (h_mix, h_pre, inv_rms))
+    return h_in, h_post, h_res, inv_rms, h_mix, h_pre
+
+
+def npu_mhc_sinkhorn(x, *, eps=1e-6, num_iters=20, out_flag=0):
+    """MhcSinkhorn on fp32 x [T,n,n] or [B,S,n,n], n in {4, 6, 8}, num_iters in [1, 100].
+    ops-transformer's formula (aclnnMhcSinkhorn.md): norm[0] = softmax(x, -1) + eps; norm[1] =
+    norm[0] / (column sums + eps); then for i = 1..num_iters-1 a row normalisation and a column
+    normalisation, each dividing by its sums + eps; the output is the last norm. Returns (y, None, None)
+    (out_flag 1's saved norms and sums for the backward are not modelled)."""
+    calls["npu_mhc_sinkhorn"] += 1
+    _require_mhc_chip("npu_mhc_sinkhorn")
+    _require(x.dtype == torch.float32 and x.dim() in (3, 4), "x must be fp32 [T,n,n] or [B,S,n,n]")
+    _require(x.shape[-1] == x.shape[-2] and x.shape[-1] in (4, 6, 8),
+             f"x's last dims must be n x n, n in 4/6/8: {list(x.shape)}")
+    _require(1 <= num_iters <= 100, f"num_iters must be in [1, 100], got {num_iters}")
+    _require(out_flag == 0, "out_flag 1 is not modelled")
+    y = x.softmax(-1) + eps
+    y = y / (y.sum(-2, keepdim=True) + eps)
+    for _ in range(num_iters - 1):
+        y = y / (y.sum(-1, keepdim=True) + eps)
+        y = y / (y.sum(-2, keepdim=True) + eps)
+    return y, None, None
+
+
+def npu_mhc_post(x, h_res, h_out, h_post):
+    """MhcPost: x_{l+1} = h_res^T x + h_out (x) h_post (the wheel's doc formula), per token
+    y_k = h_post_k * h_out + sum_j h_res[j, k] * x_j, computed in fp32, in x's dtype and shape.
+    x [B,S,n,D] / [T,n,D] bf16/fp16, h_res fp32 [..., n, n] (None: x + h_out (x) h_post, Ascend 950),
+    h_out [B,S,D] / [T,D] in x's dtype, h_post fp32 [..., n]."""
+    calls["npu_mhc_post"] += 1
+    _require_mhc_chip("npu_mhc_post")
+    _require(x.dtype in HALF and x.dim() in (3, 4), "x must be bf16/fp16 [T,n,D] or [B,S,n,D]")
+    lead, (n, d) = x.shape[:-2], x.shape[-2:]
+    _require(h_out.dtype == x.dtype and h_out.shape == (*lead, d), f"h_out must be {x.dtype} {[*lead, d]}")
+    _require(h_post.dtype == torch.float32 and h_post.shape == (*lead, n), f"h_post must be fp32 {[*lead, n]}")
+    _require(h_res is None or (h_res.dtype == torch.float32 and h_res.shape == (*lead, n, n)),
+             f"h_res must be fp32 {[*lead, n, n]}")
+    four = (lambda t: t) if x.dim() == 4 else (lambda t: t.unsqueeze(0))    # one formula for both layouts
+    xs, out, post = four(x).float(), four(h_out).float(), four(h_post)
+    mixed = xs if h_res is None else torch.einsum("bsjk,bsjd->bskd", four(h_res), xs)
+    y = post.unsqueeze(-1) * out.unsqueeze(2) + mixed
+    return y.to(x.dtype).view(x.shape)

@@ -1,0 +1,114 @@
+"""The device-specific choices, one platform per device type, in a registry.
+
+A platform says whether its device is usable, the dtype a model runs in by default, the
+torch.distributed backend, how to capture a step graph, the torch.compile backend, which kernel
+module runs the ops (`dsv4cli.kernels`), whether routed experts read their routing on the host,
+and how to query free memory and synchronise. Nothing else in dsv4cli branches on the device
+type: a new accelerator is a new module here with a `Platform` subclass and one `register` line.
+"""
+import functools
+from types import ModuleType
+
+import torch
+
+
+class Platform:
+    """One device type. Subclasses set the class attributes and override what differs."""
+
+    name: str                       # the torch device type, also the --device value
+    priority = 0                    # `--device auto` takes the available platform with the highest
+    default_dtype = "bfloat16"      # a torch dtype name, the `--dtype auto` choice
+    dist_backend = "gloo"
+    compile_backend = "inductor"
+    # Whether routed experts read their routing on the host: where tensors live in host memory that
+    # costs no device sync, and each expert runs on its own rows with its own (packed) weights;
+    # accelerators keep routing on the device and run grouped GEMMs over stacked experts.
+    routes_on_host = False
+
+    def is_available(self) -> bool:
+        raise NotImplementedError
+
+    def unavailable_reason(self) -> str:
+        return f"no {self.name} device is available"
+
+    @functools.cached_property
+    def kernels(self) -> ModuleType:
+        """The kernel module for tensors on this device (imported on first use)."""
+        return self.load_kernels()
+
+    def load_kernels(self) -> ModuleType:
+        from dsv4cli.kernels import reference
+        return reference
+
+    def device(self, index: int | None = None) -> torch.device:
+        return torch.device(self.name, index)
+
+    def set_device(self, rank: int, world: int) -> torch.device:
+        """Make rank `rank` of `world` use its own device; returns that device."""
+        return self.device(rank)
+
+    def graph_api(self):
+        """(graph class, capture context manager) for step-graph capture, or None to run eagerly."""
+        return None
+
+    def free_memory(self, device: torch.device) -> int:
+        raise NotImplementedError
+
+    def synchronize(self, device: torch.device) -> None:
+        pass
+
+
+_REGISTRY: dict[str, Platform] = {}
+
+
+def register(platform: Platform) -> None:
+    """Add a platform, or replace the one registered for its device type."""
+    _REGISTRY[platform.name] = platform
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get(device_type: str) -> Platform | None:
+    return _REGISTRY.get(device_type)
+
+
+def for_device(device: torch.device | str) -> Platform:
+    """The platform of a device (one of its tensors' `.device`)."""
+    device_type = device if isinstance(device, str) else device.type
+    platform = _REGISTRY.get(device_type)
+    if platform is None:
+        raise ValueError(f"no platform is registered for device type {device_type!r} (known: {', '.join(names())})")
+    return platform
+
+
+def kernels_for(device_type: str) -> ModuleType:
+    """The kernel module for tensors of a device type; the reference for unregistered types (meta)."""
+    platform = _REGISTRY.get(device_type)
+    if platform is None:
+        from dsv4cli.kernels import reference
+        return reference
+    return platform.kernels
+
+
+def pick(name: str) -> Platform:
+    """The platform for a --device value: `auto` is the available one of highest priority.
+    Raises LookupError with a one-line reason when the named platform is unknown or unusable."""
+    if name == "auto":   # asked in priority order: a platform below the first available one is never probed
+        return next(p for p in sorted(_REGISTRY.values(), key=lambda p: -p.priority) if p.is_available())
+    platform = _REGISTRY.get(name)
+    if platform is None:
+        raise LookupError(f"unknown device {name!r} (known: {', '.join(names())})")
+    if not platform.is_available():
+        raise LookupError(platform.unavailable_reason())
+    return platform
+
+
+from .cpu import CpuPlatform  # noqa: E402 - the platforms subclass Platform above
+from .cuda import CudaPlatform  # noqa: E402
+from .npu import NpuPlatform  # noqa: E402
+
+register(CpuPlatform())
+register(CudaPlatform())
+register(NpuPlatform())

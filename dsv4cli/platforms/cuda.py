@@ -1,0 +1,30 @@
+"""NVIDIA GPUs through torch.cuda: bf16, NCCL, CUDA graphs; the reference kernels (torch._int_mm
+is cuBLAS's int8 GEMM there, torch._grouped_mm its grouped GEMM)."""
+import torch
+
+from . import Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    priority = 10
+    dist_backend = "nccl"
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        return "--device cuda: no CUDA device is available"
+
+    def set_device(self, rank: int, world: int) -> torch.device:
+        torch.cuda.set_device(rank)
+        return self.device(rank)
+
+    def graph_api(self):
+        return torch.cuda.CUDAGraph, torch.cuda.graph
+
+    def free_memory(self, device) -> int:
+        return torch.cuda.mem_get_info(device)[0]
+
+    def synchronize(self, device) -> None:
+        torch.cuda.synchronize(device)

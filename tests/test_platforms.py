@@ -1,0 +1,62 @@
+"""The platform registry decides the device, dtype, distributed backend, graphs and kernels."""
+import importlib.util
+
+import pytest
+import torch
+
+from dsv4cli import kernels, platforms, session
+from dsv4cli.config import Settings
+from dsv4cli.engine.graphs import StepGraphs
+from dsv4cli.errors import UsageError
+from dsv4cli.kernels import reference
+from dsv4cli.platforms import Platform
+
+
+def test_builtin_platforms_and_device_choices():
+    assert platforms.names() == ("cpu", "cuda", "npu")
+    choices = next(f.metadata["key"].choices for f in Settings.__dataclass_fields__.values() if f.name == "device")
+    assert choices == ("auto", "cpu", "cuda", "npu")
+    cpu = platforms.for_device(torch.device("cpu"))
+    assert (cpu.dist_backend, cpu.default_dtype, cpu.routes_on_host, cpu.graph_api()) == ("gloo", "float32", True, None)
+    assert [platforms.get(n).dist_backend for n in ("cuda", "npu")] == ["nccl", "hccl"]
+    assert platforms.get("npu").compile_backend == "npu" and cpu.compile_backend == "inductor"
+    assert kernels.backend("cpu") is reference and kernels.backend("meta") is reference   # unregistered: the oracle
+    assert cpu.free_memory(torch.device("cpu")) > 0
+    assert StepGraphs.for_device(torch.device("cpu")) is None
+    auto = platforms.pick("auto")
+    assert auto.is_available() and all(p.priority <= auto.priority for p in map(platforms.get, platforms.names())
+                                       if p.is_available())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
+def test_an_unusable_device_is_a_usage_error():
+    with pytest.raises(UsageError, match="torch_npu is not installed"):
+        session.pick_device("npu")
+    with pytest.raises(LookupError, match="unknown device 'tpu'"):
+        platforms.pick("tpu")
+
+
+def test_a_registered_platform_is_picked_and_drives_the_device_choices(monkeypatch):
+    """A platform of higher priority, registered here, is what `auto` picks: its device, its dtype,
+    its graphs and its distributed backend. (It lives on the meta device, which torch knows.)"""
+    class MetaAccelerator(Platform):
+        name = "meta"
+        priority = 100
+        default_dtype = "float16"
+        dist_backend = "gloo"
+
+        def is_available(self):
+            return True
+
+        def graph_api(self):
+            return torch.cuda.CUDAGraph, torch.cuda.graph       # what a captured platform returns
+
+    monkeypatch.setitem(platforms._REGISTRY, "meta", MetaAccelerator())
+    device = session.pick_device("auto")
+    assert device == torch.device("meta") and session.pick_dtype("auto", device) == torch.float16
+    assert session.pick_dtype("bfloat16", device) == torch.bfloat16
+    graphs = StepGraphs.for_device(device)
+    assert graphs.graph_cls is torch.cuda.CUDAGraph
+    assert "meta" in platforms.names() and platforms.for_device(device).dist_backend == "gloo"
+    assert session.pick_device("cpu") == torch.device("cpu")
+
