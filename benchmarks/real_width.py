@@ -148,7 +148,8 @@ class StepProfile:
         self.block_bytes = defaultdict(list)
         self.core_time = defaultdict(float)             # attention kind -> seconds in its core kernels
         self.core_bytes = defaultdict(int)
-        self.batch_rows, self.context, self._kind = 1, 0, None
+        self.core_flops = defaultdict(int)
+        self.batch_rows, self.query_rows, self.context, self._kind = 1, 1, 0, None
         self._patches = []
         moe = model.layers[0].ffn
         self.expert = weight_bytes(moe.experts[moe.first])
@@ -183,6 +184,7 @@ class StepProfile:
             prof._kind = {4: "csa", 128: "hca"}.get(module.ratio, "swa")
             state = prof._state_bytes(module)
             prof.core_bytes[prof._kind] += state[0]
+            prof.core_flops[prof._kind] += prof._core_flops(module)
             t = clock()
             out = orig(module, *args, **kw)
             prof._add("attention", clock() - t, weight_bytes(module), state)
@@ -256,7 +258,21 @@ class StepProfile:
             values += ctx // 128 * c.head_dim
         return self.batch_rows * values * held_el, self.batch_rows * values * 2
 
+    def _core_flops(self, attn: Attention) -> int:
+        """Multiply-adds x 2 of the attention core for every query row: the indexer's scan of every
+        closed block (all its heads), then scores and values over the window and the blocks read."""
+        c, ctx, r = self.cfg, self.context, attn.ratio
+        keys = c.window_size
+        scan = 0
+        if r == 4:
+            keys += min(c.index_topk, ctx // 4)
+            scan = 2 * c.index_n_heads * c.index_head_dim * (ctx // 4)
+        elif r == 128:
+            keys += ctx // 128
+        return self.query_rows * (scan + 2 * 2 * c.n_heads * c.head_dim * keys)
+
     def reset(self):
+        self.core_flops.clear()
         self.core_time.clear()
         self.core_bytes.clear()
         self.time.clear()
@@ -265,7 +281,7 @@ class StepProfile:
         self.block_bytes.clear()
 
 
-def run(model, cfg, batch, depth, context, reps, bw) -> dict:
+def run(model, cfg, batch, depth, context, reps, bw, peak) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
     g = torch.Generator(DEVICE).manual_seed(1)
     for cache in engine.state.layers + engine.state.mtp:
@@ -277,7 +293,7 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
     greedy = (False,) if "sort" in inspect.signature(engine._device_step).parameters else ()
     steps, parts = [], []
     with StepProfile(model, cfg) as prof:
-        prof.batch_rows, prof.context = batch, context
+        prof.batch_rows, prof.query_rows, prof.context = batch, batch * (depth + 1), context
         for rep in range(reps + 1):                      # the first is a warm-up
             engine.pos.fill_(context - 1)
             engine.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
@@ -293,10 +309,10 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
                 parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
                               {k: list(v) for k, v in prof.block_time.items()},
                               {k: list(v) for k, v in prof.block_bytes.items()},
-                              dict(prof.core_time), dict(prof.core_bytes)))
+                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops)))
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
     median = steps[mid]
-    times, nbytes, block_time, block_bytes, core_time, core_bytes = parts[mid]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops = parts[mid]
     times["other"] = median - sum(times.values())
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
 
@@ -313,8 +329,12 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
                   for p in ("attention", "moe", "head", "other")},
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
+        # and against the compute peak: the indexer's scan does 2 x 64 heads flops per key byte in
+        # fp32 (32 flop/byte), compute-bound on a CPU core, memory-bound on a GPU
         "attention_core": {k: {"ms": round(core_time[k] * 1e3, 3), "bytes_held": core_bytes[k],
-                               "roofline": roof(core_bytes[k], core_time[k])} for k in sorted(core_time)},
+                               "roofline": roof(core_bytes[k], core_time[k]), "flops": core_flops[k],
+                               "compute_roofline": round(core_flops[k] / peak / core_time[k], 3)}
+                           for k in sorted(core_time)},
     }
     if "csa" in block_time and "hca" in block_time:
         rest_t = median - sum(sum(v) for v in block_time.values())
@@ -324,6 +344,18 @@ def run(model, cfg, batch, depth, context, reps, bw) -> dict:
         result["v4_flash_43_layers"] = {"step_ms": round(t43 * 1e3, 1), "bytes_held": b43, "roofline": roof(b43, t43),
                                         "tokens_per_s": round(batch * (depth + 1) / t43, 2) if depth == 0 else None}
     return result
+
+
+def matmul_peak() -> float:
+    """Best flop/s of a square fp32 matrix product (the model's dtype on the CPU) on this device."""
+    n = 2048
+    a = torch.randn(n, n, device=DEVICE)
+    best = 0.0
+    for _ in range(4):
+        t = clock()
+        a @ a
+        best = max(best, 2 * n ** 3 / (clock() - t))
+    return best
 
 
 def main():
@@ -349,15 +381,17 @@ def main():
     t = clock()
     model = build_model(cfg, getattr(torch, a.dtype))
     built = clock() - t
-    bw = stream_bandwidth(a.threads)
-    print(f"model built in {built:.1f} s; stream read {bw / 1e9:.2f} GB/s with {a.threads} thread(s)")
+    bw, peak = stream_bandwidth(a.threads), matmul_peak()
+    print(f"model built in {built:.1f} s; stream read {bw / 1e9:.2f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s "
+          f"with {a.threads} thread(s)")
     results = []
     for context in [int(c) for c in a.contexts.split(",")]:
         for batch in [int(b) for b in a.batches.split(",")]:
             for depth in [int(d) for d in a.depths.split(",")]:
-                r = run(model, model.cfg, batch, depth, context, a.reps, bw)
+                r = run(model, model.cfg, batch, depth, context, a.reps, bw, peak)
                 parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
-                core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']})" for k, v in r["attention_core"].items())
+                core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
+                         for k, v in r["attention_core"].items())
                 print(f"ctx {context} batch {batch} K {depth}: step {r['step_ms']['median']} ms, roofline "
                       f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}")
                 results.append(r)
@@ -365,7 +399,8 @@ def main():
     report = {"benchmark": "real_width", "device": gpu or a.device,
               "machine": {"cpu": platform.processor() or platform.machine(),
                                                      "cores": os.cpu_count(), "threads": a.threads},
-              "stream_read_gb_s": round(bw / 1e9, 3), "dtype": a.dtype, "layers": ratios,
+              "stream_read_gb_s": round(bw / 1e9, 3), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
+              "dtype": a.dtype, "layers": ratios,
               "experts": a.experts, "vocab": a.vocab, "results": results}
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
