@@ -41,8 +41,6 @@ def init_rank(rank: int, world: int, port: int, device: torch.device):
     elif device.type == "npu":
         torch.npu.set_device(rank)
         device = torch.device("npu", rank)
-    else:   # CPU ranks share the cores instead of each starting a thread per core
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     backend = BACKENDS[device.type]
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=TIMEOUT)
