@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dsv4cli.cli import CliOptions, app, model_options
+from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.errors import UsageError
@@ -133,13 +134,15 @@ def render(rows: list[dict], console: Console) -> None:
     console.print(table)
 
 
-def parse_list(text: str, name: str) -> list[int]:
+def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
+    """Comma-separated integers, each in [lo, hi]."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UsageError(f"{name}: expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 0:
-        raise UsageError(f"{name}: expected non-negative integers, got {text!r}")
+    if not values or min(values) < lo or hi is not None and max(values) > hi:
+        rule = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise UsageError(f"{name}: expected integers {rule}, got {text!r}")
     return values
 
 
@@ -158,7 +161,8 @@ def bench_command(
     kinds = [k.strip() for k in prompts.split(",") if k.strip()]
     if not kinds or set(kinds) - {"short", "long"}:
         raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
-    depth_list, batch_list = parse_list(depths, "--depths"), parse_list(batches, "--batches")
+    mtp = SPEC["mtp"]
+    depth_list, batch_list = parse_list(depths, "--depths", mtp.lo, mtp.hi), parse_list(batches, "--batches", 1)
     if 0 not in depth_list:
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
     if sources["max_tokens"] == "default":

@@ -35,6 +35,16 @@ from dsv4cli.config import SPEC, Settings, format_value, resolve
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.tools.commands import register as register_tool_commands
 
+# Idle OpenMP threads sleep instead of spinning, so a spinning thread never takes the core a sibling (or
+# another process) needs. The OpenMP runtime reads this once, when torch loads it: the verbs imported at
+# the bottom of this module import torch, so it is set here, unless the user chose a policy.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# typer's help shows a type for every option, switches too (`--json <bool>`, `--help <bool>`), as if they took
+# a value; a switch shows none.
+_display_type = typer.core.TyperOption.display_type_rich
+typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
+
 app = typer.Typer(
     name="dsv4",
     no_args_is_help=True,
@@ -138,6 +148,7 @@ def _root(
     _version: bool = typer.Option(
         False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit"
     ),
+    _debug: bool = typer.Option(False, "--debug", help="Show tracebacks (here or after the verb; or DSV4_DEBUG=1)"),
 ) -> None:
     """Terminal inference for DeepSeek V4 Flash: chat, one-shot generation, JSONL batch, config-driven runs."""
 
@@ -176,7 +187,7 @@ def run(
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code: 0 ok, 1 internal error, 2 usage or input error, 130 interrupted."""
     argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv or os.environ.get("DSV4_DEBUG") == "1"
+    debug = "--debug" in argv or os.environ.get("DSV4_DEBUG") == "1"    # before or after the verb
     try:
         return app(args=argv, prog_name="dsv4", standalone_mode=False) or 0
     except typer.TyperException as e:  # click's usage errors: unknown flag, bad value, missing argument

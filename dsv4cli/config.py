@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 
 from dsv4cli import platforms
 from dsv4cli.errors import UsageError
+from dsv4cli.hub import find_cached, is_model_id
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -122,6 +124,9 @@ class Settings:
     tp: int = _key("model", 1, "Tensor-parallel degree (devices per model)", lo=1)
     max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)
     max_batch: int = _key("model", 8, "Most sequences decoded together", lo=1)
+    threads: int | None = _key(
+        "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1
+    )
     # [sampling]
     temperature: float = _key(
         "sampling", 1.0, "Sampling temperature; 0 = greedy", lo=0, flags=("--temperature", "--temp")
@@ -176,7 +181,13 @@ class Settings:
         "chat", None, "How hard to think (unset: the model's default)", choices=("high", "max")
     )
     # [generate]
-    prompt: str | None = _key("generate", None, "The prompt", flags=("--prompt", "-p"))
+    prompt: str | None = _key(
+        "generate",
+        None,
+        "The prompt; - reads it from stdin (unset: stdin when it is not a terminal)",
+        flags=("--prompt", "-p"),
+    )
+    prompt_file: str | None = _key("generate", None, "Read the prompt from this file", path=True)
     raw: bool = _key("generate", False, "Send the prompt as is, without the chat template")
     json: bool = _key("generate", False, "Print the result as one JSON object")
     # [batch]
@@ -246,6 +257,8 @@ def check(name: str, value: Any, place: str) -> Any:
         value = list(value)
     if not _is(value, key.type):
         raise UsageError(f"{place}: must be {_TYPE_NAMES[key.type]}, got {format_value(value)}")
+    if key.type is float and not math.isfinite(value):
+        raise UsageError(f"{place}: must be a finite number, got {value}")
     if problem := key.problem(value):
         raise UsageError(f"{place}: {problem}")
     return float(value) if key.type is float else value
@@ -313,7 +326,9 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
                 raise UsageError(f"{path}: {place}: {_unknown_key(name, section)}")
             value = check(name, value, f"{path}: {place}")
             if SPEC[name].path:
-                value = os.path.normpath(Path(path).parent / os.path.expanduser(value))
+                here = Path(path).parent / os.path.expanduser(value)
+                if not (name == "model" and is_model_id(value) and not here.exists()):  # an id stays an id
+                    value = os.path.normpath(here)
             found[name] = (value, f"config {path} {place}")
     return found
 
@@ -377,6 +392,9 @@ def resolve(
     chosen |= _from_env(os.environ if env is None else env)
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
+    if model and not Path(model).exists() and is_model_id(model) and (cached := find_cached(model)):
+        model = str(cached)
+        chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen
     settings = Settings(**{name: value for name, (value, _) in chosen.items()})
     return settings, {name: chosen[name][1] if name in chosen else "default" for name in SPEC}

@@ -1,53 +1,120 @@
 """`dsv4 generate`: one prompt, streamed to stdout (or one JSON object)."""
 import json
 import sys
+from pathlib import Path
 
 from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.config import Settings
-from dsv4cli.encoding import encode_messages
+from dsv4cli.encoding import THINK_END, encode_messages
 from dsv4cli.errors import UsageError
 from dsv4cli.session import load_engine, sampling_params
 
+DIM, RESET = "\x1b[2m", "\x1b[0m"
 
-def prompt_ids(engine, s: Settings) -> list[int]:
+
+def read_prompt(s: Settings) -> str:
+    """The prompt from --prompt, --prompt-file, or stdin (`-p -`, or no prompt given and stdin not a terminal).
+    One trailing newline of a file or stdin is not part of it."""
+    if s.prompt is not None and s.prompt_file is not None:
+        raise UsageError("--prompt-file: the prompt is also given with --prompt; give one of them")
+    if s.prompt is not None and s.prompt != "-":
+        return s.prompt
+    if s.prompt_file is not None:
+        try:
+            return Path(s.prompt_file).read_text(encoding="utf-8").removesuffix("\n")
+        except OSError as e:
+            raise UsageError(f"--prompt-file {s.prompt_file}: cannot read: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--prompt-file {s.prompt_file}: not UTF-8 text") from None
+    if s.prompt is None and sys.stdin.isatty():
+        raise UsageError("--prompt: missing; give the text with -p, --prompt-file, or on stdin")
+    try:
+        text = sys.stdin.buffer.read().decode("utf-8").removesuffix("\n")
+    except UnicodeDecodeError:
+        raise UsageError("stdin: the prompt is not UTF-8 text") from None
+    if not text:
+        raise UsageError("--prompt: missing; stdin was empty" if s.prompt is None else "-p -: stdin was empty")
+    return text
+
+
+def prompt_ids(engine, s: Settings, prompt: str) -> list[int]:
     """Chat-encode the prompt (system + one user turn), or BOS + the text as is with --raw."""
-    if s.prompt is None:
-        raise UsageError("--prompt: missing; give the text to complete")
     tok = engine.tok
     if s.raw:
-        return [tok.bos_id, *tok.encode(s.prompt)]
-    messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": s.prompt}]
+        return [tok.bos_id, *tok.encode(prompt)]
+    messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
     text = encode_messages(messages, thinking=s.thinking, reasoning_effort=s.reasoning_effort)
     return tok.encode(text)
 
 
+def split_reasoning(text: str, final: bool) -> tuple[str, str]:
+    """(reasoning, answer) of a thinking reply so far. While it streams, an ending that could be the start
+    of `</think>` is held back, so the markup never shows."""
+    reasoning, found, answer = text.partition(THINK_END)
+    if not found and not final:
+        held = next((n for n in range(len(THINK_END) - 1, 0, -1) if reasoning.endswith(THINK_END[:n])), 0)
+        reasoning = reasoning[: len(reasoning) - held]
+    return reasoning, answer
+
+
+class ReplyStream:
+    """Streams a reply: the answer to stdout; in thinking mode the reasoning first, dimmed on a terminal,
+    on stderr when stdout is piped (so stdout holds the answer alone)."""
+
+    def __init__(self, thinking: bool):
+        self.thinking, self.tty = thinking, sys.stdout.isatty()
+        self.reasoning = self.answer = 0     # characters of each already written
+
+    def update(self, text: str, final: bool = False) -> None:
+        reasoning, answer = split_reasoning(text, final) if self.thinking else ("", text)
+        if len(reasoning) > self.reasoning:
+            chunk = reasoning[self.reasoning:]
+            if self.tty:
+                sys.stdout.write(DIM + chunk + RESET)
+            else:
+                sys.stderr.write(chunk)
+                sys.stderr.flush()
+            self.reasoning = len(reasoning)
+        if answer and not self.answer and reasoning:     # the reasoning ends: set it apart from the answer
+            (sys.stdout if self.tty else sys.stderr).write("\n\n" if self.tty else "\n")
+        sys.stdout.write(answer[self.answer:])
+        sys.stdout.flush()
+        self.answer = len(answer)
+
+
 def run_generate(s: Settings) -> int:
+    prompt = read_prompt(s)
     engine = load_engine(s)
-    ids = prompt_ids(engine, s)
+    ids = prompt_ids(engine, s, prompt)
+    thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
     try:
         seq = engine.submit(ids, sampling_params(s))
     except ValueError as e:
         raise UsageError(str(e)) from None
+    stream = None if s.json else ReplyStream(thinking)
     try:
         while engine.has_work():
-            for event in engine.step():
-                if not s.json:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+            engine.step()
+            if stream:
+                stream.update(seq.text[: seq.emitted])
     except KeyboardInterrupt:
         engine.cancel(seq)
+    reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
-        print(json.dumps({"text": seq.text, "token_ids": seq.output_ids, "finish_reason": seq.finish_reason,
-                          "stats": seq.metrics.as_dict()}))
+        result = {"text": answer, **({"reasoning_content": reasoning} if thinking else {}),
+                  "token_ids": seq.output_ids, "finish_reason": seq.finish_reason, "stats": seq.metrics.as_dict()}
+        print(json.dumps(result))
     else:
+        stream.update(seq.text[: seq.emitted], final=True)
         sys.stdout.write("\n")
     return 130 if seq.finish_reason == "cancelled" else 0
 
 
 @app.command()
-@model_options("prompt", "raw", "json", "system", "thinking", "reasoning_effort")
+@model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort")
 def generate(opts: CliOptions) -> int:
-    """Generate a reply to one prompt with the model (the bundled one by default)."""
+    """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
+    -p, --prompt-file or stdin."""
     settings, _ = opts.resolve()
     return run_generate(settings)
 

@@ -1,12 +1,24 @@
-"""From resolved settings to a ready engine: device, dtype, model, tokenizer, sampling defaults."""
+"""From resolved settings to a ready engine: device, dtype, threads, checks against the model and the free
+memory, model, tokenizer, sampling defaults."""
+import dataclasses
+import os
+
 import torch
 
 from dsv4cli import platforms
 from dsv4cli.config import Settings
 from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine.engine import SPARE_RING_ROWS
 from dsv4cli.errors import UsageError
-from dsv4cli.model import ConfigError, LoadError, ModelConfig, load_model
+from dsv4cli.hub import missing_model
+from dsv4cli.model import ConfigError, DecodeState, LoadError, ModelConfig, Transformer, load_model
 from dsv4cli.tokenizer import Tokenizer
+from dsv4cli.tools.inspect import describe, human_bytes
+
+# Below this many parameters a decode step is hundreds of tiny ops: a second intra-op thread adds a barrier
+# per op and gains nothing, and when another process holds a core every barrier waits for a descheduled
+# thread (benchmarks/threads.py: 35 -> ~1 tok/s on 2 cores with one busy).
+SMALL_MODEL_PARAMETERS = 100_000_000
 
 
 def pick_device(name: str) -> torch.device:
@@ -28,13 +40,64 @@ def sampling_params(s: Settings) -> SamplingParams:
         stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
-def check_tp(s: Settings) -> None:
-    """Refuse a --tp that does not divide what the ranks split."""
-    path = s.model_dir / "config.json"
+def cpu_cores() -> int:
+    """The cores this process may run on (a container or taskset may allow fewer than the machine has)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pick_threads(s: Settings, parameters: int) -> int:
+    """--threads, else 1 for a small model, else the cores shared among the --tp ranks of this machine."""
+    if s.threads:
+        return s.threads
+    return 1 if parameters < SMALL_MODEL_PARAMETERS else max(1, cpu_cores() // s.tp)
+
+
+def decode_state_bytes(cfg: ModelConfig, s: Settings, dtype: torch.dtype) -> int:
+    """What the engine's DecodeState will take, measured on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = DecodeState(model, s.max_batch, s.max_seq_len, max_draft=max(s.mtp, 1) + 1,
+                        spare=SPARE_RING_ROWS if s.mode == "chat" else 0, device="meta", dtype=dtype)
+    return state.nbytes()
+
+
+def model_config(s: Settings) -> ModelConfig:
+    """The model's config.json; a missing directory or config is one line (with how to download an id)."""
+    if not s.model_dir.is_dir():
+        raise missing_model(s.model or str(s.model_dir))
     try:
-        cfg = ModelConfig.from_file(path)
+        return ModelConfig.from_file(s.model_dir / "config.json")
     except ConfigError as e:
         raise UsageError(str(e)) from None
+
+
+def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
+    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory);
+    returns the model's parameter count."""
+    if s.max_seq_len > cfg.max_position_embeddings:
+        raise UsageError(f"--max-seq-len {s.max_seq_len}: above the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
+    for token in s.stop_token_ids:
+        if token >= cfg.vocab_size:
+            raise UsageError(f"--stop-token-id {token}: not a token id; the vocabulary has {cfg.vocab_size}")
+    dtype = pick_dtype(s.dtype, device)
+    try:
+        info = describe(s.model_dir, s.tp, float_bytes=dtype.itemsize)
+    except LoadError as e:
+        raise UsageError(str(e)) from None
+    weights, state = info["weight_bytes_per_card"], decode_state_bytes(cfg, s, dtype)
+    free = platforms.for_device(device).free_memory(device)
+    if weights + state > free:
+        card = " per card" if s.tp > 1 else ""
+        raise UsageError(f"not enough memory on {device.type}: the model needs about {human_bytes(weights + state)}"
+                         f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
+                         f"{s.max_batch} x --max-seq-len {s.max_seq_len}); {human_bytes(free)} is free")
+    return info["parameters"]
+
+
+def check_tp(s: Settings, cfg: ModelConfig) -> None:
+    """Refuse a --tp that does not divide what the ranks split."""
+    path = s.model_dir / "config.json"
     for what, n in (("attention heads", cfg.n_heads), ("output groups", cfg.o_groups),
                     ("indexer heads", cfg.index_n_heads), ("routed experts", cfg.n_routed_experts),
                     ("vocabulary rows", cfg.vocab_size)):
@@ -45,6 +108,8 @@ def check_tp(s: Settings) -> None:
 def build_engine(s: Settings, device: torch.device) -> Engine:
     """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state."""
     path = s.model_dir
+    if s.threads:
+        torch.set_num_threads(s.threads)
     try:
         tokenizer = Tokenizer.from_dir(path)
         model = load_model(path, device=device, dtype=pick_dtype(s.dtype, device))
@@ -60,8 +125,12 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
 def load_engine(s: Settings):
     """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks."""
     device = pick_device(s.device)
+    cfg = model_config(s)
+    check_tp(s, cfg)
+    parameters = check_limits(s, cfg, device)
+    if device.type == "cpu":
+        s = dataclasses.replace(s, threads=pick_threads(s, parameters))
     if s.tp == 1:
         return build_engine(s, device)
-    check_tp(s)
     from dsv4cli import parallel
     return parallel.launch_leader(s, device, lambda dev: build_engine(s, dev))

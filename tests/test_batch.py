@@ -63,13 +63,14 @@ LONG = [chat(f"q{i}", f"Question {i}: say something.", max_completion_tokens=12,
 
 @pytest.fixture(scope="module")
 def long_run(tiny_model_dir, tmp_path_factory):
-    """The uninterrupted run the interrupted ones must reproduce: (input path, its records)."""
+    """The uninterrupted run the interrupted ones must reproduce: (input path, its records, its run seed).
+    No --seed: the run draws one and keeps it beside the output."""
     tmp = tmp_path_factory.mktemp("batch")
     src = write_jsonl(tmp / "in.jsonl", LONG)
     r = dsv4("batch", str(src), "-o", str(tmp / "out.jsonl"), "--model", str(tiny_model_dir), "--max-batch", "4",
              "--temperature", "0")
     assert r.returncode == 0, r.stderr
-    return src, read_jsonl(tmp / "out.jsonl")
+    return src, read_jsonl(tmp / "out.jsonl"), int((tmp / "out.jsonl.seed").read_text())
 
 
 def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_path):
@@ -115,11 +116,11 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
 
 
 def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):
-    _, reference = long_run
+    _, reference, seed = long_run
     src = write_jsonl(tmp_path / "in.jsonl", LONG[:6])
     out = tmp_path / "out.jsonl"
     r = dsv4("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "1",
-             "--temperature", "0")
+             "--temperature", "0", "--seed", str(seed))
     assert r.returncode == 0, r.stderr
     first6 = {f"q{i}" for i in range(6)}
     assert answers(read_jsonl(out)) == {k: v for k, v in answers(reference).items() if k in first6}
@@ -132,11 +133,27 @@ def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, lo
     assert q2["usage"]["completion_tokens"] == 12 and stats["draft_tokens"] == stats["drafts"] > 0
 
 
+def test_unseeded_sampling_is_random(tiny_model_dir, tmp_path, long_run):
+    """Without --seed a run draws its own seed: not the same samples as --seed 0, and not one run's twice."""
+    _, reference, seed = long_run
+    sampled = [q for q in LONG[:6] if "temperature" in q["body"]]
+    src = write_jsonl(tmp_path / "in.jsonl", sampled)
+    runs = []
+    for n, extra in enumerate((["--seed", "0"], [])):
+        out = tmp_path / f"out{n}.jsonl"
+        r = dsv4("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), *extra)
+        assert r.returncode == 0, r.stderr
+        runs.append(answers(read_jsonl(out)))
+    unseeded = {k: v for k, v in answers(reference).items() if k in runs[0]}
+    assert runs[0] != unseeded and runs[1] != unseeded and runs[0] != runs[1]
+    assert int((tmp_path / "out1.jsonl.seed").read_text()) not in (0, seed)
+
+
 def test_kill_9_then_resume_answers_each_request_once(tiny_model_dir, tmp_path, long_run):
-    src, reference = long_run
+    src, reference, seed = long_run
     out = tmp_path / "out.jsonl"
     args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "4", "--temperature", "0")
-    proc = start(*args)
+    proc = start(*args, "--seed", str(seed))   # the resumed run takes the seed kept in out.jsonl.seed
     wait_for_lines(out, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -159,10 +176,10 @@ def test_kill_9_then_resume_answers_each_request_once(tiny_model_dir, tmp_path, 
 
 
 def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_model_dir, tmp_path, long_run):
-    src, reference = long_run
+    src, reference, seed = long_run
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     args = ("batch", "-i", str(src), "-o", str(out), "--errors", str(errors), "--model", str(tiny_model_dir),
-            "--max-batch", "4", "--temperature", "0")
+            "--max-batch", "4", "--temperature", "0", "--seed", str(seed))
     proc = start(*args)
     wait_for_lines(out, 2, proc)
     proc.send_signal(signal.SIGINT)
@@ -173,6 +190,24 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_model_dir, tmp_path, long
     r = dsv4(*args, "--resume")
     assert r.returncode == 0, r.stderr
     assert answers(read_jsonl(out)) == answers(reference) and errors.read_text() == ""
+
+
+def test_a_second_run_on_the_same_files_is_refused(tiny_model_dir, tmp_path):
+    """Both runs --resume: without the lock each would answer every request the other had not written yet."""
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Item {i}:", "max_tokens": 16, "ignore_eos": True}
+                                              for i in range(100)])
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    args = ("batch", str(src), "--model", str(tiny_model_dir), "--max-batch", "2", "--resume", "--mtp", "0")
+    first = start(*args, "-o", str(out), "--errors", str(errors))
+    wait_for_lines(out, 1, first)
+    for files in (["-o", str(out)], ["-o", str(tmp_path / "other.jsonl"), "--errors", str(errors)]):
+        r = dsv4(*args, *files)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith("error: ") and len(r.stderr.splitlines()) == 1
+        assert "another dsv4 batch run is writing this file" in r.stderr
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert sorted(int(rec["custom_id"]) for rec in read_jsonl(out)) == list(range(100))
 
 
 def test_config_file_run_with_errors_file(tiny_model_dir, tmp_path):

@@ -96,3 +96,34 @@ def test_chat_piped(tiny_model_dir, tmp_path):
     assert r.stdout == "".join(printable(text) + "\n" for text in replies)   # stdout: the replies only
     assert "\x1b" not in r.stdout + r.stderr
     assert "error: /set temperature: must be >= 0, got -1.0" in r.stderr
+
+
+def test_chat_drops_the_oldest_turns_when_the_conversation_no_longer_fits(tiny_model_dir, tmp_path):
+    path = tmp_path / "chat.json"
+    lines = [f"Tell me something about the number {i}, please." for i in range(6)] + [f"/save {path}"]
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+                        "--max-tokens", "8", "--ignore-eos", "--max-seq-len", "64", "--system", "Be brief."],
+                       input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120,
+                       env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "error" not in r.stderr                    # every message answered, none refused
+    assert "oldest messages to fit max_seq_len 64 (the system prompt stays)" in r.stderr
+    messages = json.loads(path.read_text())["messages"]
+    assert messages[0] == {"role": "system", "content": "Be brief."}
+    assert messages[-2]["content"] == lines[5] and lines[0] not in [m["content"] for m in messages]
+
+
+def test_show_model_and_prompt_tell_the_truth(tmp_path):
+    """The bundled W8A8 model: the parameter count is inspect's (per-row weight scales are not parameters),
+    and prefix reuse is on."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.tools.inspect import describe, human_count
+
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--temperature", "0", "--max-tokens", "2"],
+                       input="Hi\n/show model\n/show prompt\n", capture_output=True, text=True, timeout=120,
+                       env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    params = re.search(r"parameters\s+(.*)", r.stderr)[1].strip()
+    assert params == human_count(describe(BUNDLED_MODEL_DIR)["parameters"])
+    assert "KV prefix reuse" in r.stderr and "not available" not in r.stderr
+    assert "prefills only what follows the cached state" in r.stderr and "all prefilled again" not in r.stderr

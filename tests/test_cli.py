@@ -99,3 +99,66 @@ def test_usage_errors_exit_2():
         out = dsv4(*args)
         assert out.returncode == 2, args
         assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1, out.stderr
+
+
+def one_error_line(out: subprocess.CompletedProcess, says: str) -> None:
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("error: ") and len(out.stderr.splitlines()) == 1, out.stderr
+    assert says in out.stderr, out.stderr
+
+
+def test_model_ids_resolve_in_the_local_hub_caches(tmp_path, tiny_model_dir):
+    """A Hugging Face cache and a ModelScope cache laid out as their tools leave them; nothing is downloaded."""
+    import shutil
+
+    snapshot = tmp_path / "hf" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (tmp_path / "hf" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hf" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(tiny_model_dir, tmp_path / "ms" / "models" / "other" / "tiny")
+    caches = {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "MODELSCOPE_CACHE": str(tmp_path / "ms")}
+    gen = ("generate", "-p", "Hi", "-n", "2", "--temperature", "0", "--raw")
+    for model in ("acme/tiny", "other/tiny"):
+        out = dsv4(*gen, "--model", model, **caches)
+        assert out.returncode == 0, out.stderr
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "g.toml").write_text('mode = "generate"\n[model]\nmodel = "acme/tiny"\n')
+    out = dsv4("run", str(tmp_path / "runs" / "g.toml"), *gen[1:], **caches)     # not runs/acme/tiny
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(dsv4("config", "show", "--json", "--model", "acme/tiny", **caches).stdout)
+    assert shown["model"]["value"] == str(snapshot)
+
+    one_error_line(dsv4(*gen, "--model", "acme/absent", **caches), "hf download acme/absent")
+    one_error_line(dsv4(*gen, "--model", str(tmp_path / "nonexistent")), "nonexistent: no such model directory")
+
+
+def test_limits_are_checked_before_loading(tmp_path, tiny_model_dir):
+    model = ("--model", str(tiny_model_dir))
+    gen = ("generate", "-p", "Hi", *model)
+    one_error_line(dsv4(*gen, "--max-seq-len", "8192"), "above the model's max_position_embeddings (4096)")
+    one_error_line(dsv4(*gen, "--max-batch", "1000000000"), "not enough memory on cpu")
+    one_error_line(dsv4(*gen, "--temperature", "inf"), "--temperature: must be a finite number")
+    one_error_line(dsv4(*gen, "--stop-token-id", "100000"), "--stop-token-id 100000: not a token id")
+    one_error_line(dsv4("bench", *model, "--batches", "0"), "--batches: expected integers >= 1")
+    one_error_line(dsv4("bench", *model, "--depths", "9"), "--depths: expected integers in [0, 8]")
+    (tmp_path / "file").write_text("")
+    one_error_line(dsv4("convert", str(tiny_model_dir), str(tmp_path / "file" / "out")), "Not a directory")
+    out = dsv4("--debug", *gen, "--temperature", "inf")                 # --debug before the verb too
+    assert out.returncode == 2 and "Traceback" in out.stderr
+
+
+def test_switches_show_no_value_in_help():
+    out = dsv4("generate", "--help")
+    assert out.returncode == 0 and "--no-ignore-eos" in out.stdout
+    assert "<bool>" not in out.stdout and "<float>" in out.stdout
+
+
+def test_threads_default_to_one_for_a_small_model():
+    """Intra-op threads only add barriers to the bundled model's tiny ops, and with another process on a core
+    each barrier waits for a descheduled thread (benchmarks/threads.py)."""
+    bench = ("bench", "--depths", "0", "--batches", "1", "--prompts", "short", "-n", "2", "--no-transformers", "--json")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}   # torch's own default: every core
+    for extra, threads in (((), 1), (("--threads", "3"), 3)):
+        out = subprocess.run([str(DSV4), *bench, *extra], env=env, capture_output=True, text=True, check=False)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["meta"]["threads"] == threads

@@ -32,3 +32,33 @@ def test_generate_bad_model_dir_is_one_line(tmp_path):
     r = dsv4("generate", "--model", str(tmp_path / "nope"), "--prompt", "x")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_thinking_reasoning_is_apart_from_the_answer():
+    """The bundled model thinks "The sky looks blue." then answers; no markup in any output."""
+    args = ("generate", "--thinking", "-p", "What color is the sky?", "--temperature", "0", "-n", "60")
+    r = dsv4(*args)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "think>" not in r.stdout + r.stderr
+    assert r.stderr.strip() == "The sky looks blue."          # piped: the reasoning goes to stderr
+    j = dsv4(*args, "--json")
+    assert j.returncode == 0, j.stderr
+    result = json.loads(j.stdout)
+    assert result["reasoning_content"] == "The sky looks blue." and result["text"] == r.stdout.strip()
+
+
+def test_prompt_from_stdin_and_from_a_file(tmp_path):
+    prompt = "What is 2 plus 3?"
+    base = ("generate", "-n", "10", "--temperature", "0")
+    expected = dsv4(*base, "-p", prompt)
+    assert expected.returncode == 0 and expected.stdout.strip(), expected.stderr
+    (tmp_path / "p.txt").write_text(prompt + "\n")
+    for args, stdin in (((), prompt + "\n"), (("-p", "-"), prompt), (("--prompt-file", str(tmp_path / "p.txt")), "")):
+        r = dsv4(*base, *args, input=stdin)
+        assert (r.returncode, r.stdout) == (0, expected.stdout), (args, r.stderr)
+    for args, stdin, says in (((), "", "--prompt: missing"), (("-p", "-"), "", "stdin was empty"),
+                              (("--prompt-file", str(tmp_path / "none.txt")), "", "cannot read"),
+                              (("-p", "x", "--prompt-file", str(tmp_path / "p.txt")), "", "give one of them")):
+        r = dsv4(*base, *args, input=stdin)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and says in r.stderr, (args, r.stderr)
+        assert len(r.stderr.splitlines()) == 1

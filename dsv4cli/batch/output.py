@@ -2,9 +2,14 @@
 
 Each record is one whole line written with a single write() on an O_APPEND descriptor, so a crash can
 only leave a torn last line; `repair` cuts that off and `scan` reads back what is already answered.
+A run holds an exclusive lock on each file it writes from before it reads it until it ends, so two runs
+can never answer the same requests into one file.
 """
+import fcntl
 import json
 import os
+import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,14 +49,21 @@ def error_record(bad: BadLine) -> dict:
 
 
 class ResultFile:
-    """An append-only JSONL file: one write per record, fsync at most once a second and on close."""
+    """An append-only JSONL file this process holds locked: one write per record, fsync at most once a
+    second and on close. `flag` names the file in errors."""
 
-    def __init__(self, path: Path, fsync_every: float = 1.0):
+    def __init__(self, path: Path, fsync_every: float = 1.0, flag: str = "-o/--output"):
         self.path, self.fsync_every = path, fsync_every
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UsageError(f"{path}: cannot write: {e.strerror}") from None
+            raise UsageError(f"{flag} {path}: cannot write: {e.strerror}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # released when the descriptor closes
+        except BlockingIOError:
+            os.close(self.fd)
+            raise UsageError(f"{flag} {path}: another dsv4 batch run is writing this file") from None
         self.synced = time.monotonic()
 
     def append(self, record: dict) -> None:
@@ -101,3 +113,23 @@ def scan(path: Path) -> tuple[set[str], set[int]]:
             except (ValueError, AttributeError, KeyError, TypeError):
                 raise UsageError(f"{path}: line {n}: not a batch result line; cannot resume from this file") from None
     return done, errored
+
+
+def run_seed(out: Path, seed: int | None, resume: bool) -> int:
+    """The seed of this run's unseeded requests: --seed, else the one a resumed run kept in OUT.seed, else a
+    new random one. Kept in OUT.seed (OUT holds only result lines) so --resume samples as the first run did."""
+    path = out.with_name(out.name + ".seed")
+    if seed is None and resume and path.is_file():
+        try:
+            return int(path.read_text())
+        except ValueError:
+            raise UsageError(f"{path}: not a seed; remove it or give --seed") from None
+    seed = random.randrange(1 << 62) if seed is None else seed
+    try:   # a temporary file renamed over the old one: a crash never leaves half a seed
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{seed}\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot write: {e.strerror}") from None
+    return seed

@@ -19,10 +19,8 @@ from dsv4cli.engine.engine import Sequence
 from dsv4cli.errors import UsageError
 from dsv4cli.session import load_engine, sampling_params
 
-from .output import ResultFile, error_record, repair, result_record, scan
+from .output import ResultFile, error_record, repair, result_record, run_seed, scan
 from .requests import BadLine, Request, RequestParser
-
-DEFAULT_RUN_SEED = 0   # seeds unseeded requests when the run names no --seed
 
 
 class BatchRun:
@@ -142,22 +140,19 @@ def check_paths(s: Settings) -> tuple[Path, Path, Path | None]:
 
 def run_batch(s: Settings) -> int:
     src, out_path, err_path = check_paths(s)
-    engine = load_engine(s)
+    # locked before anything is read or loaded: a second run on these files stops here
+    out = ResultFile(out_path)
+    errors = ResultFile(err_path, flag="--errors") if err_path else out
     done, errored = set(), set()
-    for path in filter(None, (out_path, err_path)):
-        if s.resume:
+    if s.resume:
+        for path in filter(None, (out_path, err_path)):
             repair(path)
             answered, failed_lines = scan(path)
             done |= answered
             errored |= failed_lines
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"{path.parent}: cannot create: {e.strerror}") from None
-    out = ResultFile(out_path)
-    errors = ResultFile(err_path) if err_path else out
-    parser = RequestParser(engine.tok, sampling_params(s), DEFAULT_RUN_SEED if s.seed is None else s.seed,
-                           engine.max_seq_len, s.thinking, s.reasoning_effort)
+    seed = run_seed(out_path, s.seed, s.resume)
+    engine = load_engine(s)
+    parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
     bar = progress_bar(count_lines(src)) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
     interrupted = False

@@ -118,17 +118,18 @@ class Chat:
                 return
             prompt = s.prompt()
             n = len(self.engine.tok.encode(prompt))
-            self.console.print(Text(f"prompt ({n} tokens, all prefilled again next turn)", style="bold"))
+            self.console.print(Text(f"prompt ({n} tokens; the next turn prefills only what follows the cached "
+                                    "state of the conversation)", style="bold"))
             self.console.print(Text(printable(prompt)), soft_wrap=True)  # as is: no wrapping newlines added
 
     def reply(self) -> bool:
         """Stream the answer to the last user message into the history; False if Ctrl-C stopped it."""
         s = self.session.settings
         try:
-            seq = self.engine.submit(self.engine.tok.encode(self.session.prompt()), sampling_params(s))
-        except ValueError as e:  # the conversation no longer fits in max_seq_len
+            seq = self.engine.submit(self.fitting_prompt(), sampling_params(s))
+        except ValueError as e:  # the last message alone does not fit in max_seq_len
             self.session.messages.pop()
-            self.error(f"{e}; your message was dropped: /undo or /clear make room")
+            self.error(f"{e}; your message was dropped")
             return True
         view = LiveReply(self.console, seq, self.engine.k, s.thinking) if self.tty else PlainReply(seq, s.thinking)
         with sigint_flag() as stop, view:
@@ -146,6 +147,22 @@ class Chat:
         interrupted = seq.finish_reason == "cancelled"
         self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)
         return not interrupted
+
+
+    def fitting_prompt(self) -> list[int]:
+        """The conversation's prompt, without its oldest exchanges while it and a whole reply (max_tokens)
+        would not fit in max_seq_len; says so in one line when it drops any."""
+        ids, dropped = self.engine.tok.encode(self.session.prompt()), 0
+        while len(ids) + self.session.settings.max_tokens > self.engine.max_seq_len:
+            n = self.session.drop_oldest_exchange()
+            if not n:
+                break
+            dropped += n
+            ids = self.engine.tok.encode(self.session.prompt())
+        if dropped:
+            self.console.print(Text(f"dropped the {dropped} oldest messages to fit max_seq_len "
+                                    f"{self.engine.max_seq_len} (the system prompt stays)", style="yellow"))
+        return ids
 
 
 def setup_readline() -> None:

@@ -102,6 +102,15 @@ class ChatSession:
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
+    def drop_oldest_exchange(self) -> int:
+        """Forget the oldest user message and the replies to it (the system prompt stays); returns how many
+        messages went, 0 when only the last user message and its reply so far are left."""
+        users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
+        if len(users) < 2:
+            return 0
+        del self.messages[: users[1]]
+        return users[1]
+
     def add_reply(self, text: str, metrics: Metrics, interrupted: bool) -> dict:
         """Keep a reply (split into reasoning and answer); an interrupted one is kept and marked."""
         parsed = parse_completion(text, self.settings.thinking)

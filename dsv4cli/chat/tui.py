@@ -13,7 +13,7 @@ from rich.text import Text
 from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import Metrics
 from dsv4cli.model.model import Linear
-from dsv4cli.tools.inspect import human_count
+from dsv4cli.tools.inspect import count_parameters, human_count
 
 SPARKS = "▁▂▃▄▅▆▇█"
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all C0 controls but tab and newline
@@ -52,6 +52,8 @@ def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
         return Text.assemble(f"{label} " if label else "", (value, "bold"))
 
     decoding = m.output_tokens > 1
+    # the reply's mean decode speed so far (the summary shows it over the whole reply); the step sparkline
+    # shows the latest steps
     speed = [stat("", f"{m.output_tokens} tok"), stat("", f"{m.tokens_per_s:.1f} tok/s" if decoding else "- tok/s"),
              stat("TTFT", ms(m.ttft)), stat("TPOT", ms(m.tpot) if decoding else "-")]
     if step_s:
@@ -73,7 +75,7 @@ def summary_line(m: Metrics, k: int, finish_reason: str | None) -> Text:
     if m.t_first:
         parts.append(f"TTFT {ms(m.ttft)}")
     if m.output_tokens > 1:
-        parts.append(f"{m.tokens_per_s:.1f} tok/s")
+        parts.append(f"{m.tokens_per_s:.1f} tok/s (mean over the reply)")
     if k and m.drafts:
         parts.append(f"accept {100 * m.acceptance_rate:.1f}% (mean length {m.mean_acceptance_length:.2f})")
     line = Text(" · ".join(parts), style="dim")
@@ -197,11 +199,11 @@ def model_rows(engine, settings) -> list[tuple[str, str]]:
             ("dtype", str(model.embed.weight.dtype).removeprefix("torch.")),
             ("tensor parallel", str(settings.tp)),
             ("MTP depth", str(engine.k) if engine.k else "off"),
-            ("parameters", human_count(sum(p.numel() for p in model.parameters()))),
+            ("parameters", human_count(count_parameters(model)[0])),
             ("layers", f"{cfg.n_layers} (+{cfg.n_mtp_layers} MTP)"),
             ("vocab", str(cfg.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),
-            ("KV prefix reuse", "not available yet: each turn prefills the whole conversation")]
+            ("KV prefix reuse", "on: a turn prefills only what follows the state the previous turn left")]
 
 
 def header(engine, settings) -> Group:

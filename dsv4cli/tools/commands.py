@@ -64,6 +64,8 @@ def convert(
         run(src, dst, to=to.value, progress=sys.stderr.isatty())
     except LoadError as e:
         raise UsageError(str(e)) from None
+    except OSError as e:    # e.g. a destination that cannot be created or written
+        raise UsageError(f"{e.filename or dst}: {e.strerror}") from None
     print(f"wrote {dst}")
     return 0
 

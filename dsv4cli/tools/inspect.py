@@ -21,15 +21,17 @@ def is_quantized(ckpt: Checkpoint, name: str) -> bool:
 
 
 def count_parameters(model: Transformer) -> tuple[int, int]:
-    """(all parameters, those one token uses): every routed expert but the top-k is idle per token."""
+    """(all parameters, those one token uses): every routed expert but the top-k is idle per token. A loaded
+    W8A8 model's per-row weight scales are not counted, so it counts as its checkpoint's config does."""
     cfg = model.cfg
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith("weight_scale"))
     idle = (cfg.n_layers + cfg.n_mtp_layers) * (cfg.n_routed_experts - cfg.n_activated_experts)
     return total, total - idle * 3 * cfg.dim * cfg.moe_inter_dim
 
 
-def describe(path, tp: int = 1) -> dict:
-    """Format, sizes, parameter counts, layer schedule and the memory a card needs with `tp` cards."""
+def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
+    """Format, sizes, parameter counts, layer schedule and the memory a card needs with `tp` cards
+    (float weights loaded as `float_bytes`-byte values: 2 for bf16, 4 for float32)."""
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
     for what, n in (("attention heads", cfg.n_heads), ("output groups", cfg.o_groups),
@@ -40,10 +42,10 @@ def describe(path, tp: int = 1) -> dict:
         model = Transformer(cfg)
     total, active = count_parameters(model)
 
-    def loaded_bytes(name, t):       # as load_model keeps it: int8 + fp32 scale, fp32 or bf16 floats
+    def loaded_bytes(name, t):       # as load_model keeps it: int8 + fp32 scale, fp32 or the dtype's floats
         if ckpt.format == "w8a8" and ckpt.label(name) == "W8A8_DYNAMIC":
             return t.numel() + 4 * t.shape[0]
-        return t.numel() * (4 if keep_fp32(name) or not t.is_floating_point() else 2)
+        return t.numel() * (4 if keep_fp32(name) or not t.is_floating_point() else float_bytes)
 
     per_card = sum(loaded_bytes(n, t) // (tp if TP_SPLIT.search(n) else 1)
                    for n, t in [*model.named_parameters(), *model.named_buffers()])

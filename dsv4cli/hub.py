@@ -1,0 +1,61 @@
+"""Model ids (`deepseek-ai/DeepSeek-V4-Flash`) -> directories in the local Hugging Face or ModelScope cache.
+
+Offline only: nothing here downloads. Hugging Face ids are looked up with huggingface_hub (an optional
+dependency, `pip install -e '.[hub]'`), which knows HF_HOME / HF_HUB_CACHE and the refs a snapshot is
+under; the ModelScope cache is a plain tree (`$MODELSCOPE_CACHE/models/org/name`, by default under
+~/.cache/modelscope/hub), read directly.
+"""
+import os
+import re
+from pathlib import Path
+
+from dsv4cli.errors import UsageError
+
+MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def is_model_id(value: str) -> bool:
+    """`org/name` and nothing more: no leading ./ or /, no ~, one slash."""
+    return bool(MODEL_ID.fullmatch(value)) and ".." not in value
+
+
+def hf_snapshot(model_id: str) -> Path | None:
+    """The cached snapshot of a Hugging Face model, without reaching the network; None when absent."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
+def modelscope_dir(model_id: str) -> Path | None:
+    root = Path(os.environ.get("MODELSCOPE_CACHE") or Path.home() / ".cache" / "modelscope" / "hub")
+    for path in (root / "models" / model_id, root / model_id):   # newer and older modelscope layouts
+        if (path / "config.json").is_file():
+            return path
+    return None
+
+
+def find_cached(model_id: str) -> Path | None:
+    """The local directory of a model id in the Hugging Face cache, else the ModelScope cache, or None."""
+    try:
+        found = hf_snapshot(model_id)
+    except ImportError:
+        found = None
+    return found or modelscope_dir(model_id)
+
+
+def missing_model(value: str) -> UsageError:
+    """Why `value` names no model directory, with how to get one when it looks like a model id."""
+    if not is_model_id(value) or Path(value).exists():
+        return UsageError(f"{value}: no such model directory" if not Path(value).exists() else
+                          f"{value}: not a directory; give the model's directory")
+    try:
+        import huggingface_hub  # noqa: F401
+    except ImportError:
+        return UsageError(f"{value}: no such directory, and not in the ModelScope cache; to look up Hugging Face "
+                          "ids install huggingface_hub (pip install -e '.[hub]')")
+    return UsageError(f"{value}: no such directory, and not in the local Hugging Face or ModelScope cache; download "
+                      f"it with `hf download {value}` or `modelscope download --model {value}`")
