@@ -43,13 +43,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype))
 
 
+# Smaller int8 weights stay plain: they sit in cache, where oneDNN's per-call cost (up to ~1 ms for
+# a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
+PACK_MIN_BYTES = 2 << 20
+
+
 def pack_w8a8(weight: torch.Tensor):
-    """The int8 weight [out, in] in oneDNN's blocked layout, or None where that isn't available.
+    """The int8 weight [out, in] in oneDNN's blocked layout, or None where that isn't available or
+    the weight is small.
 
     On the CPU `torch._int_mm` streams a weight at about half the memory bandwidth and slows further
     with more than one row; oneDNN's prepacked int8 GEMM reads it near the bandwidth for 1 to 256
     rows and gives the same int32 sums (so the same results, bit for bit)."""
-    if weight.device.type != "cpu" or not _onednn_int8():
+    if weight.device.type != "cpu" or weight.numel() < PACK_MIN_BYTES or not _onednn_int8():
         return None
     return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]])
 
