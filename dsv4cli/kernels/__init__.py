@@ -45,6 +45,18 @@ def linear(x, weight):
     return backend(x.device.type).linear(x, weight)
 
 
+def linear_fp32(x, weight):
+    return backend(x.device.type).linear_fp32(x, weight)
+
+
+def grouped_projection(x, weight):
+    return backend(x.device.type).grouped_projection(x, weight)
+
+
+def compress_pool(kv, gate, valid, ratio):
+    return backend(kv.device.type).compress_pool(kv, gate, valid, ratio)
+
+
 def pack_w8a8(weight):
     return backend(weight.device.type).pack_w8a8(weight)
 

@@ -43,6 +43,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype))
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head)."""
+    return F.linear(x.float(), weight.float())
+
+
+def grouped_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a)."""
+    return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
+
+
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ratio: int) -> torch.Tensor:
+    """One compressed KV entry per closing block: candidates kv, gate [B,n,c,C] fp32 (c = coff*ratio
+    rows, C = coff*d channels), valid [B,n,c]; the channels pooled with a per-channel softmax of the
+    gate over the rows. With coff = 2 (ratio 4) the earlier block's rows give their first d channels
+    and this block's rows their second d. Returns [B,n,d] fp32."""
+    gate = gate.masked_fill(~valid[..., None], float("-inf"))
+    if kv.shape[2] == 2 * ratio:
+        d = kv.shape[-1] // 2
+        kv = torch.cat([kv[:, :, :ratio, :d], kv[:, :, ratio:, d:]], dim=2)
+        gate = torch.cat([gate[:, :, :ratio, :d], gate[:, :, ratio:, d:]], dim=2)
+    return (kv * gate.softmax(dim=2)).sum(dim=2)
+
+
 # Smaller int8 weights stay plain: they sit in cache, where oneDNN's per-call cost (up to ~1 ms for
 # a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
 PACK_MIN_BYTES = 2 << 20

@@ -25,8 +25,6 @@ from dsv4cli import kernels, platforms
 
 from .config import ModelConfig
 
-NEG_INF = float("-inf")
-
 
 def world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -286,14 +284,10 @@ class Compressor(nn.Module):
     def forward(self, x, step: Step, ring_kv, ring_gate, blocks):
         plan: CompressPlan = step.plans[self.ratio]
         B, r, d = step.B, self.ratio, self.head_dim
-        kv = F.linear(x.float(), self.wkv.weight.float())
-        gate = F.linear(x.float(), self.wgate.weight.float()) + self.ape[step.pos % r]
+        kv = kernels.linear_fp32(x, self.wkv.weight)
+        gate = kernels.linear_fp32(x, self.wgate.weight) + self.ape[step.pos % r]
         cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
-        cand_gate = cand_gate.masked_fill(~plan.cand_valid[..., None], NEG_INF)
-        if self.coff == 2:   # earlier block's tokens give their first half, this block's their second
-            cand_kv = torch.cat([cand_kv[:, :, :r, :d], cand_kv[:, :, r:, d:]], dim=2)
-            cand_gate = torch.cat([cand_gate[:, :, :r, :d], cand_gate[:, :, r:, d:]], dim=2)
-        pooled = (cand_kv * cand_gate.softmax(dim=2)).sum(dim=2).to(x.dtype)    # [B,n,d]
+        pooled = kernels.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(x.dtype)      # [B,n,d]
         pooled = kernels.rope(self.norm(pooled), plan.cos, plan.sin)
         blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
         step.write_ring(ring_kv, kv)
@@ -371,8 +365,7 @@ class Attention(nn.Module):
         o = kernels.sparse_attention(q, sources, self.attn_sink, self.scale)
         step.write_ring(cache.win, kv)
         o = kernels.rope(o, cos, -sin).reshape(B, S, self.n_groups, -1)      # undo RoPE at the query position
-        wo_a = self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1)
-        z = torch.einsum("bsgd,grd->bsgr", o, wo_a.to(o.dtype))
+        z = kernels.grouped_projection(o, self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1))
         return all_reduce(self.wo_b(z.flatten(2)))
 
 
@@ -546,7 +539,7 @@ class ParallelHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab // world()[1], dim))
 
     def forward(self, y):
-        logits = F.linear(y.float(), self.weight.float())
+        logits = kernels.linear_fp32(y, self.weight)
         ws = world()[1]
         if ws > 1:
             parts = [torch.empty_like(logits) for _ in range(ws)]
