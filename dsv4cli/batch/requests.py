@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from dsv4cli.config import check
-from dsv4cli.encoding import encode_messages
+from dsv4cli.encoding import encode_messages, is_tool
 from dsv4cli.engine import SamplingParams
 from dsv4cli.engine.sampling import TOP_LOGPROBS
 from dsv4cli.errors import UsageError
@@ -275,9 +275,7 @@ def _tools(body: dict, place: str) -> list:
                                                f"which is not supported; use auto or none")
     if tools is None:
         return []
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
         raise BadLine("invalid_parameter",
                       f'{place}tools: must be a list of {{"type": "function", "function": {{"name": ..., ...}}}}')
     # "none": the model is not shown the tools, so it has nothing to call (rendering them and then
