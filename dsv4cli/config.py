@@ -170,6 +170,9 @@ class Settings:
         "sampling", [], "Stop on this token id (repeatable)", lo=0, flags=("--stop-token-id",)
     )
     ignore_eos: bool = _key("sampling", False, "Keep generating past the end-of-sequence token")
+    logprobs: int | None = _key(
+        "sampling", None, "Report each output token's logprob and this many alternatives (unset: off)", lo=0, hi=20
+    )
     # [speculative]
     mtp: int = _key(
         "speculative", 1, "Tokens drafted per step by the MTP head; 0 = plain decoding", lo=0, hi=8
@@ -190,6 +193,9 @@ class Settings:
     prompt_file: str | None = _key("generate", None, "Read the prompt from this file", path=True)
     raw: bool = _key("generate", False, "Send the prompt as is, without the chat template")
     json: bool = _key("generate", False, "Print the result as one JSON object")
+    tools: str | None = _key(
+        "generate", None, "A JSON file with a list of tools (OpenAI form) the model may call", path=True
+    )
     # [batch]
     input: str | None = _key(
         "batch", None, "Requests, one JSON object per line", path=True, flags=("--input", "-i")

@@ -162,6 +162,12 @@ def parse_completion(text: str, thinking: bool) -> dict:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
 
+def is_tool(t) -> bool:
+    """Whether `t` is a tool in OpenAI form: {"type": "function", "function": {"name": ..., ...}}."""
+    return (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str))
+
+
 def _check_message(i, m):
     """Every malformed message raises ValueError, so callers have one exception type to catch."""
     if not isinstance(m, dict):

@@ -3,11 +3,12 @@ import json
 import sys
 from pathlib import Path
 
+from dsv4cli.batch.output import chat_logprobs, tool_calls
 from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.config import Settings
-from dsv4cli.encoding import THINK_END, encode_messages
+from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
 from dsv4cli.errors import UsageError
-from dsv4cli.session import load_engine, sampling_params
+from dsv4cli.session import load_engine, load_tools, sampling_params
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -37,12 +38,13 @@ def read_prompt(s: Settings) -> str:
     return text
 
 
-def prompt_ids(engine, s: Settings, prompt: str) -> list[int]:
-    """Chat-encode the prompt (system + one user turn), or BOS + the text as is with --raw."""
+def prompt_ids(engine, s: Settings, prompt: str, tools: list[dict]) -> list[int]:
+    """Chat-encode the prompt (system with the tools + one user turn), or BOS + the text as is with --raw."""
     tok = engine.tok
     if s.raw:
         return [tok.bos_id, *tok.encode(prompt)]
-    messages = ([{"role": "system", "content": s.system}] if s.system else []) + [{"role": "user", "content": prompt}]
+    system = {"role": "system", "content": s.system} | ({"tools": tools} if tools else {})
+    messages = ([system] if s.system or tools else []) + [{"role": "user", "content": prompt}]
     text = encode_messages(messages, thinking=s.thinking, reasoning_effort=s.reasoning_effort)
     return tok.encode(text)
 
@@ -84,8 +86,11 @@ class ReplyStream:
 
 def run_generate(s: Settings) -> int:
     prompt = read_prompt(s)
+    if s.tools and s.raw:
+        raise UsageError("--tools: a --raw prompt has no chat template to render tools into")
+    tools = load_tools(s.tools, "--tools") if s.tools else []
     engine = load_engine(s)
-    ids = prompt_ids(engine, s, prompt)
+    ids = prompt_ids(engine, s, prompt, tools)
     thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
     try:
         seq = engine.submit(ids, sampling_params(s))
@@ -102,8 +107,14 @@ def run_generate(s: Settings) -> int:
     reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
         result = {"text": answer, **({"reasoning_content": reasoning} if thinking else {}),
-                  "token_ids": seq.output_ids, "finish_reason": seq.finish_reason, "stats": seq.metrics.as_dict()}
-        print(json.dumps(result))
+                  "token_ids": seq.output_ids, "finish_reason": seq.finish_reason}
+        parsed = parse_completion(seq.text, thinking) if tools else None
+        if parsed and parsed["tool_calls"]:    # the text before the calls, and the calls in OpenAI form
+            result |= {"text": parsed["content"], "tool_calls": tool_calls(parsed["tool_calls"], ""),
+                       "finish_reason": "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason}
+        if s.logprobs is not None:
+            result["logprobs"] = chat_logprobs(engine.tok, seq.logprobs)["content"]
+        print(json.dumps(result | {"stats": seq.metrics.as_dict()}))
     else:
         stream.update(seq.text[: seq.emitted], final=True)
         sys.stdout.write("\n")
@@ -111,7 +122,7 @@ def run_generate(s: Settings) -> int:
 
 
 @app.command()
-@model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort")
+@model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort", "tools")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""

@@ -1,12 +1,15 @@
 """From resolved settings to a ready engine: device, dtype, threads, checks against the model and the free
 memory, model, tokenizer, sampling defaults."""
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 import torch
 
 from dsv4cli import platforms
 from dsv4cli.config import Settings
+from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.engine.engine import SPARE_RING_ROWS
 from dsv4cli.errors import UsageError
@@ -37,7 +40,20 @@ def sampling_params(s: Settings) -> SamplingParams:
         temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, seed=s.seed, max_tokens=s.max_tokens,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+
+
+def load_tools(path: str, place: str) -> list[dict]:
+    """A JSON file holding a list of tools in OpenAI form, {"type": "function", "function": {"name": ...}}."""
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UsageError(f"{place} {path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"{place} {path}: not JSON: {e}") from None
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise UsageError(f'{place} {path}: must hold a list of {{"type": "function", "function": {{"name": ...}}}}')
+    return tools
 
 
 def cpu_cores() -> int:

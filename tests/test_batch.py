@@ -264,3 +264,133 @@ def test_large_input_keeps_a_bounded_window(tiny_model_dir, tmp_path):
         torch.set_num_threads(threads)
     assert run.ok == 300 and run.peak_in_flight == 2 * 4 and not run.in_flight
     assert sorted(int(rec["custom_id"]) for rec in read_jsonl(tmp_path / "out.jsonl")) == list(range(300))
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+def in_process_run(tiny_model_dir, tmp_path, rows, **settings):
+    """The runner in this process (to reach the engine's model), on `rows`; returns (records, engine, parser)."""
+    tmp_path.mkdir(exist_ok=True)
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    s, _ = resolve(None, {"model": str(tiny_model_dir), "temperature": 0.0, "max_batch": 3, **settings})
+    engine = load_engine(s)
+    out = ResultFile(tmp_path / "out.jsonl")
+    run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
+                   set(), set())
+    with open(src, "rb") as lines:
+        run.run(lines)
+    out.close()
+    return read_jsonl(tmp_path / "out.jsonl"), engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len)
+
+
+@torch.no_grad()
+def test_logprobs_validate_as_openai_types_and_match_the_model(tiny_model_dir, tmp_path):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    harmless = {"model": "x", "user": "u", "metadata": {"a": "b"}, "store": False, "stream_options": None,
+                "parallel_tool_calls": True, "response_format": {"type": "text"}}
+    rows = [chat("chat", "Hello there", max_completion_tokens=8, logprobs=True, top_logprobs=3, **harmless),
+            chat("sampled", "Hello there", max_completion_tokens=8, logprobs=True, temperature=0.8, seed=1,
+                 logit_bias={"40": 3}),
+            chat("plain", "Hello there", max_completion_tokens=8),
+            {"custom_id": "text", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": "Once upon", "max_tokens": 8, "logprobs": 2}}]
+    for mtp in (0, 2):
+        records, engine, parser = in_process_run(tiny_model_dir, tmp_path / f"k{mtp}", rows, mtp=mtp)
+        assert not [r["error"] for r in records if r["error"]]
+        bodies = {r["custom_id"]: r["response"]["body"] for r in records}
+        for cid in ("chat", "sampled", "plain"):
+            ChatCompletion.model_validate(bodies[cid])
+        Completion.model_validate(bodies["text"])
+        assert bodies["plain"]["choices"][0]["logprobs"] is None
+        for n, row in enumerate(rows, 1):
+            choice = bodies[row["custom_id"]]["choices"][0]
+            req = parser.parse(n, json.dumps(row).encode())
+            if row["custom_id"] == "plain":
+                continue
+            if row["custom_id"] == "text":
+                logprobs, tops = choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]
+                assert all(len(t) <= 2 for t in tops) and "".join(choice["logprobs"]["tokens"]) == choice["text"]
+            else:
+                content = choice["logprobs"]["content"]
+                logprobs, tops = [c["logprob"] for c in content], [c["top_logprobs"] for c in content]
+                assert all(len(t) == req.params.logprobs for t in tops)
+            # the reply's tokens again (greedy and seeded: the same), scored by the full forward pass
+            out = engine.generate([req.prompt_ids], req.params)[0].output_ids
+            logits = engine.model(torch.tensor([req.prompt_ids + out]))[0, len(req.prompt_ids) - 1: -1]
+            for t, b in req.params.logit_bias.items():
+                logits[:, t] += b
+            ref = (logits / (req.params.temperature or 1.0)).log_softmax(-1)
+            want = ref.gather(-1, torch.tensor(out)[:, None])[:, 0]
+            assert len(logprobs) == len(out)
+            assert (torch.tensor(logprobs) - want).abs().max() <= 1e-4, (mtp, row["custom_id"])
+
+
+def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    rows = [chat("ok", "Hi", max_completion_tokens=2),
+            chat("schema", "Hi", response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+            chat("n2", "Hi", n=2),
+            chat("audio", "Hi", audio={"voice": "alloy", "format": "wav"}),
+            chat("unknown", "Hi", frobnicate=1),
+            chat("required", "Hi", tools=[WEATHER], tool_choice="required"),
+            chat("named", "Hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            chat("top21", "Hi", logprobs=True, top_logprobs=21),
+            chat("toponly", "Hi", top_logprobs=2),
+            chat("stops", "Hi", stop=["a", "b", "c", "d", "e"]),
+            chat("bias", "Hi", logit_bias={"999999": 1}),
+            chat("badtool", "Hi", tools=[{"name": "get_weather"}]),
+            {"custom_id": "outer", "method": "POST", "url": "/v1/chat/completions", "extra": 1,
+             "body": {"messages": [{"role": "user", "content": "Hi"}]}},
+            {"id": "simple-unknown", "prompt": "x", "temprature": 0.5},
+            chat("ok2", "Hi", max_completion_tokens=2, stop=["a", "b", "c", "d"])]
+    records, _, _ = in_process_run(tiny_model_dir, tmp_path, rows)
+    errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
+    assert sorted(r["custom_id"] for r in records if r["response"]) == ["ok", "ok2"]
+    names = {"schema": "body.response_format", "n2": "body.n", "audio": "body.audio", "unknown": "body.frobnicate",
+             "required": "body.tool_choice", "named": "body.tool_choice", "top21": "body.top_logprobs",
+             "toponly": "body.top_logprobs", "stops": "body.stop", "bias": "body.logit_bias", "badtool": "body.tools",
+             "outer": "extra", "simple-unknown": "temprature"}
+    assert set(errors) == set(names)
+    for cid, name in names.items():
+        assert errors[cid].startswith(name + ":") and "\n" not in errors[cid], errors[cid]
+    assert "constrained decoding" in errors["required"] and "constrained decoding" in errors["named"]
+
+
+def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_dir):
+    from openai.types.chat import ChatCompletion
+
+    from dsv4cli.batch.output import result_record
+    from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING
+    from dsv4cli.engine import SamplingParams, Sequence
+    from dsv4cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    parser = RequestParser(tok, SamplingParams(), 0, 4096)
+    ask = chat("t", "Weather in Paris?", tools=[WEATHER])
+    req = parser.parse(1, json.dumps(ask).encode())
+    assert '"name": "get_weather"' in tok.decode(req.prompt_ids)
+    none = parser.parse(2, json.dumps(chat("n", "Weather in Paris?", tools=[WEATHER], tool_choice="none")).encode())
+    assert "get_weather" not in tok.decode(none.prompt_ids)
+    # what the model writes when it calls the tool (the tiny random model would not)
+    text = (f'I will look.{TOOL_CALLS_OPENING}\n<{DSML}invoke name="get_weather">\n'
+            f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n</{DSML}invoke>\n{TOOL_CALLS_END}')
+    seq = Sequence("t", req.prompt_ids, req.params, 0, output_ids=tok.encode(text), text=text, finish_reason="stop")
+    body = result_record(req, seq, "tiny", tok)["response"]["body"]
+    completion = ChatCompletion.model_validate(body)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I will look."
+    [call] = choice.message.tool_calls
+    assert call.id == "call_1_0" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # the call and its result come back as later turns
+    follow = {"custom_id": "f", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"tools": [WEATHER], "messages": [
+                  {"role": "user", "content": "Weather in Paris?"},
+                  body["choices"][0]["message"],
+                  {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]}}
+    prompt = tok.decode(parser.parse(3, json.dumps(follow).encode()).prompt_ids)
+    assert "<tool_result>sunny, 21 C</tool_result>" in prompt and 'invoke name="get_weather"' in prompt

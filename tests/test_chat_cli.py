@@ -127,3 +127,23 @@ def test_show_model_and_prompt_tell_the_truth(tmp_path):
     assert params == human_count(describe(BUNDLED_MODEL_DIR)["parameters"])
     assert "KV prefix reuse" in r.stderr and "not available" not in r.stderr
     assert "prefills only what follows the cached state" in r.stderr and "all prefilled again" not in r.stderr
+
+
+def test_chat_logprobs_and_tools(tiny_model_dir, tmp_path):
+    """/set logprobs N then /show logprobs lists the last reply's tokens with N alternatives; /tools FILE
+    renders the tools into the prompt; a bad file is one error line and the chat goes on."""
+    tools, bad = tmp_path / "tools.json", tmp_path / "bad.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "get_time", "parameters": {}}}]))
+    bad.write_text("[1]")
+    lines = ["/show logprobs", "/set logprobs 2", f"/tools {tools}", "Hi", "/show logprobs", "/show prompt",
+             f"/tools {bad}"]
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+                        "--max-tokens", "3", "--ignore-eos"], input="\n".join(lines) + "\n", capture_output=True,
+                       text=True, timeout=120, env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "logprobs: none; /set logprobs N, then a reply" in r.stderr
+    out = [line.rstrip() for line in r.stderr.splitlines()]
+    table = out[out.index("logprobs") + 1:][:3]
+    assert len(table) == 3 and all(len(re.findall(r" -?\d+\.\d+", row)) == 3 for row in table), table
+    assert "tools: get_time" in r.stderr and '"name": "get_time"' in r.stderr
+    assert f"error: /tools {bad}: must hold a list" in r.stderr

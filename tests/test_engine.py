@@ -7,7 +7,7 @@ import torch
 from tiny import tiny_config, write_checkpoint
 
 from dsv4cli.engine.engine import Engine
-from dsv4cli.engine.sampling import SamplingParams, SlotParams, target_probs, verify
+from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs, verify
 from dsv4cli.kernels import reference
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
@@ -91,7 +91,7 @@ def test_sampling_filters():
     for slot, p in enumerate([SamplingParams(temperature=0), SamplingParams(top_k=2),
                               SamplingParams(top_p=0.5), SamplingParams(min_p=0.3)]):
         sp.set(slot, p, 0, torch.tensor([], dtype=torch.long))
-    probs = target_probs(logits, sp, slice(0, 4), torch.zeros(4, 1, 5))[:, 0]
+    probs = target_probs(processed_logits(logits, sp, slice(0, 4), torch.zeros(4, 1, 5)), sp, slice(0, 4))[:, 0]
     assert probs[0].tolist() == [1, 0, 0, 0, 0]
     assert (probs[1, 2:] == 0).all() and (probs[1, :2] > 0).all()
     assert probs[2].tolist() == [1, 0, 0, 0, 0]          # the top token alone holds > 0.5
@@ -163,10 +163,11 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
     there, so those reads cost no device sync."""
     moe_calls = []
     monkeypatch.setattr(reference, "experts_on_host", spy(reference.experts_on_host, moe_calls))
-    for run, extra in ((stacked_copy(model), 0), (model, 1)):
+    # the second case asks for logprobs: they travel in the same packed tensor
+    for run, extra, logprobs in ((stacked_copy(model), 0, None), (model, 1, None), (stacked_copy(model), 0, 5)):
         eng = Engine(run, tok, max_batch=2, max_seq_len=256, mtp=2)
         for p in prompts([10, 40], tok.vocab_size, seed=5):
-            eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+            eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=logprobs))
         eng.step()                                          # admission (prefill) + first decode step
         syncs = []
         with monkeypatch.context() as m:
@@ -205,8 +206,9 @@ def test_rows_without_filters_skip_the_vocabulary_sort(model, tok, monkeypatch):
     sp.set(1, SamplingParams(temperature=0.7, repetition_penalty=1.3), 0, torch.tensor([2, 3]))
     sp.set(2, SamplingParams(temperature=1.5, presence_penalty=0.5), 0, torch.tensor([4]))
     logits, counts = torch.randn(3, 2, 50), torch.randint(0, 3, (3, 2, 50)).float()
-    torch.testing.assert_close(target_probs(logits, sp, slice(0, 3), counts, sort=False),
-                               target_probs(logits, sp, slice(0, 3), counts), rtol=1e-6, atol=1e-7)
+    processed = processed_logits(logits, sp, slice(0, 3), counts)
+    torch.testing.assert_close(target_probs(processed, sp, slice(0, 3), sort=False),
+                               target_probs(processed, sp, slice(0, 3)), rtol=1e-6, atol=1e-7)
     sorts = []
     orig = torch.Tensor.sort
     monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **kw: sorts.append(t.shape[-1]) or orig(t, *a, **kw))
@@ -224,7 +226,7 @@ def test_penalties():
     sp.set(0, SamplingParams(temperature=1, repetition_penalty=2.0), 0, torch.tensor([0, 2]))
     sp.set(1, SamplingParams(temperature=1, presence_penalty=0.5), 0, torch.tensor([], dtype=torch.long))
     sp.set(2, SamplingParams(temperature=1, frequency_penalty=0.5), 0, torch.tensor([], dtype=torch.long))
-    probs = target_probs(logits, sp, slice(0, 3), counts)[:, 0]
+    probs = target_probs(processed_logits(logits, sp, slice(0, 3), counts), sp, slice(0, 3))[:, 0]
     expect = [torch.tensor([1.0, 0.5, -2.0, 0.5]),     # seen (prompt 0, 2; output 1): >0 halved, <0 doubled
               torch.tensor([2.0, 0.5, -1.0, 0.5]),     # presence: -0.5 once
               torch.tensor([2.0, -0.5, -1.0, 0.5])]    # frequency: -0.5 per occurrence
@@ -271,3 +273,73 @@ def test_prefix_reuse_partial_and_refused(model, tok):
     plain = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=1)
     plain.generate([base], GREEDY)
     assert plain.generate([base + other], GREEDY)[0].metrics.cached_tokens == 0
+
+
+def reference_logprobs(model, prompt, output, temperature=1.0, bias=None):
+    """log_softmax of the full forward pass at every output position (what produced each output token)."""
+    logits = model(torch.tensor([prompt + output]))[0, len(prompt) - 1: -1].float()
+    if bias is not None:
+        logits = logits + bias
+    return (logits / temperature).log_softmax(-1)
+
+
+@torch.no_grad()
+def test_logprobs_match_the_reference_log_softmax(model, tok):
+    """Every committed token (first, accepted drafts, corrections and bonus tokens) reports its logprob and
+    the top alternatives under the model's processed distribution, with and without MTP, greedy and sampled
+    (a sampled row is scored before its top-p truncation)."""
+    ps = prompts([12, 40, 130], tok.vocab_size, seed=6)
+    bias = {5: 2.0, 7: -1.5}
+    dense = torch.zeros(model.cfg.vocab_size)
+    dense[list(bias)] = torch.tensor(list(bias.values()))
+    cases = (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5),
+             SamplingParams(temperature=0.7, top_p=0.8, seed=3, max_tokens=16, ignore_eos=True, logprobs=20,
+                            logit_bias=bias))
+    worst = {}
+    for k in (0, 2):
+        for params in cases:
+            for seq in Engine(model, tok, max_batch=2, max_seq_len=256, mtp=k).generate(ps, params):
+                assert [e.token for e in seq.logprobs] == seq.output_ids
+                temperature = params.temperature or 1.0
+                ref = reference_logprobs(model, seq.prompt_ids, seq.output_ids, temperature,
+                                         dense if params.logit_bias else None)
+                got = torch.tensor([e.logprob for e in seq.logprobs])
+                want = ref.gather(-1, torch.tensor(seq.output_ids)[:, None])[:, 0]
+                top = ref.topk(params.logprobs, -1)
+                assert all(len(e.top) == params.logprobs for e in seq.logprobs)
+                assert [[t for t, _ in e.top] for e in seq.logprobs] == top.indices.tolist()
+                got_top = torch.tensor([[v for _, v in e.top] for e in seq.logprobs])
+                err = max((got - want).abs().max().item(), (got_top - top.values).abs().max().item())
+                worst[k] = max(worst.get(k, 0.0), err)
+    print(f"max |logprob - reference log_softmax|: {worst}")
+    assert all(e <= 1e-4 for e in worst.values()), worst
+
+
+@torch.no_grad()
+def test_logprobs_do_not_change_the_tokens(model, tok):
+    ps = prompts([9, 33], tok.vocab_size, seed=7)
+    for params in (GREEDY, SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)):
+        plain = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2).generate(ps, params)
+        scored = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2).generate(
+            ps, SamplingParams(**{**params.__dict__, "logprobs": 0}))
+        assert [s.output_ids for s in scored] == [s.output_ids for s in plain]
+        assert all(len(s.logprobs) == len(s.output_ids) and not s.logprobs[0].top for s in scored)
+        assert not plain[0].logprobs
+
+
+@torch.no_grad()
+def test_logit_bias(model, tok):
+    """A large bias forces a token, a negative one bans it; the bias is the request's alone (a later request
+    in the same slot is unbiased), and speculative greedy still equals plain greedy under a bias."""
+    p = prompts([15], tok.vocab_size, seed=8)[0]
+    free = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).generate([p], GREEDY)[0].output_ids
+    forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0})
+    banned = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={t: -100.0 for t in free})
+    for k in (0, 2):
+        eng = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=k)
+        assert eng.generate([p], forced)[0].output_ids == [42] * 8
+        out = eng.generate([p], banned)[0].output_ids
+        assert not set(out) & set(free)
+        assert eng.generate([p], GREEDY)[0].output_ids == free
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).submit(p, SamplingParams(logit_bias={10**6: 1.0}))

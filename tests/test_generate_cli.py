@@ -62,3 +62,21 @@ def test_prompt_from_stdin_and_from_a_file(tmp_path):
         r = dsv4(*base, *args, input=stdin)
         assert r.returncode == 2 and r.stderr.startswith("error: ") and says in r.stderr, (args, r.stderr)
         assert len(r.stderr.splitlines()) == 1
+
+
+def test_generate_json_logprobs_and_tools(tiny_model_dir, tmp_path):
+    """--logprobs N: one entry per token with N alternatives, the same tokens as without; --tools FILE renders
+    the tools (the prompt grows) and a bad file is one line naming it."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps([{"type": "function", "function": {"name": "get_time", "parameters": {}}}]))
+    base = ("generate", "--model", str(tiny_model_dir), "--prompt", "Hi", "-n", "6", "--temperature", "0",
+            "--ignore-eos", "--json")
+    plain, scored, tooled = (json.loads(dsv4(*base, *extra).stdout)
+                             for extra in ([], ["--logprobs", "3"], ["--tools", str(tools)]))
+    assert scored["token_ids"] == plain["token_ids"] and "logprobs" not in plain
+    assert len(scored["logprobs"]) == 6 and all(len(e["top_logprobs"]) == 3 for e in scored["logprobs"])
+    assert all(e["logprob"] <= e["top_logprobs"][0]["logprob"] + 1e-6 for e in scored["logprobs"])
+    assert tooled["stats"]["prompt_tokens"] > plain["stats"]["prompt_tokens"]
+    tools.write_text('{"name": "get_time"}')
+    r = dsv4(*base, "--tools", str(tools))
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "--tools" in r.stderr, r.stderr

@@ -3,6 +3,9 @@
 Two line forms:
   OpenAI batch: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
   simple:       {"id", "messages": [...] | "prompt": "...", sampling keys...}  (the line is its own body)
+
+Every body field is honoured, accepted as harmless (HARMLESS, with the reason), or refused with an error
+record naming it: no field is silently dropped (README, "Request fields").
 """
 import dataclasses
 import hashlib
@@ -10,8 +13,9 @@ import json
 from dataclasses import dataclass
 
 from dsv4cli.config import check
-from dsv4cli.encoding import encode_messages
+from dsv4cli.encoding import encode_messages, is_tool
 from dsv4cli.engine import SamplingParams
+from dsv4cli.engine.sampling import TOP_LOGPROBS
 from dsv4cli.errors import UsageError
 from dsv4cli.tokenizer import Tokenizer
 
@@ -25,6 +29,32 @@ SAMPLING_KEYS = {
     "max_completion_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
 }
+# fields read elsewhere in this module
+HONOURED = {"messages", "prompt", "stream", "n", "thinking", "reasoning_effort", "logprobs", "top_logprobs",
+            "tools", "tool_choice", "logit_bias", "response_format"}
+# accepted and without effect, for this reason
+HARMLESS = {
+    "model": "a run serves the one model given by --model",
+    "user": "an end-user id for abuse monitoring: nothing to monitor offline",
+    "metadata": "tags for stored completions: nothing is stored",
+    "store": "nothing is stored",
+    "stream_options": "options of streaming, which batch requests do not do",
+    "parallel_tool_calls": "the model may call several tools in one turn; every call is returned",
+}
+# fields known to be unsupported, with what to do instead
+REFUSED = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "deprecated; use tools",
+    "function_call": "deprecated; use tool_choice",
+    "web_search_options": "web search is not supported",
+    "echo": "echoing the prompt is not supported",
+    "best_of": "only one completion per request is supported",
+    "suffix": "insertion (suffix) is not supported",
+}
+LINE_KEYS = {"custom_id", "method", "url", "body"}     # an OpenAI batch line around its body
+MAX_STOP = 4                                          # OpenAI's limit on stop strings
 
 
 @dataclass
@@ -93,6 +123,10 @@ class RequestParser:
 
     def _request(self, line: int, obj: dict, custom_id: str) -> Request:
         if "body" in obj:
+            extra = next((k for k in obj if k not in LINE_KEYS), None)
+            if extra is not None:
+                raise BadLine("unsupported_parameter", f"{extra}: not a field of a batch request line "
+                                                       f"(custom_id, method, url, body)")
             if obj.get("method", "POST") != "POST":
                 raise BadLine("unsupported_method", f"method: only POST is supported, got {json.dumps(obj['method'])}")
             url = obj.get("url")
@@ -107,16 +141,27 @@ class RequestParser:
             if ("messages" in body) == ("prompt" in body):
                 raise BadLine("invalid_request", "give exactly one of messages (chat) or prompt (completion)")
             chat = "messages" in body
+        _check_fields(body, place, simple="body" not in obj)
         if body.get("stream"):
             raise BadLine("unsupported_parameter", f"{place}stream: batch requests cannot stream")
         if body.get("n") not in (None, 1):
             raise BadLine("unsupported_parameter", f"{place}n: only one choice per request is supported")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise BadLine("unsupported_parameter", f"{place}response_format: only type text is supported "
+                                                   f"(json_object and json_schema need constrained decoding)")
         params = self._params(body, place, custom_id)
+        params.logprobs = _logprobs(body, place, chat)
+        params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
         thinking = False
         if chat:
             thinking, effort = self._thinking(body, place)
-            ids = self._chat_ids(body, place, thinking, effort)
+            tools = _tools(body, place)
+            ids = self._chat_ids(body, place, thinking, effort, tools)
         else:
+            for name in ("tools", "tool_choice"):
+                if name in body:
+                    raise BadLine("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
         if len(ids) >= self.max_seq_len:
             raise BadLine("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
@@ -129,6 +174,8 @@ class RequestParser:
             value = body.get(name)
             if value is not None:
                 given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
+        if len(given.get("stop", [])) > MAX_STOP:
+            raise BadLine("invalid_parameter", f"{place}stop: at most {MAX_STOP} strings")
         given.setdefault("seed", request_seed(self.run_seed, custom_id))
         return dataclasses.replace(self.defaults, **given)
 
@@ -141,12 +188,32 @@ class RequestParser:
             effort = _check("reasoning_effort", effort, place + "reasoning_effort")
         return _check("thinking", thinking, place + "thinking"), effort or self.reasoning_effort
 
-    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None) -> list[int]:
+    def _logit_bias(self, bias, place: str) -> dict[int, float]:
+        """OpenAI's {"token id": bias in [-100, 100]} -> {id: bias}."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise BadLine("invalid_parameter", f"{place}logit_bias: must be an object of token id -> bias")
+        out = {}
+        for key, value in bias.items():
+            if not (key.isdigit() and int(key) < self.tok.vocab_size):
+                raise BadLine("invalid_parameter", f"{place}logit_bias: {key!r} is not a token id "
+                                                   f"(0..{self.tok.vocab_size - 1})")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise BadLine("invalid_parameter", f"{place}logit_bias[{key}]: must be a number in -100..100")
+            out[int(key)] = float(value)
+        return out
+
+    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None, tools: list) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadLine("invalid_messages", f"{place}messages: must be a non-empty list of messages")
+        messages = [_plain(m) for m in messages]
+        if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
+            first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
+            messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
         try:
-            text = encode_messages([_plain(m) for m in messages], thinking=thinking, reasoning_effort=effort)
+            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
         except ValueError as e:
             raise BadLine("invalid_messages", f"{place}messages: {e}") from None
         return self.tok.encode(text)
@@ -167,6 +234,53 @@ def _check(key: str, value, place: str):
     if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
         raise BadLine("invalid_parameter", f"{place}: must fit in 64 bits")    # the engine keeps it in an int64
     return value
+
+
+def _check_fields(body: dict, place: str, simple: bool) -> None:
+    """The field policy: a field that is neither honoured nor harmless is an error naming it."""
+    for name in body:
+        if name in REFUSED:
+            raise BadLine("unsupported_parameter", f"{place}{name}: {REFUSED[name]}")
+        known = name in SAMPLING_KEYS or name in HONOURED or name in HARMLESS
+        if not (known or simple and name in ("id", "custom_id")):
+            raise BadLine("unsupported_parameter", f"{place}{name}: not a supported request field")
+
+
+def _logprobs(body: dict, place: str, chat: bool) -> int | None:
+    """How many alternatives to report per token (None: no logprobs). Chat: logprobs true and
+    top_logprobs 0..20; completions: logprobs 0..20."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat and logprobs is not None and not isinstance(logprobs, bool):
+        raise BadLine("invalid_parameter", f"{place}logprobs: must be true or false")
+    count = top if chat else logprobs
+    name = "top_logprobs" if chat else "logprobs"
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= TOP_LOGPROBS):
+        raise BadLine("invalid_parameter", f"{place}{name}: must be an integer 0..{TOP_LOGPROBS}")
+    if not chat:
+        if top is not None:
+            raise BadLine("unsupported_parameter", f"{place}top_logprobs: only for {CHAT_URL}; give logprobs N")
+        return count
+    if top is not None and not logprobs:
+        raise BadLine("invalid_parameter", f"{place}top_logprobs: needs logprobs: true")
+    return (top or 0) if logprobs else None
+
+
+def _tools(body: dict, place: str) -> list:
+    """The tools to render: none with tool_choice "none"; "required" or a named function would need
+    constrained decoding, which this engine does not do."""
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        what = "required" if choice == "required" else "a named function" if isinstance(choice, dict) else choice
+        raise BadLine("unsupported_parameter", f"{place}tool_choice: {json.dumps(what)} needs constrained decoding, "
+                                               f"which is not supported; use auto or none")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise BadLine("invalid_parameter",
+                      f'{place}tools: must be a list of {{"type": "function", "function": {{"name": ..., ...}}}}')
+    # "none": the model is not shown the tools, so it has nothing to call (rendering them and then
+    # ignoring a call would return DSML markup as the answer)
+    return [] if choice == "none" else tools
 
 
 def _plain(message):

@@ -78,7 +78,7 @@ class BatchRun:
 
     def _finish(self, seq: Sequence) -> None:
         req = self.in_flight.pop(seq.id)
-        self.out.append(result_record(req, seq, self.model))
+        self.out.append(result_record(req, seq, self.model, self.engine.tok))
         self.ok += 1
         self.tokens += len(seq.output_ids)
         self._tick()

@@ -121,6 +121,19 @@ class Chat:
             self.console.print(Text(f"prompt ({n} tokens; the next turn prefills only what follows the cached "
                                     "state of the conversation)", style="bold"))
             self.console.print(Text(printable(prompt)), soft_wrap=True)  # as is: no wrapping newlines added
+        if part == "logprobs":
+            self.show_logprobs()
+
+    def show_logprobs(self) -> None:
+        """The last reply's tokens: each one's logprob and the alternatives /set logprobs N asked for."""
+        if not self.session.last_logprobs:
+            hint = "/set logprobs N, then a reply" if self.session.settings.logprobs is None else "no reply yet"
+            self.console.print(Text(f"logprobs: none; {hint}", style="dim"))
+            return
+        tok = self.engine.tok
+        rows = [(repr(tok.decode([e.token])), f"{e.logprob:.4f}  " + "  ".join(
+                 f"{tok.decode([t])!r} {v:.3f}" for t, v in e.top)) for e in self.session.last_logprobs]
+        self.console.print(rows_table("logprobs", rows))
 
     def reply(self) -> bool:
         """Stream the answer to the last user message into the history; False if Ctrl-C stopped it."""
@@ -145,6 +158,7 @@ class Chat:
                 if not seq.finished:
                     self.engine.cancel(seq)
         interrupted = seq.finish_reason == "cancelled"
+        self.session.last_logprobs = seq.logprobs
         self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)
         return not interrupted
 

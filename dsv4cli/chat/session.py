@@ -12,8 +12,9 @@ from pathlib import Path
 
 from dsv4cli.config import SPEC, Settings, check, format_value, parse_value
 from dsv4cli.encoding import encode_messages, parse_completion
-from dsv4cli.engine import Metrics
+from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
+from dsv4cli.session import load_tools
 
 COMMANDS = {  # name: (arguments, what it does)
     "/help": ("", "list the commands"),
@@ -22,13 +23,15 @@ COMMANDS = {  # name: (arguments, what it does)
     "/undo": ("", "remove the last exchange (your message and its reply)"),
     "/system": ("[TEXT]", "set the system prompt; without TEXT remove it"),
     "/set": ("KEY VALUE", "change a setting, e.g. /set temperature 0.7, /set mtp 2 (alone: list them)"),
-    "/show": ("[settings|model|prompt]", "show the settings, the model and the rendered prompt"),
+    "/show": ("[settings|model|prompt|logprobs]",
+              "show the settings, the model, the rendered prompt; logprobs: the last reply's (/set logprobs N)"),
+    "/tools": ("[FILE]", "offer the tools in a JSON file (OpenAI form) to the model; without FILE remove them"),
     "/stats": ("", "totals for this session"),
     "/save": ("FILE", "write the conversation and settings as JSON"),
     "/load": ("FILE", "read a conversation written by /save"),
     "/exit": ("", "quit (or Ctrl-D)"),
 }
-SHOW_PARTS = ("settings", "model", "prompt")
+SHOW_PARTS = ("settings", "model", "prompt", "logprobs")
 # What /set may change: sampling, the MTP depth and the chat keys; the model sections need a reload.
 SETTABLE = tuple(name for name, key in SPEC.items() if key.section in ("sampling", "speculative", "chat"))
 # /set also takes the flag spellings: temp, n, max-tokens, stop-token-id, ...
@@ -86,13 +89,15 @@ class ChatSession:
         self.settings = settings
         self.messages: list[dict] = []
         self.totals = Totals()
+        self.tools: list[dict] = []                     # rendered on the system message
+        self.last_logprobs: list[TokenLogprob] = []      # the last reply's, when /set logprobs asked for them
 
     # ---- the conversation ----------------------------------------------------------------------
 
     @property
     def conversation(self) -> list[dict]:
-        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return system + self.messages
+        system = {"role": "system", "content": self.settings.system} | ({"tools": self.tools} if self.tools else {})
+        return ([system] if self.settings.system or self.tools else []) + self.messages
 
     def prompt(self) -> str:
         """The conversation in the DSV4 chat format; after a user turn it opens the assistant's reply."""
@@ -166,6 +171,11 @@ class ChatSession:
     def _system(self, arg: str) -> Outcome:
         self.settings = dataclasses.replace(self.settings, system=arg)
         return Outcome(f"system prompt set: {arg}" if arg else "system prompt removed")
+
+    def _tools(self, arg: str) -> Outcome:
+        self.tools = load_tools(arg, "/tools") if arg else []
+        names = ", ".join(t["function"]["name"] for t in self.tools)
+        return Outcome(f"tools: {names}" if arg else "tools removed")
 
     def _set(self, arg: str) -> Outcome:
         if not arg:

@@ -3,7 +3,8 @@
 One decode step for the running batch, all on the device:
   trunk over [last token, K drafts] -> target distributions -> verify -> MTP over the same rows with
   the committed tokens -> next K drafts (the MTP layer chained on its own streams for K > 1).
-The host reads one packed tensor per step (committed tokens + counts) and does the bookkeeping:
+The host reads one packed tensor per step (committed tokens + counts, and their logprobs when a running
+request asked for them) and does the bookkeeping:
 detokenising, stop checks, metrics. Sequences join (after a chunked prefill) and leave between steps.
 """
 import itertools
@@ -17,7 +18,18 @@ from dsv4cli.model import DecodeState, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .graphs import StepGraphs
-from .sampling import SamplingParams, SlotParams, needs_sort, sample_from, target_probs, uniform, verify
+from .sampling import (
+    TOP_LOGPROBS,
+    SamplingParams,
+    SlotParams,
+    needs_sort,
+    processed_logits,
+    sample_from,
+    target_probs,
+    token_logprobs,
+    uniform,
+    verify,
+)
 
 
 @dataclass
@@ -84,6 +96,14 @@ class Metrics:
 
 
 @dataclass
+class TokenLogprob:
+    """A committed token's logprob under the processed distribution, and the most likely alternatives."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]       # (token id, logprob), most likely first
+
+
+@dataclass
 class Sequence:
     id: str
     prompt_ids: list[int]
@@ -96,6 +116,7 @@ class Sequence:
     slot: int = -1
     metrics: Metrics = field(default_factory=Metrics)
     decoder: StreamDecoder | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)     # one per output id, when asked for
 
     @property
     def finished(self) -> bool:
@@ -167,6 +188,12 @@ class Engine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
+        if params.logprobs is not None and not 0 <= params.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"logprobs: must be 0..{TOP_LOGPROBS}, got {params.logprobs}")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
         seq.metrics.t_submit = time.perf_counter()
@@ -254,9 +281,11 @@ class Engine:
             if b < n:
                 nxt = ids[None, a + 1:b + 1]
             else:
-                probs = target_probs(logits, self.params, slice(slot, slot + 1),
-                                     self.params.output_counts[slot:slot + 1, None], needs_sort([seq.params]))
+                processed = processed_logits(logits, self.params, slice(slot, slot + 1),
+                                             self.params.output_counts[slot:slot + 1, None])
+                probs = target_probs(processed, self.params, slice(slot, slot + 1), needs_sort([seq.params]))
                 first = sample_from(probs[:, 0], uniform(self.params.seed[slot:slot + 1], start + b - 1 - a, 2))
+                scored = token_logprobs(processed, first[:, None])[0, 0] if seq.params.logprobs is not None else None
                 nxt = torch.cat([ids[None, a + 1:b], first[:, None]], 1)
             if self.k:   # the MTP layer sees every prompt row so its window has no holes
                 mtp_logits, streams = self.model.mtp_step(h, nxt, start, view)
@@ -265,7 +294,8 @@ class Engine:
         self.last[slot], self.pos[slot] = first[0], n
         self.params.output_counts[slot, first[0]] += 1
         self._record(slot, seq.prompt_ids + [int(first[0])])
-        return self._emit(seq, [int(first[0])], first_token=True)
+        logprobs = None if scored is None else [self._logprob(int(first[0]), scored.tolist(), seq.params.logprobs)]
+        return self._emit(seq, [int(first[0])], logprobs, first_token=True)
 
     def _chain(self, logits, streams, pos, state):
         """Greedy drafts: the first from `logits`; for K > 1 the MTP layer runs again on its own
@@ -279,11 +309,13 @@ class Engine:
             drafts.append(draft)
         return torch.stack(drafts, 1)
 
-    def _device_step(self, nb: int, context: int, sort: bool = True) -> torch.Tensor:
+    def _device_step(self, nb: int, context: int, sort: bool = True, logprobs: bool = False) -> torch.Tensor:
         """The fused step on the device for slots [0, nb): verify the drafts, commit, draft again.
         Reads and writes only preallocated tensors, so it can be captured as a graph. `sort`: some
-        row filters by top-k / top-p / min-p and needs the vocabulary sorted.
-        Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts."""
+        row filters by top-k / top-p / min-p and needs the vocabulary sorted. `logprobs`: some row
+        asked for logprobs.
+        Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts; with `logprobs`
+        float64 [nb, K+2 + (K+1)(1+2W)]: those, then per candidate row what token_logprobs gives."""
         b = slice(0, nb)
         k = self.k
         view = self.state.slot(b)
@@ -296,7 +328,8 @@ class Engine:
         if k:
             onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
             counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
-        probs = target_probs(logits, self.params, b, counts, sort)
+        processed = processed_logits(logits, self.params, b, counts)
+        probs = target_probs(processed, self.params, b, sort)
         tokens, n_acc = verify(probs, drafts, self.params.seed[b], pos)
         if k:
             # MTP over every verified row: row p takes t_{p+1}, the committed token where there is one
@@ -310,22 +343,34 @@ class Engine:
         self.pos[b] = pos + n_acc + 1
         self.params.output_counts[b].scatter_add_(
             1, tokens, (torch.arange(k + 1, device=self.device) <= n_acc[:, None]).float())
-        return torch.cat([tokens, n_acc[:, None]], 1)
+        packed = torch.cat([tokens, n_acc[:, None]], 1)
+        if not logprobs:
+            return packed
+        # each candidate scored by its own row's processed distribution: a correction token reports
+        # its probability under the model, not under the residual it was drawn from
+        return torch.cat([packed.double(), token_logprobs(processed, tokens).flatten(1)], 1)
 
     @torch.no_grad()
     def _decode(self) -> list[Event]:
         nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
-        key = (nb, self._context_bound(nb), needs_sort([s.params for s in self.slots[:nb] if s is not None]))
+        running = [s.params for s in self.slots[:nb] if s is not None]
+        logprobs = any(p.logprobs is not None for p in running)
+        key = (nb, self._context_bound(nb), needs_sort(running), logprobs)
         step = lambda: self._device_step(*key)  # noqa: E731
         packed = (step() if self.graphs is None else self.graphs.run(key, step)).tolist()   # the one host sync
         k = self.k
+        width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on
         now = time.perf_counter()
         events = []
         for i, row in enumerate(packed):
             seq = self.slots[i]
             if seq is None:
                 continue
-            n = row[-1]
+            tokens, n = [int(t) for t in row[: k + 1]], int(row[k + 1])
+            scored = None
+            if seq.params.logprobs is not None:
+                scored = [self._logprob(tokens[j], row[k + 2 + j * width: k + 2 + (j + 1) * width], seq.params.logprobs)
+                          for j in range(n + 1)]
             m = seq.metrics
             if k:
                 m.drafts += 1
@@ -336,9 +381,16 @@ class Engine:
                 for j in range(n):
                     m.accepted_per_position[j] += 1
             m.t_last = now
-            self._record(i, row[: n + 1])
-            events.append(self._emit(seq, row[: n + 1]))
+            self._record(i, tokens[: n + 1])
+            events.append(self._emit(seq, tokens[: n + 1], scored))
         return events
+
+    @staticmethod
+    def _logprob(token: int, scored: list[float], n_top: int) -> TokenLogprob:
+        """One candidate row of token_logprobs, read back on the host, with the request's n_top alternatives."""
+        w = (len(scored) - 1) // 2
+        top = [(int(t), v) for v, t in zip(scored[1: 1 + n_top], scored[1 + w: 1 + w + n_top])]
+        return TokenLogprob(token, scored[0], top)
 
     def _context_bound(self, nb: int) -> int:
         """A bound on every position this step touches, from host-side lengths, rounded up to a
@@ -346,7 +398,8 @@ class Engine:
         longest = max(len(s.prompt_ids) + len(s.output_ids) for s in self.slots[:nb] if s is not None)
         return -(-(longest + self.k + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
 
-    def _emit(self, seq: Sequence, tokens: list[int], first_token: bool = False) -> Event:
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None,
+              first_token: bool = False) -> Event:
         """Append committed tokens to a sequence, applying stop rules; free its slot when done.
 
         Text that could still turn into a stop string is held back until it can't."""
@@ -356,12 +409,14 @@ class Engine:
         p = seq.params
         stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {self.tok.eos_id})
         new_ids, text = [], ""
-        for t in tokens:
+        for j, t in enumerate(tokens):
             if t in stops:
                 seq.finish_reason = "stop"
                 break
             new_ids.append(t)
             seq.output_ids.append(t)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[j])
             text += seq.decoder.push(t)
             if len(seq.output_ids) >= p.max_tokens or len(seq.prompt_ids) + len(seq.output_ids) >= self.max_seq_len:
                 seq.finish_reason = "length"

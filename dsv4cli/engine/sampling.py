@@ -5,6 +5,10 @@ accept draft d with probability p(d); on rejection draw from p with d removed; w
 accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
 exactly as the target model's (and for greedy it is exact-match acceptance).
 
+Logprobs are those of the processed distribution: the logits after logit_bias, penalties and temperature
+(temperature 0 counts as 1, so greedy rows report the model's own distribution, not the one-hot they
+select with), before top-k / top-p / min-p truncation; vLLM calls these processed logprobs.
+
 Randomness is counter-based: a request's uniforms are a hash of (seed, position, purpose), so a seeded
 request gives the same tokens whatever else is in the batch, with no generator state to carry.
 """
@@ -27,6 +31,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
+    logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
+
+
+# alternatives the device returns whenever logprobs are on: a fixed width keeps the step capturable
+TOP_LOGPROBS = 20
 
 
 class SlotParams:
@@ -41,6 +51,7 @@ class SlotParams:
         self.seed = t(0, torch.long)
         self.output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
         self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(n, vocab, dtype=torch.float32, device=device)
 
     def set(self, slot: int, p: SamplingParams, seed: int, prompt_ids: torch.Tensor):
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
@@ -50,6 +61,10 @@ class SlotParams:
         self.output_counts[slot].zero_()
         self.prompt_mask[slot].zero_()
         self.prompt_mask[slot, prompt_ids] = True
+        self.bias[slot].zero_()
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.bias.device)
+            self.bias[slot, ids] = torch.tensor(list(p.logit_bias.values()), device=self.bias.device)
 
 
 def uniform(seed: torch.Tensor, pos: torch.Tensor, purpose: int) -> torch.Tensor:
@@ -67,17 +82,23 @@ def needs_sort(params: list[SamplingParams]) -> bool:
     return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
 
-def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor, sort: bool = True):
-    """The distribution each row samples from: penalties, then greedy one-hot or temperature,
-    top-k, top-p and min-p filtering. logits [B,R,V] fp32; counts [B,R,V] output-token counts.
-    With `sort` False (no row filters) greedy rows take the argmax and the rest a plain softmax."""
+def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:
+    """logits [B,R,V] fp32 with logit_bias, penalties and temperature applied (temperature 0 as 1);
+    counts [B,R,V] output-token counts."""
+    logits = logits + sp.bias[b, None]
     rep, pres, freq = sp.rep[b, None, None], sp.presence[b, None, None], sp.frequency[b, None, None]
     seen = sp.prompt_mask[b, None] | (counts > 0)
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - pres * (counts > 0) - freq * counts
     temp = sp.temperature[b, None, None]
-    greedy = temp == 0
-    logits = logits / torch.where(greedy, 1.0, temp)
+    return logits / torch.where(temp == 0, 1.0, temp)
+
+
+def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool = True):
+    """The distribution each row samples from, from processed logits [B,R,V]: greedy one-hot, or the
+    softmax with top-k, top-p and min-p filtering. With `sort` False (no row filters) greedy rows take
+    the argmax and the rest a plain softmax."""
+    greedy = sp.temperature[b, None, None] == 0
     if not sort:
         top = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return torch.where(greedy, top, logits.softmax(-1))
@@ -91,6 +112,15 @@ def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.T
     probs = probs.masked_fill(drop, 0.0)
     probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W] float64: the token's
+    logprob, then the W = TOP_LOGPROBS highest logprobs and their ids (exact in float64), so they travel in
+    the step's one packed tensor."""
+    lp = logits.log_softmax(-1)
+    top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), -1)
+    return torch.cat([lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)], -1).double()
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
