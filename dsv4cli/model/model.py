@@ -352,7 +352,10 @@ class Attention(nn.Module):
         kv = kernels.rope(self.kv_norm(self.wkv(x)), cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
         # KV read in place: the window ring, this chunk's rows, and the compressed blocks (CSA: the
         # indexer's top-k, gathered by index; HCA: every closed block)
-        sources = [(cache.win[:B], step.ring_mask, None), (kv, step.chunk_mask, None)]
+        ring = cache.win[:B]
+        if torch.is_grad_enabled():      # training: autograd keeps what attention read, and the ring is
+            ring = ring.clone()          # overwritten below; inference reads it in place
+        sources = [(ring, step.ring_mask, None), (kv, step.chunk_mask, None)]
         if self.ratio:
             self.compressor(x, step, cache.cmp_kv, cache.cmp_gate, cache.cmp)
             plan = step.plans[self.ratio]
