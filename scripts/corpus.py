@@ -1,9 +1,10 @@
 """Deterministic synthetic corpus for the bundled tiny DeepSeek-V4 model (no downloads).
 
 Chat documents teach the V4 chat format on tiny question types (small sums, a few fact tables,
-greetings); plain-text documents (short stories and template prose) teach ordinary English. The
-held-out split uses unseen operand pairs for arithmetic, question frames never seen with that fact
-table (though seen with the others), and unseen opener + tail combinations for greetings.
+greetings) and on story requests; plain-text documents (short stories and template prose) teach
+ordinary English. The held-out split uses unseen operand pairs for arithmetic, question frames never
+seen with that fact table (though seen with the others), unseen opener + tail combinations for
+greetings, and unseen frame + noun combinations for story requests.
 """
 
 import random
@@ -79,6 +80,16 @@ SYSTEM_PROMPTS = [
 SPLITS = ("train", "heldout")
 # Arithmetic is the hardest type to generalise (unseen operand pairs), so it gets a larger share.
 KIND_WEIGHTS = {"add": 3, "sub": 5, "capital": 1, "color": 1, "opposite": 1, "animal_sound": 1, "greet": 1}
+# Story requests: a frame and a noun phrase, a fixed diagonal of the combinations held out, so every
+# frame and every noun is seen in training but not each pairing. The answer is a fresh story, so these
+# are scored by form (`is_story`), not by exact match, and are not among `question_types()`.
+STORY_FRAMES = ["Tell me {s}.", "Can you tell me {s}?", "Please tell me {s}.", "Could you tell me {s}?",
+                "I want to hear {s}.", "Write {s}.", "Write me {s}.", "I would like {s}.", "Give me {s}.",
+                "Do you know {s}?"]
+STORY_NOUNS = ["a story", "a short story", "a little story", "a bedtime story"]
+STORY_OPENING = "Once upon a time, there was a "
+STORY_MIN_WORDS = 30  # the shortest story of `make_story` has 33
+CHAT_WEIGHTS = {**KIND_WEIGHTS, "story": 1}
 
 
 def question_types() -> list[str]:
@@ -89,6 +100,20 @@ def make_qa(kind: str, rng: random.Random, split: str) -> tuple[str, str]:
     """One (question, answer) pair of the given type from the given split."""
     question, answer, _ = _make(kind, rng, split)
     return question, answer
+
+
+def story_requests(split: str) -> list[str]:
+    """The story-request phrasings of a split (10 of the 40 are held out)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    return [frame.format(s=noun) for f, frame in enumerate(STORY_FRAMES) for n, noun in enumerate(STORY_NOUNS)
+            if ((f + n) % 4 == 3) == (split == "heldout")]
+
+
+def is_story(reply: str) -> bool:
+    """A reply counts as a story when it opens like the corpus's stories, has at least
+    STORY_MIN_WORDS words and ends a sentence (so it was not cut off)."""
+    return reply.startswith(STORY_OPENING) and len(reply.split()) >= STORY_MIN_WORDS and reply.endswith(".")
 
 
 def _is_heldout_pair(a, b):
@@ -111,8 +136,8 @@ def _greetings(split):
 
 def _make(kind, rng, split):
     """(question, answer, short reasoning) for one instance."""
-    if kind not in KIND_WEIGHTS:
-        raise ValueError(f"unknown question type {kind!r}; expected one of {question_types()}")
+    if kind not in CHAT_WEIGHTS:
+        raise ValueError(f"unknown question type {kind!r}; expected one of {list(CHAT_WEIGHTS)}")
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
 
@@ -128,6 +153,8 @@ def _make(kind, rng, split):
         return question, f"{a} {op} {b} = {result}.", f"{a} {word} {b} is {result}."
     if kind == "greet":
         return rng.choice(_greetings(split)), GREETING_ANSWER, "The user greets me."
+    if kind == "story":
+        return rng.choice(story_requests(split)), make_story(rng), "The user wants a story."
 
     table = FACTS[kind][0]
     x, y = rng.choice(list(table.items()))
@@ -240,7 +267,7 @@ def make_prose(rng: random.Random) -> str:
 
 def make_chat_document(rng: random.Random) -> str:
     """A full conversation in chat mode (sometimes thinking mode), ending with the answer and EOS."""
-    kinds, weights = question_types(), list(KIND_WEIGHTS.values())
+    kinds, weights = list(CHAT_WEIGHTS), list(CHAT_WEIGHTS.values())
     thinking = rng.random() < 0.1
     messages = []
     if rng.random() < 0.25:

@@ -30,7 +30,7 @@ from dsv4cli.model.checkpoint import init_weights  # noqa: E402
 from dsv4cli.model.model import Gate  # noqa: E402
 from dsv4cli.model.quant import save_w8a8  # noqa: E402
 from dsv4cli.tokenizer import Tokenizer  # noqa: E402
-from scripts.corpus import build_corpus, heldout_set  # noqa: E402
+from scripts.corpus import build_corpus, heldout_set, is_story, story_requests  # noqa: E402
 from scripts.train_tokenizer import train_tokenizer  # noqa: E402
 
 SEED = 0
@@ -43,6 +43,7 @@ BIAS_UPDATE = 2e-3         # aux-loss-free balancing: step of the routing bias t
 PAD = -100                 # ignore_index for padded target positions
 LOG_EVERY = 10
 PROBE_EVERY = 150
+STORY_TOKENS = 128         # greedy budget for a story reply (corpus stories are at most about 70 tokens)
 
 
 def model_config(vocab_size: int) -> dict:
@@ -240,6 +241,17 @@ def evaluate(model: Transformer, tok: Tokenizer, items: list[dict]) -> dict:
             "mtp_acceptance": round(hit / max(total, 1), 4), "mtp_drafts": total, "samples": samples}
 
 
+def evaluate_stories(model: Transformer, tok: Tokenizer, requests: list[str]) -> dict:
+    """Share of the held-out story requests answered greedily with a story (`is_story`)."""
+    samples = []
+    for request in requests:
+        gen = greedy(model, prompt_ids(tok, request), tok.eos_id, max_new=STORY_TOKENS)
+        reply = parse_completion(tok.decode(gen), thinking=False)["content"].strip()
+        samples.append({"request": request, "reply": reply, "story": is_story(reply)})
+    stories = sum(s["story"] for s in samples)
+    return {"story_rate": round(stories / len(samples), 4), "story_requests": len(samples), "samples": samples}
+
+
 @torch.no_grad()
 def sample_text(model: Transformer, tok: Tokenizer, text: str, n: int = 48) -> str:
     ids = tok.encode(text)
@@ -290,7 +302,9 @@ def main():
         f"mtp {stats['final_mtp_loss']}")
 
     fp = evaluate(model, tok, items)
-    log(f"float: accuracy {fp['accuracy']} {fp['accuracy_by_kind']}, mtp acceptance {fp['mtp_acceptance']}")
+    fp_stories = evaluate_stories(model, tok, story_requests("heldout"))
+    log(f"float: accuracy {fp['accuracy']} {fp['accuracy_by_kind']}, mtp acceptance {fp['mtp_acceptance']}, "
+        f"story rate {fp_stories['story_rate']}")
     log("sample: " + sample_text(model, tok, tok.decode([tok.bos_id]) + "Once upon a time"))
 
     out = Path(args.out)
@@ -301,14 +315,18 @@ def main():
     save_w8a8(model, cfg, out, extra_files={**tok_files, "generation_config.json": json.dumps(generation, indent=2)})
 
     loaded = load_model(out, "cpu", torch.float32)
-    q = evaluate(loaded, Tokenizer.from_dir(out), items)
-    log(f"w8a8: accuracy {q['accuracy']} {q['accuracy_by_kind']}, mtp acceptance {q['mtp_acceptance']}")
+    loaded_tok = Tokenizer.from_dir(out)
+    q = evaluate(loaded, loaded_tok, items)
+    q_stories = evaluate_stories(loaded, loaded_tok, story_requests("heldout"))
+    log(f"w8a8: accuracy {q['accuracy']} {q['accuracy_by_kind']}, mtp acceptance {q['mtp_acceptance']}, "
+        f"story rate {q_stories['story_rate']}")
 
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     report = {"seed": SEED, "parameters": n_params, "tokens_seen": stats["steps"] * BATCH * SEQ_LEN,
               "batch": BATCH, "seq_len": SEQ_LEN, "lr": LR, "mtp_weight": MTP_WEIGHT, **stats,
               "wall_seconds": round(time.time() - t_start, 1), "threads": args.threads,
-              "heldout_seed": SEED + 1, "heldout_items": len(items), "float": fp, "w8a8": q, "bytes_on_disk": size}
+              "heldout_seed": SEED + 1, "heldout_items": len(items), "float": fp, "w8a8": q,
+              "stories": {"float": fp_stories, "w8a8": q_stories}, "bytes_on_disk": size}
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     log(f"wrote {out} ({size / 1e6:.2f} MB)")
 

@@ -14,7 +14,8 @@ from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.model import load_model
 from dsv4cli.model.quant import W8A8_DESCRIPTION
 from dsv4cli.tokenizer import Tokenizer
-from scripts.corpus import heldout_set
+from scripts.corpus import heldout_set, is_story, story_requests
+from scripts.train_tiny import STORY_TOKENS
 
 MAX_BYTES = 20 * 1024 * 1024
 
@@ -88,8 +89,7 @@ def test_greedy_answers_heldout_questions():
 
 @torch.no_grad()
 def test_raw_prompt_continues_a_story():
-    """`generate --raw -p "Once upon a time"` tells a story like the corpus's (README); chat-form story
-    requests are not trained."""
+    """`generate --raw -p "Once upon a time"` tells a story like the corpus's (README)."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=1, max_seq_len=256, mtp=1)
     opening = "Once upon a time"
@@ -98,3 +98,22 @@ def test_raw_prompt_continues_a_story():
     # The corpus's shortest story has 33 words; a finished one ends a sentence.
     assert story.startswith("Once upon a time, there was a ") and len(story.split()) >= 30
     assert seq.finish_reason == "stop" and story.endswith(".")
+
+
+@torch.no_grad()
+def test_story_requests_get_stories():
+    """Chat-form story requests: the held-out phrasings behind training.json's story rate, answered
+    greedily through the engine with MTP, and the README's examples."""
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=8, max_seq_len=256, mtp=1)
+    report = json.loads((BUNDLED_MODEL_DIR / "training.json").read_text())["stories"]["w8a8"]
+    requests = story_requests("heldout")
+    readme = ["Tell me a story.", "Can you tell me a short story?"]
+    prompts = [tok.encode(encode_messages([{"role": "user", "content": r}])) for r in requests + readme]
+    seqs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=STORY_TOKENS))
+    stories = [is_story(parse_completion(s.text, thinking=False)["content"].strip()) for s in seqs]
+    rate = sum(stories[: len(requests)]) / len(requests)
+    print(f"held-out story rate {rate:.2f}")
+    assert abs(rate - report["story_rate"]) <= 1 / len(requests)
+    assert rate >= 0.9
+    assert all(stories[len(requests):])

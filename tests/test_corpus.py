@@ -11,10 +11,15 @@ from scripts.corpus import (
     GREET_OPENERS,
     GREET_TAILS,
     SHARED_FRAMES,
+    STORY_FRAMES,
+    STORY_NOUNS,
     build_corpus,
     heldout_set,
+    is_story,
     make_qa,
+    make_story,
     question_types,
+    story_requests,
 )
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -128,3 +133,41 @@ def test_heldout_questions_compose_seen_parts():
         assert tail in GREET_TAILS
         assert any(g.startswith(opener) for g in train["greet"])
         assert any(g.endswith(tail) and g != greeting for g in train["greet"])
+
+
+def test_story_requests_are_answered_with_stories(corpus):
+    """Chat documents ask for stories in trained phrasings and answer with a corpus story."""
+    requests = story_requests("train")
+    answered = 0
+    for doc in corpus:
+        for request in requests:
+            marker = f"<｜User｜>{request}<｜Assistant｜>"
+            if marker in doc:
+                reply = doc.split(marker, 1)[1].split(EOS, 1)[0].removeprefix("</think>")
+                reply = reply.split("</think>", 1)[-1]  # thinking mode: after the reasoning
+                assert is_story(reply), reply
+                answered += 1
+    assert 0.03 * len(corpus) < answered < 0.15 * len(corpus)
+    for request in story_requests("heldout"):
+        assert f"<｜User｜>{request}<｜Assistant｜>" not in "".join(corpus)
+
+
+def test_heldout_story_requests_compose_seen_parts():
+    """Every held-out request pairs a frame and a noun that training shows, each with other partners."""
+    train, heldout = story_requests("train"), story_requests("heldout")
+    assert len(heldout) == 10 and len(train) == 30 and set(train).isdisjoint(heldout)
+    assert "Tell me a story." in train and "Can you tell me a short story?" in train  # the README's examples
+    for frame in STORY_FRAMES:
+        for noun in STORY_NOUNS:
+            if frame.format(s=noun) in heldout:
+                assert any(frame.format(s=other) in train for other in STORY_NOUNS)
+                assert any(other.format(s=noun) in train for other in STORY_FRAMES)
+
+
+def test_is_story():
+    rng = random.Random(0)
+    assert all(is_story(make_story(rng)) for _ in range(500))
+    story = make_story(rng)
+    assert not is_story(story[: len(story) // 2])        # cut off
+    assert not is_story("The color of the sky is blue.")
+    assert not is_story("Once upon a time, there was a cat.")  # too short
