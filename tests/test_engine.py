@@ -8,7 +8,7 @@ from tiny import tiny_config, write_checkpoint
 
 from dsv4cli.engine.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs, verify
-from dsv4cli.kernels import reference
+from dsv4cli import kernels
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
 
@@ -162,7 +162,7 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
     CPU the routed experts also read their routing on the host, once per MoE call: tensors live
     there, so those reads cost no device sync."""
     moe_calls = []
-    monkeypatch.setattr(reference, "experts_on_host", spy(reference.experts_on_host, moe_calls))
+    monkeypatch.setattr(kernels, "experts_on_host", spy(kernels.experts_on_host, moe_calls))
     # the second case asks for logprobs: they travel in the same packed tensor
     for run, extra, logprobs in ((stacked_copy(model), 0, None), (model, 1, None), (stacked_copy(model), 0, 5)):
         eng = Engine(run, tok, max_batch=2, max_seq_len=256, mtp=2)

@@ -318,7 +318,7 @@ class Engine:
         float64 [nb, K+2 + (K+1)(1+2W)]: those, then per candidate row what token_logprobs gives."""
         b = slice(0, nb)
         k = self.k
-        view = self.state.slot(b)
+        view = self.state      # the layers read and write rows [0, nb) of every cache
         pos, last = self.pos[b], self.last[b]
         drafts = self.drafts[b, :k]
         rows = torch.cat([last[:, None], drafts], 1)                          # [nb, K+1]

@@ -85,10 +85,6 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None):
     return backend(x.device.type).grouped_experts(x, weights, local, experts, xq)
 
 
-def experts_on_host(x, weights, local, experts, xq=None):
-    return backend(x.device.type).experts_on_host(x, weights, local, experts, xq)
-
-
 def sparse_attention(q, sources, sink, scale):
     return backend(q.device.type).sparse_attention(q, sources, sink, scale)
 
@@ -115,3 +111,64 @@ def mhc_post(x, res, post, comb):
 
 def mhc_head(h, fn, scale, base, norm_eps, hc_eps):
     return backend(h.device.type).mhc_head(h, fn, scale, base, norm_eps, hc_eps)
+
+
+# ---- composites: seam ops put together, the same on every platform ---------------------------
+
+def projection(x, weight, scale, xq=None):
+    """A float linear (scale None), or W8A8 with the int8 weight plain or packed (`pack_w8a8`)."""
+    if scale is None:
+        return linear(x, weight)
+    return w8a8_linear(x, weight, scale, xq, weight if weight.is_mkldnn else None)
+
+
+def expert_ffn(x, weights, scales, limit, routing_weight=None, xq=None):
+    """One expert: w2(swiglu(w1 x, w3 x) * routing_weight). weights = [w1, w3, w2] (float, int8 or
+    packed), scales = their per-channel scales (None for float); xq = x quantised per token."""
+    w1, w3, w2 = weights
+    s1, s3, s2 = scales
+    h = swiglu(projection(x, w1, s1, xq), projection(x, w3, s3, xq), limit)
+    if routing_weight is not None:       # the routing weight scales the intermediate, before w2
+        h = h * routing_weight
+    return projection(h.to(x.dtype), w2, s2)
+
+
+def experts_on_host(x, weights, local, experts, limit, xq=None):
+    """Routed experts one at a time, each on its own tokens, for tensors in host memory (reading the
+    routing there costs no device sync), each expert's weights read in place (packed or not).
+
+    x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
+    first expert; experts: this rank's experts as (weights, scales) pairs of `expert_ffn`.
+    Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
+    if torch.compiler.is_compiling():    # a graph can't read the routing: one opaque op in it
+        flat = [(w, s) for ws, ss in experts for w, s in zip(ws, ss)]
+        q, sx = xq if xq is not None else (None, None)
+        return experts_on_host_op(x, weights, local, q, sx, [w for w, _ in flat], [s for _, s in flat], limit)
+    n_local, k = len(experts), local.shape[1]
+    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
+    order = key.argsort(stable=True)
+    counts = torch.bincount(key, minlength=n_local + 1).tolist()
+    y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    start = 0
+    for (w, s), n in zip(experts, counts[:-1]):
+        if n:
+            sel = order[start: start + n]
+            rows = sel // k
+            rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
+            y.index_add_(0, rows, expert_ffn(x[rows], w, s, limit, weights.flatten()[sel, None], rows_q).float())
+        start += n
+    return y
+
+
+@torch.library.custom_op("dsv4::experts_on_host", mutates_args=())
+def experts_on_host_op(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, xq: torch.Tensor | None,
+                       xs: torch.Tensor | None, expert_weights: list[torch.Tensor],
+                       expert_scales: list[torch.Tensor | None], limit: float) -> torch.Tensor:
+    """`experts_on_host` as one op of a compiled graph; the experts' tensors come flat, three each."""
+    experts = [(expert_weights[i: i + 3], expert_scales[i: i + 3]) for i in range(0, len(expert_weights), 3)]
+    return experts_on_host(x, weights, local, experts, limit, None if xq is None else (xq, xs))
+
+
+@experts_on_host_op.register_fake
+def _(x, weights, local, xq, xs, expert_weights, expert_scales, limit):
+    return x.new_empty(x.shape, dtype=torch.float32)

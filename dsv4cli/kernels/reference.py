@@ -87,17 +87,24 @@ def pack_w8a8(weight: torch.Tensor):
 def _onednn_int8() -> bool:
     try:
         w = torch.ones(2, 4, dtype=torch.int8)
-        y = _packed_int_mm(torch.ones(1, 4, dtype=torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, 4]))
+        y = packed_int_mm(torch.ones(1, 4, dtype=torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, 4]))
         return torch.equal(y, torch.full((1, 2), 4.0))
     except (AttributeError, RuntimeError):
         return False
 
 
-def _packed_int_mm(q: torch.Tensor, packed) -> torch.Tensor:
-    """Exact int32 sums of q [m, in] int8 times a packed weight, as fp32 (unit scales, no zero points)."""
+@torch.library.custom_op("dsv4::packed_int_mm", mutates_args=())
+def packed_int_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Exact int32 sums of q [m, in] int8 times a packed weight, as fp32 (unit scales, no zero points).
+    A custom op: the compiler keeps oneDNN's call as it is (inductor can't lower it with a prepacked weight)."""
     n = packed.shape[1]
     return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, _ones(n), _zeros(n), None, 1.0, 0,
                                               torch.float32, "none", [None], "")
+
+
+@packed_int_mm.register_fake
+def _(q, packed):
+    return q.new_empty(q.shape[0], packed.shape[1], dtype=torch.float32)
 
 
 @functools.cache
@@ -124,7 +131,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     shape = x.shape
     q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
     if packed is not None:
-        acc = _packed_int_mm(q, packed)
+        acc = packed_int_mm(q, packed)
     else:
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:   # the cuBLAS int8 GEMM behind torch._int_mm needs more than 16 rows
@@ -227,29 +234,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     if limit > 0:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return F.silu(gate) * up
-
-
-def experts_on_host(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, experts, xq=None) -> torch.Tensor:
-    """Routed experts one at a time, each on its own tokens, for tensors in host memory (reading the
-    routing there costs no device sync), each expert's weights read in place (packed or not).
-
-    x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
-    first expert; experts: this rank's experts, callables expert(rows, routing_weight [n,1], rows_q).
-    Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
-    n_local, k = len(experts), local.shape[1]
-    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
-    order = key.argsort(stable=True)
-    counts = torch.bincount(key, minlength=n_local + 1).tolist()
-    y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
-    start = 0
-    for expert, n in zip(experts, counts[:-1]):
-        if n:
-            sel = order[start: start + n]
-            rows = sel // k
-            rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
-            y.index_add_(0, rows, expert(x[rows], weights.flatten()[sel, None], rows_q).float())
-        start += n
-    return y
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,

@@ -60,6 +60,11 @@ class Linear(nn.Module):
             if self.packed is not None:     # keep shape and dtype, free the plain copy
                 self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
+    @property
+    def kernel_weight(self) -> torch.Tensor:
+        """The weight as the kernels read it: the packed copy where there is one."""
+        return self.packed if self.packed is not None else self.weight
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed is not None:
@@ -386,11 +391,13 @@ class Expert(nn.Module):
         self.w2 = Linear(inter_dim, dim)
         self.w3 = Linear(dim, inter_dim)
 
+    def kernel_tensors(self) -> tuple[list, list]:
+        """(weights, scales) of w1, w3, w2 as `kernels.expert_ffn` takes them."""
+        linears = (self.w1, self.w3, self.w2)
+        return [lin.kernel_weight for lin in linears], [lin.weight_scale for lin in linears]
+
     def forward(self, x, weight=None, xq=None):
-        h = kernels.swiglu(self.w1(x, xq), self.w3(x, xq), self.limit)
-        if weight is not None:       # the routing weight scales the intermediate, before w2
-            h = h * weight
-        return self.w2(h.to(x.dtype))
+        return kernels.expert_ffn(x, *self.kernel_tensors(), self.limit, weight, xq)
 
 
 class Gate(nn.Module):
@@ -476,7 +483,8 @@ class MoE(nn.Module):
         if self.stack is not None:
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         else:
-            y = kernels.experts_on_host(x, weights, local, self.local_experts(), xq)
+            y = kernels.experts_on_host(x, weights, local, [e.kernel_tensors() for e in self.local_experts()],
+                                        self.limit, xq)
         y = all_reduce(y)
         if self.shared_experts is not None:
             y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
