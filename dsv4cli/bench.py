@@ -14,12 +14,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dsv4cli.cli import CliOptions, app, model_options
 from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.model.checkpoint import save_checkpoint
+from dsv4cli.options import CliOptions, model_options
 from dsv4cli.session import load_engine
 
 QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
@@ -146,7 +146,6 @@ def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int
     return values
 
 
-@app.command("bench")
 @model_options()
 def bench_command(
     opts: CliOptions,

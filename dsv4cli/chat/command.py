@@ -15,9 +15,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.config import Settings
 from dsv4cli.engine import Engine
+from dsv4cli.options import CliOptions, model_options
 from dsv4cli.session import load_engine, sampling_params
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
@@ -219,13 +219,9 @@ def run_chat(s: Settings) -> int:
     return Chat(engine, ChatSession(s), tty).run()
 
 
-@app.command()
 @model_options("system", "thinking", "reasoning_effort")
 def chat(opts: CliOptions) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""
     settings, _ = opts.resolve()
     return run_chat(settings)
-
-
-register_mode("chat", run_chat)
