@@ -18,9 +18,9 @@ from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.errors import UsageError
+from dsv4cli.loading import load_engine
 from dsv4cli.model.checkpoint import save_checkpoint
 from dsv4cli.options import CliOptions, model_options
-from dsv4cli.session import load_engine
 
 QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
              "What color is the sky?", "Tell me a short story.", "What is the opposite of hot?",

@@ -7,8 +7,8 @@ from dsv4cli.batch.output import chat_logprobs, tool_calls
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
 from dsv4cli.errors import UsageError
+from dsv4cli.loading import load_engine, load_tools, sampling_params
 from dsv4cli.options import CliOptions, model_options
-from dsv4cli.session import load_engine, load_tools, sampling_params
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 

@@ -137,7 +137,7 @@ def follow(engine, control) -> None:
 
 def follower_main(rank: int, world: int, port: int, settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # rank 0 decides when to stop
-    from dsv4cli.session import build_engine, pick_device
+    from dsv4cli.loading import build_engine, pick_device
     device, control = init_rank(rank, world, port, pick_device(settings.device))
     engine = build_engine(settings, device)
     with torch.no_grad():

@@ -17,7 +17,7 @@ from dsv4cli.config import Settings
 from dsv4cli.engine import Engine
 from dsv4cli.engine.engine import Sequence
 from dsv4cli.errors import UsageError
-from dsv4cli.session import load_engine, sampling_params
+from dsv4cli.loading import load_engine, sampling_params
 
 from .output import ResultFile, error_record, repair, result_record, run_seed, scan
 from .requests import BadLine, Request, RequestParser

@@ -17,8 +17,8 @@ from rich.text import Text
 
 from dsv4cli.config import Settings
 from dsv4cli.engine import Engine
+from dsv4cli.loading import load_engine, sampling_params
 from dsv4cli.options import CliOptions, model_options
-from dsv4cli.session import load_engine, sampling_params
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
 from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
