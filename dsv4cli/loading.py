@@ -10,7 +10,7 @@ import torch
 from dsv4cli import platforms
 from dsv4cli.config import Settings
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine, EngineAPI, SamplingParams
 from dsv4cli.engine.engine import SPARE_RING_ROWS
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
@@ -138,7 +138,7 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
                   reuse_prefix=s.mode == "chat")
 
 
-def load_engine(s: Settings):
+def load_engine(s: Settings) -> EngineAPI:
     """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks."""
     device = pick_device(s.device)
     cfg = model_config(s)

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from dsv4cli.config import check
 from dsv4cli.encoding import encode_messages, is_tool
-from dsv4cli.engine import SamplingParams
-from dsv4cli.engine.sampling import TOP_LOGPROBS
+from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.tokenizer import Tokenizer
 

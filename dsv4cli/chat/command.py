@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import Engine
+from dsv4cli.engine import EngineAPI
 from dsv4cli.loading import load_engine, sampling_params
 from dsv4cli.options import CliOptions, model_options
 
@@ -41,7 +41,7 @@ def sigint_flag():
 class Chat:
     """The chat loop on a terminal (tty: readline prompt, live view) or on pipes (plain lines)."""
 
-    def __init__(self, engine: Engine, session: ChatSession, tty: bool):
+    def __init__(self, engine: EngineAPI, session: ChatSession, tty: bool):
         self.engine, self.session, self.tty = engine, session, tty
         # on a pipe stdout carries the replies only; everything else goes to stderr, uncoloured
         self.console = Console(highlight=False) if tty else Console(file=sys.stderr, highlight=False,
