@@ -1,9 +1,9 @@
 """The `dsv4` command: the typer app, the verb table, `config show`, `run`, and main().
 
-The verbs that load a model live in their own modules, declared with `dsv4cli.options`; this module
-knows them by name (VERBS) and imports a verb's module only when that verb runs or shows its help, so
-`dsv4 --help` and `dsv4 config show` start without torch. `dsv4 run FILE.toml` finds the function for
-the file's mode in MODES the same way.
+Every verb but `config` and `run` lives in its own module (the model verbs take their flags from
+`dsv4cli.options`); this module knows them by name (VERBS) and imports a verb's module only when that verb
+runs or shows its help, so `dsv4 --help` and `dsv4 config show` start without torch. `dsv4 run FILE.toml`
+finds the function for the file's mode in MODES the same way.
 """
 
 import importlib
