@@ -14,13 +14,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from dsv4cli.cli import CliOptions, app, model_options
 from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import EngineAPI, SamplingParams
 from dsv4cli.errors import UsageError
+from dsv4cli.loading import load_engine
 from dsv4cli.model.checkpoint import save_checkpoint
-from dsv4cli.session import load_engine
+from dsv4cli.model.quant import dequantized
+from dsv4cli.options import CliOptions, model_options
 
 QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
              "What color is the sky?", "Tell me a short story.", "What is the opposite of hot?",
@@ -43,7 +44,7 @@ def bench_prompts(tok, kind: str, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_config(engine: Engine, prompts, max_tokens: int) -> dict:
+def run_config(engine: EngineAPI, prompts, max_tokens: int) -> dict:
     """Decode-phase speed: tokens after each request's first over the wall time after admission."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.submit(p, params) for p in prompts]
@@ -64,19 +65,14 @@ def run_config(engine: Engine, prompts, max_tokens: int) -> dict:
             "ttft_ms": 1000 * sum(s.metrics.ttft for s in seqs) / len(seqs), "decode_tokens": tokens}
 
 
-def float_copy(engine: Engine, out_dir) -> None:
+def float_copy(engine: EngineAPI, out_dir) -> None:
     """The engine's weights in the official float layout (W8A8 linears dequantised), for transformers."""
-    tensors, state = {}, engine.model.state_dict()      # one state_dict: packed int8 weights unpack on the way
-    for name, t in state.items():
-        if name.endswith("weight_scale"):
-            continue
-        scale = state.get(name[: -len("weight")] + "weight_scale")
-        tensors[name] = t.float() * scale.float() if t.dtype == torch.int8 else t.float()
+    tensors = {name: t.float() for name, t in dequantized(engine.model.state_dict()).items()}
     config = {k: v for k, v in engine.model.cfg.raw.items() if k != "quantization_config"}
     save_checkpoint(tensors, config, out_dir)
 
 
-def run_transformers(engine: Engine, prompts, max_tokens: int) -> dict | None:
+def run_transformers(engine: EngineAPI, prompts, max_tokens: int) -> dict | None:
     try:
         import transformers
     except ImportError:
@@ -100,7 +96,7 @@ def run_transformers(engine: Engine, prompts, max_tokens: int) -> dict | None:
     return {"tokens_per_s": total / elapsed}
 
 
-def bench(engine: Engine, depths, batches, kinds, max_tokens: int, with_hf: bool) -> list[dict]:
+def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool) -> list[dict]:
     rows = []
     for kind in kinds:
         for batch in batches:
@@ -146,7 +142,6 @@ def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int
     return values
 
 
-@app.command("bench")
 @model_options()
 def bench_command(
     opts: CliOptions,

@@ -1,43 +1,34 @@
-"""The `dsv4` command: the typer app, the options every model verb shares, `config show`, `run`, and main().
+"""The `dsv4` command: the typer app, the verb table, `config show`, `run`, and main().
 
-A verb in another module adds itself to `app` with the shared options:
-
-    from dsv4cli.cli import CliOptions, app, model_options
-
-    @app.command()
-    @model_options("prompt", "raw", "json")  # plus the options for these keys of the [generate] section
-    def generate(opts: CliOptions) -> int:
-        settings, _ = opts.resolve()
-        ...
-
-and a mode `dsv4 run FILE.toml` can dispatch to registers itself with `register_mode("generate", fn)`.
+Every verb but `config` and `run` lives in its own module (the model verbs take their flags from
+`dsv4cli.options`); this module knows them by name (VERBS) and imports a verb's module only when that verb
+runs or shows its help, so `dsv4 --help` and `dsv4 config show` start without torch. `dsv4 run FILE.toml`
+finds the function for the file's mode in MODES the same way.
 """
 
-import functools
-import inspect
+import importlib
 import json
 import os
 import sys
 import traceback
-import typing
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dsv4cli.config import SPEC, Settings, format_value, resolve
+from dsv4cli.config import SPEC, format_value, resolve
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.tools.commands import register as register_tool_commands
+from dsv4cli.options import CliOptions, model_options, with_options
 
 # Idle OpenMP threads sleep instead of spinning, so a spinning thread never takes the core a sibling (or
-# another process) needs. The OpenMP runtime reads this once, when torch loads it: the verbs imported at
-# the bottom of this module import torch, so it is set here, unless the user chose a policy.
+# another process) needs. The OpenMP runtime reads this once, when torch loads it (a verb imports torch
+# when it runs), so it is set here, unless the user chose a policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # typer's help shows a type for every option, switches too (`--json <bool>`, `--help <bool>`), as if they took
@@ -45,8 +36,62 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _display_type = typer.core.TyperOption.display_type_rich
 typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)
 
+
+class Verb(NamedTuple):
+    command: str    # "module:function", the typer command function
+    help: str       # what `dsv4 --help` lists: the function's docstring
+
+
+VERBS = {
+    "chat": Verb("dsv4cli.chat.command:chat", "Chat with the model: streamed replies with live speed and MTP "
+                 "acceptance, /help for commands. When stdin is not a terminal: one message per line in, one "
+                 "reply per line out."),
+    "generate": Verb("dsv4cli.generate:generate", "Generate a reply to one prompt with the model (the bundled one "
+                     "by default); the prompt can come from -p, --prompt-file or stdin."),
+    "batch": Verb("dsv4cli.batch.command:batch", "Answer every request of a JSONL file (OpenAI batch format) "
+                  "into -o OUT.jsonl; --resume continues a run."),
+    "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs MTP K = 1..4 at several batch sizes and "
+                  "prompt lengths, with a peer."),
+    "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "
+                    "parameters, layers, memory."),
+    "convert": Verb("dsv4cli.tools.commands:convert", "Convert a checkpoint, streaming shard by shard with bounded "
+                    "memory."),
+}
+# `dsv4 run FILE.toml`: mode -> "module:function" taking the resolved Settings and returning an exit code
+MODES = {"chat": "dsv4cli.chat.command:run_chat", "generate": "dsv4cli.generate:run_generate",
+         "batch": "dsv4cli.batch.runner:run_batch"}
+
+
+def load(target: str) -> Callable[..., Any]:
+    """The function a "module:function" names, its module imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def load_verb(name: str) -> typer.core.TyperCommand:
+    """The click command of verb `name`, its module imported now."""
+    single = typer.Typer(add_completion=False)
+    single.command(name)(load(VERBS[name].command))
+    return typer.main.get_command(single)
+
+
+class _Verbs(typer.core.TyperGroup):
+    """The root command: lists every verb from VERBS and imports one only when it is invoked."""
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        # stand-ins that name and describe the verbs for `dsv4 --help` (and "did you mean ...?")
+        verbs = {name: typer.core.TyperCommand(name, help=verb.help) for name, verb in VERBS.items()}
+        self.commands = {**verbs, **self.commands}
+
+    def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        return name, load_verb(name) if name in VERBS else command, rest
+
+
 app = typer.Typer(
     name="dsv4",
+    cls=_Verbs,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,  # main() reports errors
@@ -54,87 +99,6 @@ app = typer.Typer(
 )
 config_app = typer.Typer(help="Show how settings resolve.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
-register_tool_commands(app)  # inspect, convert
-
-# The options of every model verb: model, sampling and speculative keys.
-SHARED_KEYS = tuple(k.name for k in SPEC.values() if k.section in ("model", "sampling", "speculative"))
-
-MODES: dict[str, Callable[[Settings], int]] = {}
-
-
-def register_mode(name: str, run: Callable[[Settings], int]) -> None:
-    """Let `dsv4 run` dispatch config files with `mode = name` to `run`, which returns an exit code."""
-    MODES[name] = run
-
-
-@dataclass
-class CliOptions:
-    """What the shared options of one invocation said; `flags` holds only keys given on the command line."""
-
-    config: Path | None
-    flags: dict[str, Any]
-    debug: bool
-
-    def resolve(self) -> tuple[Settings, dict[str, str]]:
-        return resolve(self.config, self.flags)
-
-
-def _option(name: str) -> inspect.Parameter:
-    """The typer option for a settings key: None by default, so only a flag that is given counts."""
-    key = SPEC[name]
-    notes = [key.rule, f"default {format_value(key.default)}" if key.default not in (None, []) else ""]
-    help = f"{key.help} ({'; '.join(filter(None, notes))})" if any(notes) else key.help
-    item = typing.get_args(key.type)[0] if typing.get_origin(key.type) is list else None
-    option = typer.Option(
-        None,
-        *key.flags,
-        help=help,
-        show_default=False,
-        rich_help_panel=key.section.title(),
-        metavar=f"<{item.__name__}>" if item else None,  # a repeatable option takes one value each time
-    )
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=key.type | None)
-
-
-_CONFIG = inspect.Parameter(
-    "config",
-    inspect.Parameter.KEYWORD_ONLY,
-    default=typer.Option(None, "-c", "--config", help="TOML config file", dir_okay=False),
-    annotation=Path | None,
-)
-_DEBUG = inspect.Parameter(
-    "debug",
-    inspect.Parameter.KEYWORD_ONLY,
-    default=typer.Option(False, "--debug", help="Show tracebacks (or set DSV4_DEBUG=1)"),
-    annotation=bool,
-)
-
-
-def _with_options(keys: tuple[str, ...], config: bool) -> Callable[[Callable], Callable]:
-    """Decorator: give typer fn's own parameters plus the options for `keys` (and -c/--config, --debug),
-    and pass those to fn as one `opts: CliOptions`."""
-
-    def decorate(fn: Callable) -> Callable:
-        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "opts"]
-        params = [*own, *map(_option, keys), *([_CONFIG] if config else []), _DEBUG]
-
-        @functools.wraps(fn)
-        def command(**kwargs: Any) -> Any:
-            flags = {name: kwargs.pop(name) for name in keys}
-            opts = CliOptions(kwargs.pop("config", None), flags, kwargs.pop("debug"))
-            return fn(opts=opts, **kwargs)
-
-        command.__signature__ = inspect.Signature(params)
-        command.__annotations__ = {p.name: p.annotation for p in params}
-        return command
-
-    return decorate
-
-
-def model_options(*keys: str) -> Callable[[Callable], Callable]:
-    """Decorator for a model verb: adds the shared options, the options for the settings `keys` it also
-    takes (e.g. "prompt"), -c/--config and --debug; the verb gets them as its `opts: CliOptions` parameter."""
-    return _with_options(SHARED_KEYS + keys, config=True)
 
 
 def _print_version(value: bool) -> None:
@@ -173,7 +137,7 @@ def config_show(
 
 # run takes every settings key as a flag: the file's mode decides which ones matter.
 @app.command()
-@_with_options(tuple(name for name, key in SPEC.items() if not key.file_only), config=False)
+@with_options(tuple(name for name, key in SPEC.items() if not key.file_only), config=False)
 def run(
     opts: CliOptions, file: Path = typer.Argument(..., help="TOML config file with a mode", dir_okay=False)
 ) -> int:
@@ -181,7 +145,7 @@ def run(
     settings, _ = resolve(file, opts.flags)
     if settings.mode is None:
         raise UsageError(f'{file}: mode: missing; set it to "chat", "generate" or "batch" at the top')
-    return MODES[settings.mode](settings)
+    return load(MODES[settings.mode])(settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -216,13 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-# Verbs in their own modules add themselves to `app` on import.
-from dsv4cli import bench, generate  # noqa: E402, F401
-from dsv4cli.batch import command as batch_command  # noqa: E402, F401
-from dsv4cli.chat import command as chat_command  # noqa: E402, F401
 
 if __name__ == "__main__":
-    # Run the importable dsv4cli.cli, not this __main__ copy: verbs register on dsv4cli.cli.app.
-    from dsv4cli.cli import main as cli_main
-
-    sys.exit(cli_main())
+    sys.exit(main())

@@ -233,6 +233,8 @@ def _spec() -> dict[str, Key]:
 
 SPEC: dict[str, Key] = _spec()
 SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in SPEC.values() if k.section))
+# What a request may set: the engine's SamplingParams has these fields (and the defaults here), plus logit_bias.
+SAMPLING_KEYS: tuple[str, ...] = tuple(name for name, key in SPEC.items() if key.section == "sampling")
 
 
 def format_value(value: Any) -> str:

@@ -4,11 +4,11 @@ import sys
 from pathlib import Path
 
 from dsv4cli.batch.output import chat_logprobs, tool_calls
-from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
 from dsv4cli.errors import UsageError
-from dsv4cli.session import load_engine, load_tools, sampling_params
+from dsv4cli.loading import load_engine, load_tools, sampling_params
+from dsv4cli.options import CliOptions, model_options
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -121,13 +121,9 @@ def run_generate(s: Settings) -> int:
     return 130 if seq.finish_reason == "cancelled" else 0
 
 
-@app.command()
 @model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort", "tools")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""
     settings, _ = opts.resolve()
     return run_generate(settings)
-
-
-register_mode("generate", run_generate)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv4cli import platforms
+from dsv4cli.engine import Engine, Event, ModelInfo, SamplingParams, Sequence
 from dsv4cli.errors import RunError
 
 TIMEOUT = timedelta(minutes=10)   # a generous bound for a collective; rank deaths are caught earlier
@@ -45,17 +46,25 @@ def init_rank(rank: int, world: int, port: int, device: torch.device):
 
 
 class Leader:
-    """Rank 0's engine: the Engine API, with every command mirrored to the other ranks."""
+    """Rank 0's engine: the engine API (`EngineAPI`) of its local Engine, with every command mirrored to
+    the other ranks."""
 
-    def __init__(self, engine, control, procs, watchdog: threading.Event):
+    def __init__(self, engine: Engine, control, procs, watchdog: threading.Event):
         self.engine, self.control, self.procs, self.watchdog = engine, control, procs, watchdog
         self.pending: list[tuple] = []
         self.closed = False
+        # the local engine's (totals is its object, which it updates in place)
+        self.tok, self.device, self.model, self.totals = engine.tok, engine.device, engine.model, engine.totals
+        self.max_batch, self.max_seq_len, self.k = engine.max_batch, engine.max_seq_len, engine.k
 
-    def __getattr__(self, name):          # tok, model, k, totals, max_seq_len, ... of the local engine
-        return getattr(self.engine, name)
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
 
-    def submit(self, prompt_ids, params, request_id=None):
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         if params.seed is None:           # every rank must draw the same numbers
             params = dataclasses.replace(params, seed=random.getrandbits(62))
         seq = self.engine.submit(prompt_ids, params, request_id)
@@ -69,11 +78,11 @@ class Leader:
         self.pending = []
         return leader
 
-    def cancel(self, seq):
+    def cancel(self, seq: Sequence) -> None:
         self.engine.cancel(seq)
         self.pending.append(("cancel", seq.id))
 
-    def step(self):
+    def step(self) -> list[Event]:
         try:
             self._send(self.pending)
             self.pending = []
@@ -92,12 +101,6 @@ class Leader:
                     return f"tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks"
             time.sleep(0.1)
         return None
-
-    def generate(self, prompts, params):
-        seqs = [self.submit(p, params) for p in prompts]
-        while self.has_work():
-            self.step()
-        return seqs
 
     def close(self):
         if self.closed:
@@ -137,7 +140,7 @@ def follow(engine, control) -> None:
 
 def follower_main(rank: int, world: int, port: int, settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # rank 0 decides when to stop
-    from dsv4cli.session import build_engine, pick_device
+    from dsv4cli.loading import build_engine, pick_device
     device, control = init_rank(rank, world, port, pick_device(settings.device))
     engine = build_engine(settings, device)
     with torch.no_grad():

@@ -14,7 +14,7 @@ from dsv4cli.batch.requests import RequestParser
 from dsv4cli.batch.runner import BatchRun
 from dsv4cli.cli import main
 from dsv4cli.config import resolve
-from dsv4cli.session import load_engine, sampling_params
+from dsv4cli.loading import load_engine, sampling_params
 
 # one torch thread: the machine's cores are shared, and two threads fighting another job are slower than one
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

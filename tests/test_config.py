@@ -1,10 +1,14 @@
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from dsv4cli.config import SPEC, load_file, reference_markdown, resolve
+from dsv4cli.batch.requests import SAMPLING_FIELDS
+from dsv4cli.config import SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
+from dsv4cli.engine import SamplingParams
 from dsv4cli.errors import UsageError
+from dsv4cli.loading import sampling_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -183,3 +187,19 @@ def test_npu_config_is_a_real_deployment():
 def test_readme_config_reference_matches_spec():
     readme = (ROOT / "README.md").read_text()
     assert reference_markdown() in readme, "README is stale: run python scripts/gen_config_reference.py"
+
+
+def test_the_sampling_settings_are_the_engines_request_params():
+    """One list: every [sampling] key is a SamplingParams field with the same default (logit_bias is only
+    per request), the CLI's request defaults carry every one, and batch bodies may set them."""
+    assert {f.name for f in dataclasses.fields(SamplingParams)} == {*SAMPLING_KEYS, "logit_bias"}
+    assert all(getattr(SamplingParams(), name) == SPEC[name].default for name in SAMPLING_KEYS)
+    given = {"temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2,
+             "presence_penalty": 0.3, "frequency_penalty": -0.4, "seed": 7, "max_tokens": 9, "stop": ["x"],
+             "stop_token_ids": [5], "ignore_eos": True, "logprobs": 2}
+    assert given.keys() == set(SAMPLING_KEYS)
+    settings = Settings(**given)
+    params = sampling_params(settings)
+    assert dataclasses.asdict(params) == {**given, "logit_bias": {}}
+    assert params.stop is not settings.stop
+    assert set(SAMPLING_FIELDS.values()) == set(SAMPLING_KEYS) - {"logprobs"}

@@ -1,15 +1,19 @@
 """The engine: greedy speculative output equals plain greedy, sampling stays distribution-exact,
 seeds reproduce, cancel and stop rules work, and a decode step syncs with the host once."""
 import copy
+import threading
 
 import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
 
+from dsv4cli import parallel
+from dsv4cli.engine import EngineAPI, ModelInfo
 from dsv4cli.engine.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs, verify
 from dsv4cli import kernels
 from dsv4cli.model import load_model
+from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
 
 
@@ -343,3 +347,19 @@ def test_logit_bias(model, tok):
         assert eng.generate([p], GREEDY)[0].output_ids == free
     with pytest.raises(ValueError, match="logit_bias: token id"):
         Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).submit(p, SamplingParams(logit_bias={10**6: 1.0}))
+
+
+def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
+    """Front ends see one API: the engine's own in one process, rank 0's Leader (which mirrors commands to
+    the other ranks) under --tp; the Leader spells out each member instead of forwarding unknown names."""
+    engine = Engine(model, tok, max_batch=2, max_seq_len=64, mtp=1)
+    leader = parallel.Leader(engine, control=None, procs=[], watchdog=threading.Event())
+    assert isinstance(engine, EngineAPI) and isinstance(leader, EngineAPI)
+    assert not hasattr(parallel.Leader, "__getattr__")
+    assert (leader.tok, leader.k, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
+    cfg = model.cfg
+    info = leader.model_info
+    assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), w8a8=False, dtype="float32",
+                             device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size)
+    int8 = Engine(quantize_model(copy.deepcopy(model)), tok, max_batch=1, max_seq_len=64, mtp=0).model_info
+    assert int8.w8a8 and int8.parameters == info.parameters      # weight scales are not parameters of the model

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny import random_model, tiny_config
 
-from dsv4cli import kernels, platforms, session
+from dsv4cli import kernels, loading, platforms
 from dsv4cli.kernels import ExpertStack, reference
 from dsv4cli.model import load_model
 from dsv4cli.model.loader import keep_fp32
@@ -254,8 +254,8 @@ def test_a_platform_registered_here_runs_the_whole_w8a8_model(npu950, monkeypatc
     cfg = tiny_config()
     save_w8a8(random_model(cfg, seed=1), cfg, tmp_path)
     monkeypatch.setitem(platforms._REGISTRY, "cpu", HostWithNpuKernels())
-    device = session.pick_device("auto")
-    dtype = session.pick_dtype("auto", device)
+    device = loading.pick_device("auto")
+    dtype = loading.pick_dtype("auto", device)
     assert dtype == torch.bfloat16
     model = load_model(tmp_path, device=device, dtype=dtype)
     blocks = [*model.layers, *model.mtp]

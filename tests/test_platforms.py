@@ -4,7 +4,7 @@ import importlib.util
 import pytest
 import torch
 
-from dsv4cli import kernels, platforms, session
+from dsv4cli import kernels, loading, platforms
 from dsv4cli.config import Settings
 from dsv4cli.engine.graphs import StepGraphs
 from dsv4cli.errors import UsageError
@@ -31,7 +31,7 @@ def test_builtin_platforms_and_device_choices():
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed")
 def test_an_unusable_device_is_a_usage_error():
     with pytest.raises(UsageError, match="torch_npu is not installed"):
-        session.pick_device("npu")
+        loading.pick_device("npu")
     with pytest.raises(LookupError, match="unknown device 'tpu'"):
         platforms.pick("tpu")
 
@@ -52,11 +52,11 @@ def test_a_registered_platform_is_picked_and_drives_the_device_choices(monkeypat
             return torch.cuda.CUDAGraph, torch.cuda.graph       # what a captured platform returns
 
     monkeypatch.setitem(platforms._REGISTRY, "meta", MetaAccelerator())
-    device = session.pick_device("auto")
-    assert device == torch.device("meta") and session.pick_dtype("auto", device) == torch.float16
-    assert session.pick_dtype("bfloat16", device) == torch.bfloat16
+    device = loading.pick_device("auto")
+    assert device == torch.device("meta") and loading.pick_dtype("auto", device) == torch.float16
+    assert loading.pick_dtype("bfloat16", device) == torch.bfloat16
     graphs = StepGraphs.for_device(device)
     assert graphs.graph_cls is torch.cuda.CUDAGraph
     assert "meta" in platforms.names() and platforms.for_device(device).dist_backend == "gloo"
-    assert session.pick_device("cpu") == torch.device("cpu")
+    assert loading.pick_device("cpu") == torch.device("cpu")
 

@@ -11,7 +11,14 @@ from tiny import random_model, tiny_config
 from dsv4cli.kernels import reference
 from dsv4cli.model import load_model
 from dsv4cli.model.model import Linear
-from dsv4cli.model.quant import as_stored, is_w8a8_linear, quantize_model, quantize_weight, save_w8a8
+from dsv4cli.model.quant import (
+    as_stored,
+    dequantized,
+    is_w8a8_linear,
+    quantize_model,
+    quantize_weight,
+    save_w8a8,
+)
 
 
 @torch.no_grad()
@@ -130,6 +137,18 @@ def test_w8a8_logits_match_fake_quantised_float_model(tmp_path):
     plain = model(ids)
     print(f"W8A8 vs plain float: relative error {torch.linalg.norm(got - plain) / torch.linalg.norm(plain):.2e}")
     assert_matches_fake_quant(loaded.mtp_forward(hidden, ids), ref.mtp_forward(hidden, ids), "MTP block")
+
+
+def test_dequantized_state_holds_the_int8_weights_times_their_scales(tmp_path):
+    cfg = tiny_config()
+    model = bf16_floats(random_model(cfg, seed=1))
+    save_w8a8(model, cfg, tmp_path)
+    state = load_model(tmp_path, dtype=torch.float32).state_dict()
+    floats = dequantized(state)
+    assert floats.keys() == {name for name in state if not name.endswith("weight_scale")}
+    q, scale = quantize_weight(model.layers[0].attn.wq_a.weight)
+    assert torch.equal(floats["layers.0.attn.wq_a.weight"], q.float() * scale)
+    assert floats["layers.0.attn.wo_a.weight"] is state["layers.0.attn.wo_a.weight"]     # float ones as they are
 
 
 def test_each_linear_follows_its_description_label(tmp_path):

@@ -1,15 +1,14 @@
-"""`dsv4 batch IN.jsonl -o OUT.jsonl`: the verb, and `mode = "batch"` for `dsv4 run`."""
+"""`dsv4 batch IN.jsonl -o OUT.jsonl`: the verb (`mode = "batch"` of `dsv4 run` is `runner.run_batch`)."""
 from pathlib import Path
 
 import typer
 
-from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.errors import UsageError
+from dsv4cli.options import CliOptions, model_options
 
 from .runner import run_batch
 
 
-@app.command()
 @model_options("input", "output", "errors", "resume", "thinking", "reasoning_effort")
 def batch(
     opts: CliOptions,
@@ -22,6 +21,3 @@ def batch(
         opts.flags["input"] = str(in_file)
     settings, _ = opts.resolve()
     return run_batch(settings)
-
-
-register_mode("batch", run_batch)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from dsv4cli.encoding import parse_completion
-from dsv4cli.engine.engine import Sequence, TokenLogprob
+from dsv4cli.engine import Sequence, TokenLogprob
 from dsv4cli.errors import UsageError
 from dsv4cli.tokenizer import Tokenizer
 

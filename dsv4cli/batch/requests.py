@@ -12,23 +12,18 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from dsv4cli.config import check
+from dsv4cli.config import SAMPLING_KEYS, check
 from dsv4cli.encoding import encode_messages, is_tool
-from dsv4cli.engine import SamplingParams
-from dsv4cli.engine.sampling import TOP_LOGPROBS
+from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.tokenizer import Tokenizer
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 
-# body key -> settings key; the values are checked by the same rules as the flags
-SAMPLING_KEYS = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "seed": "seed", "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos",
-}
+# body field -> sampling settings key, the values checked by the same rules as the flags: every sampling key
+# under its own name but logprobs (OpenAI spells it differently, see _logprobs), and OpenAI's newer name
+# for max_tokens
+SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} | {"max_completion_tokens": "max_tokens"}
 # fields read elsewhere in this module
 HONOURED = {"messages", "prompt", "stream", "n", "thinking", "reasoning_effort", "logprobs", "top_logprobs",
             "tools", "tool_choice", "logit_bias", "response_format"}
@@ -170,7 +165,7 @@ class RequestParser:
     def _params(self, body: dict, place: str, custom_id: str) -> SamplingParams:
         """The run's sampling defaults with the body's values on top."""
         given = {}
-        for name, key in SAMPLING_KEYS.items():
+        for name, key in SAMPLING_FIELDS.items():
             value = body.get(name)
             if value is not None:
                 given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
@@ -241,7 +236,7 @@ def _check_fields(body: dict, place: str, simple: bool) -> None:
     for name in body:
         if name in REFUSED:
             raise BadLine("unsupported_parameter", f"{place}{name}: {REFUSED[name]}")
-        known = name in SAMPLING_KEYS or name in HONOURED or name in HARMLESS
+        known = name in SAMPLING_FIELDS or name in HONOURED or name in HARMLESS
         if not (known or simple and name in ("id", "custom_id")):
             raise BadLine("unsupported_parameter", f"{place}{name}: not a supported request field")
 

@@ -14,10 +14,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import Engine
-from dsv4cli.engine.engine import Sequence
+from dsv4cli.engine import EngineAPI, Sequence
 from dsv4cli.errors import UsageError
-from dsv4cli.session import load_engine, sampling_params
+from dsv4cli.loading import load_engine, sampling_params
 
 from .output import ResultFile, error_record, repair, result_record, run_seed, scan
 from .requests import BadLine, Request, RequestParser
@@ -26,7 +25,7 @@ from .requests import BadLine, Request, RequestParser
 class BatchRun:
     """One pass over the input: parse, skip what is already answered, keep the engine fed, write results."""
 
-    def __init__(self, engine: Engine, parser: RequestParser, out: ResultFile, errors: ResultFile, model: str,
+    def __init__(self, engine: EngineAPI, parser: RequestParser, out: ResultFile, errors: ResultFile, model: str,
                  done: set[str], errored: set[int], bar: Progress | None = None):
         self.engine, self.parser, self.out, self.errors, self.model = engine, parser, out, errors, model
         self.done, self.errored = done, errored         # from the output of an earlier run (--resume)

@@ -15,10 +15,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from dsv4cli.cli import CliOptions, app, model_options, register_mode
 from dsv4cli.config import Settings
-from dsv4cli.engine import Engine
-from dsv4cli.session import load_engine, sampling_params
+from dsv4cli.engine import EngineAPI
+from dsv4cli.loading import load_engine, sampling_params
+from dsv4cli.options import CliOptions, model_options
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
 from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
@@ -41,7 +41,7 @@ def sigint_flag():
 class Chat:
     """The chat loop on a terminal (tty: readline prompt, live view) or on pipes (plain lines)."""
 
-    def __init__(self, engine: Engine, session: ChatSession, tty: bool):
+    def __init__(self, engine: EngineAPI, session: ChatSession, tty: bool):
         self.engine, self.session, self.tty = engine, session, tty
         # on a pipe stdout carries the replies only; everything else goes to stderr, uncoloured
         self.console = Console(highlight=False) if tty else Console(file=sys.stderr, highlight=False,
@@ -219,13 +219,9 @@ def run_chat(s: Settings) -> int:
     return Chat(engine, ChatSession(s), tty).run()
 
 
-@app.command()
 @model_options("system", "thinking", "reasoning_effort")
 def chat(opts: CliOptions) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""
     settings, _ = opts.resolve()
     return run_chat(settings)
-
-
-register_mode("chat", run_chat)

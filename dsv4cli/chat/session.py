@@ -14,7 +14,7 @@ from dsv4cli.config import SPEC, Settings, check, format_value, parse_value
 from dsv4cli.encoding import encode_messages, parse_completion
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
-from dsv4cli.session import load_tools
+from dsv4cli.loading import load_tools
 
 COMMANDS = {  # name: (arguments, what it does)
     "/help": ("", "list the commands"),

@@ -10,10 +10,10 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END
-from dsv4cli.engine import Metrics
-from dsv4cli.model.model import Linear
-from dsv4cli.tools.inspect import count_parameters, human_count
+from dsv4cli.engine import EngineAPI, Metrics
+from dsv4cli.tools.inspect import human_count
 
 SPARKS = "▁▂▃▄▅▆▇█"
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all C0 controls but tab and newline
@@ -190,23 +190,22 @@ class _NoEcho:
             termios.tcsetattr(sys.stdin, termios.TCSANOW, self.saved)
 
 
-def model_rows(engine, settings) -> list[tuple[str, str]]:
-    model, cfg = engine.model, engine.model.cfg
-    w8a8 = any(isinstance(m, Linear) and m.quantized for m in model.modules())
+def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
+    info = engine.model_info
     return [("model", str(settings.model_dir)),
-            ("format", "w8a8 (int8 linears)" if w8a8 else "float"),
+            ("format", "w8a8 (int8 linears)" if info.w8a8 else "float"),
             ("device", str(engine.device)),
-            ("dtype", str(model.embed.weight.dtype).removeprefix("torch.")),
+            ("dtype", info.dtype),
             ("tensor parallel", str(settings.tp)),
             ("MTP depth", str(engine.k) if engine.k else "off"),
-            ("parameters", human_count(count_parameters(model)[0])),
-            ("layers", f"{cfg.n_layers} (+{cfg.n_mtp_layers} MTP)"),
-            ("vocab", str(cfg.vocab_size)),
+            ("parameters", human_count(info.parameters)),
+            ("layers", f"{info.layers} (+{info.mtp_layers} MTP)"),
+            ("vocab", str(info.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),
             ("KV prefix reuse", "on: a turn prefills only what follows the state the previous turn left")]
 
 
-def header(engine, settings) -> Group:
+def header(engine: EngineAPI, settings: Settings) -> Group:
     info = dict(model_rows(engine, settings))
     facts = [info["format"].split()[0], info["device"], info["dtype"], f"TP {info['tensor parallel']}",
              f"MTP {info['MTP depth']}", f"{info['parameters']} params"]

@@ -7,6 +7,7 @@ The host reads one packed tensor per step (committed tokens + counts, and their 
 request asked for them) and does the bookkeeping:
 detokenising, stop checks, metrics. Sequences join (after a chunked prefill) and leave between steps.
 """
+import functools
 import itertools
 import random
 import time
@@ -17,6 +18,7 @@ import torch
 from dsv4cli.model import DecodeState, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
+from .api import ModelInfo
 from .graphs import StepGraphs
 from .sampling import (
     TOP_LOGPROBS,
@@ -218,6 +220,10 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @functools.cached_property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo.of(self.model)
 
     def step(self) -> list[Event]:
         """Admit waiting requests into free slots (prefill), then one decode step for all running."""

@@ -51,6 +51,18 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(wf / scale).clamp(-127, 127).to(torch.int8), scale
 
 
+def dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with its int8 weights times their `weight_scale` (fp32) and the scales dropped; every
+    other tensor as it is. Take one `state_dict()` and pass it here: each call of that unpacks every
+    packed weight."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("weight_scale"):
+            continue
+        out[name] = t.float() * state[name + "_scale"].float() if t.dtype == torch.int8 else t
+    return out
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> nn.Module:
     """Swap the recipe's linears to int8 weights + `weight_scale`, in place."""

@@ -4,12 +4,20 @@ A platform says whether its device is usable, the dtype a model runs in by defau
 torch.distributed backend, how to capture a step graph, the torch.compile backend, which kernel
 module runs the ops (`dsv4cli.kernels`), whether routed experts read their routing on the host,
 and how to query free memory and synchronise. Nothing else in dsv4cli branches on the device
-type: a new accelerator is a new module here with a `Platform` subclass and one `register` line.
-"""
-import functools
-from types import ModuleType
+type: a new accelerator is a new module here with a `Platform` subclass and one `BUILTIN` entry.
 
-import torch
+The registry loads without torch (the settings list its names as --device choices, and `dsv4 --help`
+and `dsv4 config show` must start fast): the built-in platforms are imported on the first lookup.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Platform:
@@ -41,6 +49,8 @@ class Platform:
         return reference
 
     def device(self, index: int | None = None) -> torch.device:
+        import torch
+
         return torch.device(self.name, index)
 
     def set_device(self, rank: int, world: int) -> torch.device:
@@ -59,6 +69,17 @@ class Platform:
 
 
 _REGISTRY: dict[str, Platform] = {}
+# device type -> the class in dsv4cli.platforms.<device type>
+BUILTIN = {"cpu": "CpuPlatform", "cuda": "CudaPlatform", "npu": "NpuPlatform"}
+
+
+def _registry() -> dict[str, Platform]:
+    """The registry with every built-in platform in it (imported now if not yet); a platform registered
+    for a built-in device type stays."""
+    for name, cls in BUILTIN.items():
+        if name not in _REGISTRY:
+            register(getattr(importlib.import_module(f"{__name__}.{name}"), cls)())
+    return _REGISTRY
 
 
 def register(platform: Platform) -> None:
@@ -67,17 +88,17 @@ def register(platform: Platform) -> None:
 
 
 def names() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    return tuple(dict.fromkeys([*BUILTIN, *_REGISTRY]))
 
 
 def get(device_type: str) -> Platform | None:
-    return _REGISTRY.get(device_type)
+    return _registry().get(device_type)
 
 
 def for_device(device: torch.device | str) -> Platform:
     """The platform of a device (one of its tensors' `.device`)."""
     device_type = device if isinstance(device, str) else device.type
-    platform = _REGISTRY.get(device_type)
+    platform = _registry().get(device_type)
     if platform is None:
         raise ValueError(f"no platform is registered for device type {device_type!r} (known: {', '.join(names())})")
     return platform
@@ -85,7 +106,7 @@ def for_device(device: torch.device | str) -> Platform:
 
 def kernels_for(device_type: str) -> ModuleType:
     """The kernel module for tensors of a device type; the reference for unregistered types (meta)."""
-    platform = _REGISTRY.get(device_type)
+    platform = _registry().get(device_type)
     if platform is None:
         from dsv4cli.kernels import reference
         return reference
@@ -96,19 +117,11 @@ def pick(name: str) -> Platform:
     """The platform for a --device value: `auto` is the available one of highest priority.
     Raises LookupError with a one-line reason when the named platform is unknown or unusable."""
     if name == "auto":   # asked in priority order: a platform below the first available one is never probed
-        return next(p for p in sorted(_REGISTRY.values(), key=lambda p: -p.priority) if p.is_available())
-    platform = _REGISTRY.get(name)
+        return next(p for p in sorted(_registry().values(), key=lambda p: -p.priority) if p.is_available())
+    platform = _registry().get(name)
     if platform is None:
         raise LookupError(f"unknown device {name!r} (known: {', '.join(names())})")
     if not platform.is_available():
         raise LookupError(platform.unavailable_reason())
     return platform
 
-
-from .cpu import CpuPlatform  # noqa: E402 - the platforms subclass Platform above
-from .cuda import CudaPlatform  # noqa: E402
-from .npu import NpuPlatform  # noqa: E402
-
-register(CpuPlatform())
-register(CudaPlatform())
-register(NpuPlatform())

@@ -1,4 +1,4 @@
-"""The `dsv4 inspect` and `dsv4 convert` verbs; `register(app)` adds them to the CLI.
+"""The `dsv4 inspect` and `dsv4 convert` verbs.
 
 Checkpoint and config problems become UsageError: one `error:` line and exit code 2.
 """
@@ -68,8 +68,3 @@ def convert(
         raise UsageError(f"{e.filename or dst}: {e.strerror}") from None
     print(f"wrote {dst}")
     return 0
-
-
-def register(app: typer.Typer) -> None:
-    app.command("inspect")(inspect)
-    app.command("convert")(convert)

@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 
 from dsv4cli import platforms
-from dsv4cli.config import Settings
+from dsv4cli.config import SAMPLING_KEYS, Settings
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine, EngineAPI, SamplingParams
 from dsv4cli.engine.engine import SPARE_RING_ROWS
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
@@ -36,11 +36,9 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def sampling_params(s: Settings) -> SamplingParams:
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty, seed=s.seed, max_tokens=s.max_tokens,
-        stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=s.logprobs)
+    """A request's defaults from the sampling settings (lists copied: a request owns its own)."""
+    values = {name: getattr(s, name) for name in SAMPLING_KEYS}
+    return SamplingParams(**{name: list(v) if isinstance(v, list) else v for name, v in values.items()})
 
 
 def load_tools(path: str, place: str) -> list[dict]:
@@ -138,7 +136,7 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
                   reuse_prefix=s.mode == "chat")
 
 
-def load_engine(s: Settings):
+def load_engine(s: Settings) -> EngineAPI:
     """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks."""
     device = pick_device(s.device)
     cfg = model_config(s)

@@ -1,0 +1,64 @@
+"""The engine API the front ends (chat, batch, generate, bench) use: `Engine` in one process and
+`parallel.Leader` for --tp both provide it, and the front ends are typed against it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+from dsv4cli.tools.inspect import count_parameters
+
+if TYPE_CHECKING:
+    from dsv4cli.model import Transformer
+    from dsv4cli.tokenizer import Tokenizer
+
+    from .engine import Event, Metrics, Sequence
+    from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the loaded model is, as a front end shows it."""
+    parameters: int     # those this process holds (a rank's slice under --tp), weight scales not counted
+    w8a8: bool          # int8 linears (the W8A8 layout), else float throughout
+    dtype: str          # the float weights' dtype, e.g. "float32"
+    device: str
+    layers: int
+    mtp_layers: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: Transformer) -> ModelInfo:
+        cfg, weight = model.cfg, model.embed.weight
+        return cls(parameters=count_parameters(model)[0], w8a8=any(p.dtype == torch.int8 for p in model.parameters()),
+                   dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), layers=cfg.n_layers,
+                   mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size)
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """Requests in, events out: `submit` queues a request, each `step` admits waiting requests and decodes
+    one step for every running one, `cancel` ends one early. A Sequence holds a request's output so far."""
+    tok: Tokenizer
+    device: torch.device
+    max_batch: int
+    max_seq_len: int
+    k: int              # MTP depth: tokens drafted per step (0 = plain decoding)
+    totals: Metrics     # of every finished request
+    model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
+
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence: ...
+
+    def step(self) -> list[Event]: ...
+
+    def cancel(self, seq: Sequence) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def resized(self, max_batch: int, mtp: int) -> EngineAPI:
+        """The same loaded model with another batch size or MTP depth."""
+        ...
