@@ -16,7 +16,7 @@ from rich.table import Table
 
 from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
-from dsv4cli.engine import EngineAPI, SamplingParams
+from dsv4cli.engine import EngineAPI, SamplingParams, compiled
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_engine
 from dsv4cli.model.checkpoint import save_checkpoint
@@ -96,37 +96,69 @@ def run_transformers(engine: EngineAPI, prompts, max_tokens: int) -> dict | None
     return {"tokens_per_s": total / elapsed}
 
 
-def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool) -> list[dict]:
+def eager_launches(engine: EngineAPI) -> int:
+    """Leaf ops of one eager decode step (each a kernel launch), counted by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.step()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and not e.cpu_children)
+
+
+def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
+    """Kernel launches of one decode step: leaf ops when eager, kernel calls of the generated code when
+    compiled (C++ / Triton kernels, library GEMMs, custom ops: the host-routed experts count as one)."""
+    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()                                  # admission and the first decode step
+    if engine.compiled is None:
+        n = eager_launches(engine)
+    else:
+        engine.step()
+        n = max(engine.compiled.calls.values())
+    engine.cancel(seq)
+    return n
+
+
+def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool,
+          compile_modes=(False,)) -> list[dict]:
     rows = []
     for kind in kinds:
         for batch in batches:
             prompts = bench_prompts(engine.tok, kind, batch)
             base = None
-            for k in depths:
-                eng = engine.resized(batch, k)
-                run_config(eng, prompts[:1], 2)                       # warm-up
-                r = run_config(eng, prompts, max_tokens)
-                base = r["tokens_per_s"] if k == 0 else base
-                r.update(impl="dsv4", mtp=k, batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
-                         speedup=r["tokens_per_s"] / base if base else None)
-                rows.append(r)
+            for compile_on in compile_modes:
+                for k in depths:
+                    eng = engine.resized(batch, k, compile_on)
+                    t0 = time.perf_counter()
+                    run_config(eng, prompts[:1], 2)                       # warm-up (and compile)
+                    warmup_s = time.perf_counter() - t0
+                    r = run_config(eng, prompts, max_tokens)
+                    base = r["tokens_per_s"] if k == 0 and not compile_on else base
+                    launches = launches_per_step(eng, prompts[0])
+                    r.update(impl="dsv4", compile=compile_on, mtp=k, batch=batch, prompt=kind,
+                             prompt_tokens=len(prompts[0]), speedup=r["tokens_per_s"] / base if base else None,
+                             warmup_s=warmup_s, launches_per_step=launches,
+                             launches_per_layer=launches / (eng.model.cfg.n_layers + k),
+                             recompiles=eng.compiled.recompiles if compile_on else None)
+                    rows.append(r)
             if with_hf and batch == 1:
                 hf = run_transformers(engine, prompts, max_tokens)
                 if hf:
-                    rows.append({**hf, "impl": "transformers", "mtp": 0, "batch": 1, "prompt": kind,
-                                 "prompt_tokens": len(prompts[0]), "speedup": hf["tokens_per_s"] / base})
+                    rows.append({**hf, "impl": "transformers", "compile": False, "mtp": 0, "batch": 1,
+                                 "prompt": kind, "prompt_tokens": len(prompts[0]),
+                                 "speedup": hf["tokens_per_s"] / base})
     return rows
 
 
 def render(rows: list[dict], console: Console) -> None:
-    table = Table("impl", "prompt", "batch", "MTP K", "tok/s", "step ms", "accept", "mean len", "vs K=0")
+    table = Table("impl", "compile", "prompt", "batch", "MTP K", "tok/s", "step ms", "accept", "mean len",
+                  "launches/layer", "vs K=0")
     def fmt(r, key, spec):
         return "-" if r.get(key) is None else format(r[key], spec)
 
     for r in rows:
-        table.add_row(r["impl"], f"{r['prompt']} ({r['prompt_tokens']})", str(r["batch"]), str(r["mtp"]),
-                      fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"), fmt(r, "acceptance_rate", ".2f"),
-                      fmt(r, "mean_acceptance_length", ".2f"), fmt(r, "speedup", ".2f") + "x")
+        table.add_row(r["impl"], "on" if r["compile"] else "off", f"{r['prompt']} ({r['prompt_tokens']})",
+                      str(r["batch"]), str(r["mtp"]), fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"),
+                      fmt(r, "acceptance_rate", ".2f"), fmt(r, "mean_acceptance_length", ".2f"),
+                      fmt(r, "launches_per_layer", ".0f"), fmt(r, "speedup", ".2f") + "x")
     console.print(table)
 
 
@@ -163,11 +195,16 @@ def bench_command(
     if sources["max_tokens"] == "default":
         settings = dataclasses.replace(settings, max_tokens=64)
     engine = load_engine(settings)
+    # compile = auto or on: the compiled step against eager in the same run
+    can_compile = settings.compile != "off" and not compiled.unavailable_reason(engine.device)
+    compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
-        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf and settings.tp == 1)
+        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf and settings.tp == 1,
+                     compile_modes)
     meta = {"model": str(settings.model_dir), "device": str(engine.device), "dtype": str(engine.model.dtype),
-            "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens}
+            "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens,
+            "compile_cache": str(compiled.cache_dir()) if True in compile_modes else None}
     if as_json:
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
     else:

@@ -127,6 +127,12 @@ class Settings:
     threads: int | None = _key(
         "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1
     )
+    compile: str = _key(
+        "model",
+        "auto",
+        "Compile the decode step with torch.compile (auto: on for accelerators, off on the CPU)",
+        choices=("auto", "on", "off"),
+    )
     # [sampling]
     temperature: float = _key(
         "sampling", 1.0, "Sampling temperature; 0 = greedy", lo=0, flags=("--temperature", "--temp")

@@ -3,6 +3,7 @@ memory, model, tokenizer, sampling defaults."""
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, EngineAPI, SamplingParams
+from dsv4cli.engine import Engine, EngineAPI, SamplingParams, compiled
 from dsv4cli.engine.engine import SPARE_RING_ROWS
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
@@ -133,7 +134,7 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
         raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
     # a chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
-                  reuse_prefix=s.mode == "chat")
+                  reuse_prefix=s.mode == "chat", compile=s.compile == "on")
 
 
 def load_engine(s: Settings) -> EngineAPI:
@@ -144,6 +145,10 @@ def load_engine(s: Settings) -> EngineAPI:
     parameters = check_limits(s, cfg, device)
     if device.type == "cpu":
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
+    compile_on, why = compiled.choose(s.compile, device)
+    if s.compile != "off" and compiled.unavailable_reason(device):
+        print(why, file=sys.stderr)
+    s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
         return build_engine(s, device)
     from dsv4cli import parallel

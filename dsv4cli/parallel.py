@@ -56,6 +56,7 @@ class Leader:
         # the local engine's (totals is its object, which it updates in place)
         self.tok, self.device, self.model, self.totals = engine.tok, engine.device, engine.model, engine.totals
         self.max_batch, self.max_seq_len, self.k = engine.max_batch, engine.max_seq_len, engine.k
+        self.compiled = engine.compiled
 
     @property
     def model_info(self) -> ModelInfo:
@@ -71,10 +72,10 @@ class Leader:
         self.pending.append(("submit", list(prompt_ids), params, seq.id))
         return seq
 
-    def resized(self, max_batch: int, mtp: int) -> "Leader":
+    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Leader":
         """Every rank swaps in an engine of another batch size / MTP depth (on the next step)."""
-        leader = Leader(self.engine.resized(max_batch, mtp), self.control, self.procs, self.watchdog)
-        leader.pending = [*self.pending, ("resize", max_batch, mtp)]
+        leader = Leader(self.engine.resized(max_batch, mtp, compile), self.control, self.procs, self.watchdog)
+        leader.pending = [*self.pending, ("resize", max_batch, mtp, compile)]
         self.pending = []
         return leader
 

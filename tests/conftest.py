@@ -9,6 +9,9 @@ import torch
 # threads make every small op wait; subprocesses (the CLI under test) inherit the setting.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+# A cold compile of the decode step takes minutes here: tests run eager unless they compile on purpose
+# (tests/test_compile.py); subprocesses inherit it.
+os.environ.setdefault("DSV4_COMPILE", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))          # `scripts` (corpus, tokenizer training) for tests

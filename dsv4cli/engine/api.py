@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from dsv4cli.model import Transformer
     from dsv4cli.tokenizer import Tokenizer
 
+    from .compiled import CompiledStep
     from .engine import Event, Metrics, Sequence
     from .sampling import SamplingParams
 
@@ -47,6 +48,7 @@ class EngineAPI(Protocol):
     k: int              # MTP depth: tokens drafted per step (0 = plain decoding)
     totals: Metrics     # of every finished request
     model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
+    compiled: CompiledStep | None   # the compiled decode step and its counts, when compile is on
 
     @property
     def model_info(self) -> ModelInfo: ...
@@ -59,6 +61,7 @@ class EngineAPI(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def resized(self, max_batch: int, mtp: int) -> EngineAPI:
-        """The same loaded model with another batch size or MTP depth."""
+    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> EngineAPI:
+        """The same loaded model with another batch size or MTP depth (and compiled step or not;
+        None: as this one)."""
         ...

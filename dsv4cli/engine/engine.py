@@ -19,6 +19,7 @@ from dsv4cli.model import DecodeState, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .api import ModelInfo
+from .compiled import CompiledStep, batch_bucket, context_bucket
 from .graphs import StepGraphs
 from .sampling import (
     TOP_LOGPROBS,
@@ -157,7 +158,8 @@ class SlotHistory:
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True, reuse_prefix: bool = False):
+                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True, reuse_prefix: bool = False,
+                 compile: bool = False):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
@@ -182,6 +184,9 @@ class Engine:
         self.totals = Metrics()
         self._ids = itertools.count()
         self.graphs = StepGraphs.for_device(self.device) if graphs else None
+        # the fused step compiled (torch.compile); captured graphs replay the compiled kernels
+        self.compiled = (CompiledStep(self._device_step, self.device, (mtp, max_batch, max_seq_len))
+                         if compile else None)
 
     # ---- API ---------------------------------------------------------------------------------
 
@@ -212,11 +217,12 @@ class Engine:
         if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
             self.slots[seq.slot] = None
 
-    def resized(self, max_batch: int, mtp: int) -> "Engine":
+    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
         """A new engine on the same loaded model with another batch size or MTP depth."""
         return Engine(self.model, self.tok, max_batch=max_batch, max_seq_len=self.max_seq_len, mtp=mtp,
                       prefill_chunk=self.prefill_chunk, graphs=self.graphs is not None,
-                      reuse_prefix=self.reuse_prefix)
+                      reuse_prefix=self.reuse_prefix,
+                      compile=self.compiled is not None if compile is None else compile)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -361,8 +367,12 @@ class Engine:
         nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
         running = [s.params for s in self.slots[:nb] if s is not None]
         logprobs = any(p.logprobs is not None for p in running)
-        key = (nb, self._context_bound(nb), needs_sort(running), logprobs)
-        step = lambda: self._device_step(*key)  # noqa: E731
+        context = self._context_bound(nb)
+        if self.compiled is not None:    # fewer, coarser shapes: each one is a compile
+            nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
+        key = (nb, context, needs_sort(running), logprobs)
+        run = self._device_step if self.compiled is None else self.compiled
+        step = lambda: run(*key)  # noqa: E731
         packed = (step() if self.graphs is None else self.graphs.run(key, step)).tolist()   # the one host sync
         k = self.k
         width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on

@@ -1,0 +1,48 @@
+"""The compiled decode step (torch.compile) against eager, its oracle: the same greedy tokens, no graph
+breaks (the step compiles as one graph or fails), no recompiles in steady state, few kernels per layer."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny import random_model, tiny_config
+
+from dsv4cli.engine import Engine, SamplingParams, compiled
+from dsv4cli.model.quant import quantize_model
+from dsv4cli.tokenizer import Tokenizer
+
+
+@pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir):
+    # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
+    cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
+                      vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
+    model = quantize_model(random_model(cfg, seed=3)).prepare()       # W8A8: the int8 GEMMs compile too
+    tok = Tokenizer.from_dir(small_tokenizer_dir)
+    prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(engine):
+        return [s.output_ids for s in engine.generate(prompts, params)]
+
+    with torch.no_grad():
+        eager = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2)
+        want = run(eager)
+        engine = eager.resized(2, 2, compile=True)
+        assert run(engine) == want
+        assert list(engine.compiled.calls) == [(2, 512, False, False)]
+        assert run(engine) == want                       # steady state: the same graph, no recompile
+        assert engine.compiled.recompiles == 0
+    # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
+    calls = engine.compiled.calls[(2, 512, False, False)]
+    assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
+
+
+def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable), "DSV4_COMPILE": "on"}
+    env.pop("CXX", None)
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir), "-p", "hi",
+                        "-n", "4", "--raw"], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == ["compile: no C++ compiler found (install g++ or set CXX); running eager"]
