@@ -281,7 +281,21 @@ class StepProfile:
         self.block_bytes.clear()
 
 
-def run(model, cfg, batch, depth, context, reps, bw, peak) -> dict:
+def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float, int]:
+    """The same step compiled (torch.compile, as `--compile on` runs it): rep times, compile time and
+    kernel calls. Parts are not timed: the compiled graph has no module boundaries left."""
+    from dsv4cli.engine.compiled import CompiledStep
+    step = CompiledStep(engine._device_step, DEVICE)
+    times = []
+    for _ in range(reps + 1):                          # the first compiles
+        t = clock()
+        with torch.no_grad():
+            step(batch, bound, False, False)
+        times.append(clock() - t)
+    return times[1:], times[0], step.calls[(batch, bound, False, False)]
+
+
+def run(model, cfg, batch, depth, context, reps, bw, peak, compile_too=False) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
     g = torch.Generator(DEVICE).manual_seed(1)
     for cache in engine.state.layers + engine.state.mtp:
@@ -336,6 +350,12 @@ def run(model, cfg, batch, depth, context, reps, bw, peak) -> dict:
                                "compute_roofline": round(core_flops[k] / peak / core_time[k], 3)}
                            for k in sorted(core_time)},
     }
+    if compile_too:
+        times, compile_s, calls = compiled_step_times(engine, batch, bound, reps)
+        t = sorted(times)[len(times) // 2]
+        result["compiled"] = {"step_ms": {"min": round(min(times) * 1e3, 2), "median": round(t * 1e3, 2)},
+                              "roofline": roof(total[0], t), "compile_s": round(compile_s, 1),
+                              "kernel_calls": calls}
     if "csa" in block_time and "hca" in block_time:
         rest_t = median - sum(sum(v) for v in block_time.values())
         rest_b = total[0] - sum(b[0] for v in block_bytes.values() for b in v)
@@ -371,6 +391,7 @@ def main():
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile", action="store_true", help="also time the compiled step (torch.compile)")
     a = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(a.device)
@@ -388,12 +409,13 @@ def main():
     for context in [int(c) for c in a.contexts.split(",")]:
         for batch in [int(b) for b in a.batches.split(",")]:
             for depth in [int(d) for d in a.depths.split(",")]:
-                r = run(model, model.cfg, batch, depth, context, a.reps, bw, peak)
+                r = run(model, model.cfg, batch, depth, context, a.reps, bw, peak, a.compile)
                 parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
                 core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
                          for k, v in r["attention_core"].items())
                 print(f"ctx {context} batch {batch} K {depth}: step {r['step_ms']['median']} ms, roofline "
-                      f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}")
+                      f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}"
+                      f"  |  compiled: {r.get('compiled')}")
                 results.append(r)
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else None
     report = {"benchmark": "real_width", "device": gpu or a.device,

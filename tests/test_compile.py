@@ -14,11 +14,19 @@ from dsv4cli.tokenizer import Tokenizer
 
 
 @pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
-def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir):
+@pytest.mark.parametrize("experts", ["stacked", "host"])
+def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts):
+    """Experts stacked (what `prepare` does with unpacked experts: grouped GEMMs in the graph) or
+    routed on the host (packed experts: one opaque op in the graph)."""
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
                       vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
-    model = quantize_model(random_model(cfg, seed=3)).prepare()       # W8A8: the int8 GEMMs compile too
+    model = quantize_model(random_model(cfg, seed=3))                 # W8A8: the int8 GEMMs compile too
+    if experts == "stacked":
+        model.prepare()
+    else:
+        for layer in [*model.layers, *model.mtp]:
+            layer.ffn.routes_on_host = True
     tok = Tokenizer.from_dir(small_tokenizer_dir)
     prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -157,6 +157,7 @@ def stacked_copy(model):
     model = copy.deepcopy(model)
     for layer in [*model.layers, *model.mtp]:
         layer.ffn.stack_experts()
+        layer.ffn.routes_on_host = False
     return model
 
 

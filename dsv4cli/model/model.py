@@ -422,10 +422,11 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Routed experts (only the ones a token is routed to run) plus the shared expert.
 
-    Two ways to run the routed experts, both reading only the chosen experts' weights, chosen by the
-    platform (`routes_on_host`, see `Transformer.prepare`): routing read on the host, each expert on
-    its own tokens; or, after `stack_experts`, grouped GEMMs over the stacked weights with the
-    routing kept on the device (static shapes, no sync)."""
+    Two ways to run the routed experts, both reading only the chosen experts' weights: routing read on
+    the host, each expert on its own tokens (`routes_on_host`, set by `Transformer.prepare` from the
+    platform); or, after `stack_experts`, grouped GEMMs over the stacked weights with the routing kept
+    on the device (static shapes, no sync). A compiled step can't read the routing on the host: with
+    stacked experts it keeps it on the device there too, else the host path is one opaque op."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
@@ -439,6 +440,7 @@ class MoE(nn.Module):
              else None for i in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if cfg.n_shared_experts else None
         self.stack: kernels.ExpertStack | None = None
+        self.routes_on_host = False
 
     def local_experts(self) -> list[Expert]:
         return list(self.experts[self.first: self.first + self.n_local])
@@ -480,7 +482,7 @@ class MoE(nn.Module):
         # every routed expert's w1/w3 reads x: quantise it once (the quantisation is per token)
         quantized = self.experts[self.first].w1.quantized
         xq = kernels.quantize_per_token(x) if quantized else None
-        if self.stack is not None:
+        if self.stack is not None and not (self.routes_on_host and not torch.compiler.is_compiling()):
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         else:
             y = kernels.experts_on_host(x, weights, local, [e.kernel_tensors() for e in self.local_experts()],
@@ -603,13 +605,17 @@ class Transformer(nn.Module):
     def prepare(self) -> "Transformer":
         """Lay the loaded weights out for this device's kernels, as its platform says: routing on the
         host, int8 linears packed in the kernels' own layout (where they have one); routing on the
-        device, routed experts stacked for grouped GEMMs."""
+        device, routed experts stacked for grouped GEMMs. On the host, experts left unpacked are
+        stacked too: eager steps still route on the host, a compiled one runs them grouped."""
         on_host = platforms.for_device(self.embed.weight.device).routes_on_host
         for module in self.modules():
             if on_host and isinstance(module, Linear):
                 module.pack()
-            elif not on_host and isinstance(module, MoE) and module.stack is None:
-                module.stack_experts()
+        for moe in (m for m in self.modules() if isinstance(m, MoE)):
+            moe.routes_on_host = on_host
+            packed = any(lin.packed is not None for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3))
+            if moe.stack is None and not packed:
+                moe.stack_experts()
         return self
 
     def step(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
