@@ -7,11 +7,10 @@ import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
 
-from dsv4cli import parallel
+from dsv4cli import kernels, parallel
 from dsv4cli.engine import EngineAPI, ModelInfo
 from dsv4cli.engine.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs, verify
-from dsv4cli import kernels
 from dsv4cli.model import load_model
 from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
