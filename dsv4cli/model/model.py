@@ -180,7 +180,7 @@ class DecodeState:
                      "compress": rope_table(cfg, table_len, True, device)}
         self._views = {}
 
-    def slot(self, index: int | slice) -> "DecodeState":
+    def view(self, index: int | slice) -> "DecodeState":
         """A view of some sequence slots; writes through it land in this state. Views are cached,
         so stepping a batch bucket creates nothing."""
         if isinstance(index, int):
