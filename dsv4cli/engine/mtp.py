@@ -11,6 +11,8 @@ from dsv4cli.model import DecodeState, Transformer
 
 
 class MTPDrafter:
+    """`depth` (K) drafts per step from `model`'s MTP layer, writing its caches of the DecodeState given."""
+
     def __init__(self, model: Transformer, depth: int):
         self.model, self.depth = model, depth
 
