@@ -21,7 +21,6 @@ estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others
 layers counted as HCA, slightly over) and keeps the rest of the step (head, MTP, sampling) once.
 """
 import argparse
-import inspect
 import json
 import math
 import os
@@ -298,25 +297,23 @@ def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float,
 def run(model, cfg, batch, depth, context, reps, bw, peak, compile_too=False) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
     g = torch.Generator(DEVICE).manual_seed(1)
-    for cache in engine.state.layers + engine.state.mtp:
+    for cache in engine.state.cache.layers + engine.state.cache.mtp:
         for t in cache.tensors():
             t.normal_(0, 1, generator=g)
     vocab = cfg.vocab_size
     bound = -(-(context + depth + 1) // 512) * 512
-    # greedy rows, as the engine runs them (older checkouts' steps have no `sort` argument)
-    greedy = (False,) if "sort" in inspect.signature(engine._device_step).parameters else ()
     steps, parts = [], []
     with StepProfile(model, cfg) as prof:
         prof.batch_rows, prof.query_rows, prof.context = batch, batch * (depth + 1), context
         for rep in range(reps + 1):                      # the first is a warm-up
-            engine.pos.fill_(context - 1)
-            engine.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
-            engine.drafts.copy_(torch.randint(0, vocab, engine.drafts.shape, generator=g,
-                                                   device=DEVICE))
+            engine.state.pos.fill_(context - 1)
+            engine.state.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
+            engine.state.drafts.copy_(torch.randint(0, vocab, engine.state.drafts.shape, generator=g,
+                                                    device=DEVICE))
             prof.reset()
             t = clock()
             with torch.no_grad():
-                engine._device_step(batch, bound, *greedy)
+                engine._fused_decode(batch, bound, sort=False)   # greedy rows, as the engine runs them
             dt = clock() - t
             if rep:
                 steps.append(dt)

@@ -125,18 +125,18 @@ def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: b
             prompts = bench_prompts(engine.tok, kind, batch)
             base = None
             for compile_on in compile_modes:
-                for k in depths:
-                    eng = engine.resized(batch, k, compile_on)
+                for depth in depths:
+                    eng = engine.resized(batch, depth, compile_on)
                     t0 = time.perf_counter()
                     run_config(eng, prompts[:1], 2)                       # warm-up (and compile)
                     warmup_s = time.perf_counter() - t0
                     r = run_config(eng, prompts, max_tokens)
-                    base = r["tokens_per_s"] if k == 0 and not compile_on else base
+                    base = r["tokens_per_s"] if depth == 0 and not compile_on else base
                     launches = launches_per_step(eng, prompts[0])
-                    r.update(impl="dsv4", compile=compile_on, mtp=k, batch=batch, prompt=kind,
+                    r.update(impl="dsv4", compile=compile_on, mtp=depth, batch=batch, prompt=kind,
                              prompt_tokens=len(prompts[0]), speedup=r["tokens_per_s"] / base if base else None,
                              warmup_s=warmup_s, launches_per_step=launches,
-                             launches_per_layer=launches / (eng.model.cfg.n_layers + k),
+                             launches_per_layer=launches / (eng.model.cfg.n_layers + depth),
                              recompiles=eng.compiled.recompiles if compile_on else None)
                     rows.append(r)
             if with_hf and batch == 1:

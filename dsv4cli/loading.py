@@ -12,10 +12,10 @@ from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, EngineAPI, SamplingParams, compiled
-from dsv4cli.engine.engine import SPARE_RING_ROWS
+from dsv4cli.engine.slots import SlotState
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
-from dsv4cli.model import ConfigError, DecodeState, LoadError, ModelConfig, Transformer, load_model
+from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.tools.inspect import describe, human_bytes
 
@@ -71,8 +71,8 @@ def decode_state_bytes(cfg: ModelConfig, s: Settings, dtype: torch.dtype) -> int
     """What the engine's DecodeState will take, measured on the meta device (nothing is allocated)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = DecodeState(model, s.max_batch, s.max_seq_len, max_draft=max(s.mtp, 1) + 1,
-                        spare=SPARE_RING_ROWS if s.mode == "chat" else 0, device="meta", dtype=dtype)
+    state = SlotState.decode_state(model, s.max_batch, s.max_seq_len, s.mtp, reuse_prefix=s.mode == "chat",
+                                   device="meta", dtype=dtype)
     return state.nbytes()
 
 

@@ -55,7 +55,7 @@ class Leader:
         self.closed = False
         # the local engine's (totals is its object, which it updates in place)
         self.tok, self.device, self.model, self.totals = engine.tok, engine.device, engine.model, engine.totals
-        self.max_batch, self.max_seq_len, self.k = engine.max_batch, engine.max_seq_len, engine.k
+        self.max_batch, self.max_seq_len, self.mtp_depth = engine.max_batch, engine.max_seq_len, engine.mtp_depth
         self.compiled = engine.compiled
 
     @property

@@ -110,8 +110,8 @@ def losses(model: Transformer, rows: torch.Tensor, pad_id: int) -> tuple[torch.T
     targets = rows.masked_fill(rows == pad_id, PAD)
     state = DecodeState(model, B, S, max_draft=0)
     start = torch.zeros(B, dtype=torch.long)
-    logits, hidden = model.step(rows[:, :S], start, state)
-    mtp_logits, _ = model.mtp_step(hidden, rows[:, 1:S + 1], start, state)
+    logits, hidden = model.forward_chunk(rows[:, :S], start, state)
+    mtp_logits, _ = model.mtp_forward_chunk(hidden, rows[:, 1:S + 1], start, state)
     main = F.cross_entropy(logits.flatten(0, 1), targets[:, 1:S + 1].flatten(), ignore_index=PAD)
     mtp = F.cross_entropy(mtp_logits.flatten(0, 1), targets[:, 2:].flatten(), ignore_index=PAD)
     return main, mtp

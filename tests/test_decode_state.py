@@ -20,7 +20,7 @@ def run_chunks(model, ids, sizes):
     state = DecodeState(model, 1, 320, max_draft=8)
     out, pos = [], 0
     for n in sizes:
-        logits, _ = model.step(ids[:, pos:pos + n], torch.tensor([pos]), state)
+        logits, _ = model.forward_chunk(ids[:, pos:pos + n], torch.tensor([pos]), state)
         out.append(logits)
         pos += n
     return torch.cat(out, 1)
@@ -41,9 +41,9 @@ def test_batched_sequences_at_different_positions(model):
     a, b = torch.randint(0, 256, (1, 270), generator=g), torch.randint(0, 256, (1, 140), generator=g)
     state = DecodeState(model, 2, 320, max_draft=8)
     # prefill each sequence alone in its slot, then decode both together with 3 rows per call
-    model.step(a[:, :261], torch.tensor([0]), state)
+    model.forward_chunk(a[:, :261], torch.tensor([0]), state)
     state_b = DecodeState(model, 1, 320, max_draft=8)
-    model.step(b[:, :131], torch.tensor([0]), state_b)
+    model.forward_chunk(b[:, :131], torch.tensor([0]), state_b)
     for cache, cache_b in zip(state.layers, state_b.layers):
         for name, t in vars(cache).items():
             if isinstance(t, torch.Tensor):
@@ -51,7 +51,7 @@ def test_batched_sequences_at_different_positions(model):
     outs = []
     for i in range(3):
         rows = torch.cat([a[:, 261 + 3 * i: 264 + 3 * i], b[:, 131 + 3 * i: 134 + 3 * i]])
-        logits, _ = model.step(rows, torch.tensor([261 + 3 * i, 131 + 3 * i]), state)
+        logits, _ = model.forward_chunk(rows, torch.tensor([261 + 3 * i, 131 + 3 * i]), state)
         outs.append(logits)
     got = torch.cat(outs, 1)
     full_a, full_b = model(a), model(b)
@@ -68,10 +68,10 @@ def test_rejected_rows_leave_no_trace(model, start):
     ids = torch.randint(0, 256, (1, 300), generator=g)
     full = model(ids)
     state = DecodeState(model, 1, 320, max_draft=8)
-    model.step(ids[:, :start], torch.tensor([0]), state)
+    model.forward_chunk(ids[:, :start], torch.tensor([0]), state)
     junk = torch.randint(0, 256, (1, 9), generator=g)
-    model.step(junk, torch.tensor([start]), state)                  # 9 speculative rows, all rejected
-    logits, _ = model.step(ids[:, start:start + 5], torch.tensor([start]), state)
+    model.forward_chunk(junk, torch.tensor([start]), state)                  # 9 speculative rows, all rejected
+    logits, _ = model.forward_chunk(ids[:, start:start + 5], torch.tensor([start]), state)
     assert torch.allclose(logits[0], full[0, start:start + 5], atol=1e-4, rtol=1e-4)
 
 
@@ -79,7 +79,7 @@ def test_rejected_rows_leave_no_trace(model, start):
 def test_reused_slot_starts_clean(model):
     g = torch.Generator().manual_seed(11)
     state = DecodeState(model, 1, 320, max_draft=8)
-    model.step(torch.randint(0, 256, (1, 250), generator=g), torch.tensor([0]), state)
+    model.forward_chunk(torch.randint(0, 256, (1, 250), generator=g), torch.tensor([0]), state)
     ids = torch.randint(0, 256, (1, 3), generator=g)               # shorter than a ratio-4 block
-    logits, _ = model.step(ids, torch.tensor([0]), state)
+    logits, _ = model.forward_chunk(ids, torch.tensor([0]), state)
     assert torch.allclose(logits, model(ids), atol=1e-5)

@@ -7,11 +7,10 @@ import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
 
-from dsv4cli import parallel
-from dsv4cli.engine import EngineAPI, ModelInfo
-from dsv4cli.engine.engine import Engine
-from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs, verify
-from dsv4cli import kernels
+from dsv4cli import kernels, parallel
+from dsv4cli.engine import Engine, EngineAPI, ModelInfo
+from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
+from dsv4cli.engine.verify import verify
 from dsv4cli.model import load_model
 from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
@@ -357,7 +356,7 @@ def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
     leader = parallel.Leader(engine, control=None, procs=[], watchdog=threading.Event())
     assert isinstance(engine, EngineAPI) and isinstance(leader, EngineAPI)
     assert not hasattr(parallel.Leader, "__getattr__")
-    assert (leader.tok, leader.k, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
+    assert (leader.tok, leader.mtp_depth, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
     cfg = model.cfg
     info = leader.model_info
     assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), w8a8=False, dtype="float32",

@@ -106,8 +106,8 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
     monkeypatch.setattr(reference, "grouped_linear", spy_grouped)
     ids = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(batch))
     start = torch.zeros(batch, dtype=torch.long)
-    _, hidden = model.step(ids, start, DecodeState(model, batch, 64, max_draft=0))
-    model.mtp_step(hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
+    _, hidden = model.forward_chunk(ids, start, DecodeState(model, batch, 64, max_draft=0))
+    model.mtp_forward_chunk(hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
     per_expert = 3 * 32 * 64                    # w1, w3 [32, 64] and w2 [64, 32] int8
     assert len(routed) == len(moes)
     assert sum(read) == sum(len(r) for r in routed) * per_expert

@@ -6,7 +6,7 @@ import torch
 
 from dsv4cli import kernels, loading, platforms
 from dsv4cli.config import Settings
-from dsv4cli.engine.graphs import StepGraphs
+from dsv4cli.engine.graphs import DecodeGraphs
 from dsv4cli.errors import UsageError
 from dsv4cli.kernels import reference
 from dsv4cli.platforms import Platform
@@ -22,7 +22,7 @@ def test_builtin_platforms_and_device_choices():
     assert platforms.get("npu").compile_backend == "npu" and cpu.compile_backend == "inductor"
     assert kernels.backend("cpu") is reference and kernels.backend("meta") is reference   # unregistered: the oracle
     assert cpu.free_memory(torch.device("cpu")) > 0
-    assert StepGraphs.for_device(torch.device("cpu")) is None
+    assert DecodeGraphs.for_device(torch.device("cpu")) is None
     auto = platforms.pick("auto")
     assert auto.is_available() and all(p.priority <= auto.priority for p in map(platforms.get, platforms.names())
                                        if p.is_available())
@@ -55,7 +55,7 @@ def test_a_registered_platform_is_picked_and_drives_the_device_choices(monkeypat
     device = loading.pick_device("auto")
     assert device == torch.device("meta") and loading.pick_dtype("auto", device) == torch.float16
     assert loading.pick_dtype("bfloat16", device) == torch.bfloat16
-    graphs = StepGraphs.for_device(device)
+    graphs = DecodeGraphs.for_device(device)
     assert graphs.graph_cls is torch.cuda.CUDAGraph
     assert "meta" in platforms.names() and platforms.for_device(device).dist_backend == "gloo"
     assert loading.pick_device("cpu") == torch.device("cpu")

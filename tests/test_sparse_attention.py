@@ -84,7 +84,7 @@ def test_decode_reads_caches_in_place(rows, monkeypatch):
     monkeypatch.setattr(reference, "sparse_attention", spy_attention)
     tokens = torch.randint(0, 256, (2, rows))
     start = torch.tensor([context - 1, context - 40])
-    model.step(tokens, start, state, context=context + rows)
+    model.forward_chunk(tokens, start, state, context=context + rows)
     assert not cache_storage & set(joined)
     ratios = model.cfg.compress_ratios[: model.cfg.n_layers]
     assert len(masks) == len(ratios)

@@ -91,7 +91,7 @@ class Chat:
             self.show(outcome.part)
         elif outcome.action == "stats":
             self.console.print(rows_table("session", self.session.totals.rows()))
-        if self.session.settings.mtp != self.engine.k:   # /set mtp or /load
+        if self.session.settings.mtp != self.engine.mtp_depth:   # /set mtp or /load
             self.rebuild_engine()
 
     def error(self, message: str) -> None:
@@ -103,7 +103,7 @@ class Chat:
         try:
             self.engine = old.resized(1, s.mtp)
         except ValueError as e:
-            self.session.settings = dataclasses.replace(s, mtp=old.k)
+            self.session.settings = dataclasses.replace(s, mtp=old.mtp_depth)
             self.error(f"mtp {s.mtp}: {e}")
 
     def show(self, part: str) -> None:
@@ -144,7 +144,8 @@ class Chat:
             self.session.messages.pop()
             self.error(f"{e}; your message was dropped")
             return True
-        view = LiveReply(self.console, seq, self.engine.k, s.thinking) if self.tty else PlainReply(seq, s.thinking)
+        view = (LiveReply(self.console, seq, self.engine.mtp_depth, s.thinking) if self.tty
+                else PlainReply(seq, s.thinking))
         with sigint_flag() as stop, view:
             try:
                 while not seq.finished and not stop:

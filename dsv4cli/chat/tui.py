@@ -43,7 +43,7 @@ def sparkline(values: list[float], width: int = 20) -> str:
     return "".join(SPARKS[round((v - lo) / (hi - lo) * 7) if hi > lo else 0] for v in values)
 
 
-def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
+def status_bar(m: Metrics, mtp_depth: int, step_s: list[float]) -> Text:
     """Two lines under a streaming reply: speed and step latency, then MTP acceptance."""
     if not m.t_first:
         return Text(f"prefilling {m.prompt_tokens - m.cached_tokens} prompt tokens…", style="dim")
@@ -59,8 +59,8 @@ def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
     if step_s:
         speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
     mtp = [stat("MTP", "off")]
-    if k:
-        mtp = [stat("MTP", str(k)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
+    if mtp_depth:
+        mtp = [stat("MTP", str(mtp_depth)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
                stat("per position", " ".join(f"{p:.2f}" for p in m.per_position) or "-"),
                stat("mean acceptance length", f"{m.mean_acceptance_length:.2f}")]
     bar = Text("\n", style="dim").join([Text(" · ").join(speed), Text(" · ").join(mtp)])
@@ -68,7 +68,7 @@ def status_bar(m: Metrics, k: int, step_s: list[float]) -> Text:
     return bar
 
 
-def summary_line(m: Metrics, k: int, finish_reason: str | None) -> Text:
+def summary_line(m: Metrics, mtp_depth: int, finish_reason: str | None) -> Text:
     """One line after each reply."""
     reused = f" ({m.cached_tokens} reused)" if m.cached_tokens else ""
     parts = [f"{m.output_tokens} tokens", f"prompt {m.prompt_tokens}{reused}"]
@@ -76,7 +76,7 @@ def summary_line(m: Metrics, k: int, finish_reason: str | None) -> Text:
         parts.append(f"TTFT {ms(m.ttft)}")
     if m.output_tokens > 1:
         parts.append(f"{m.tokens_per_s:.1f} tok/s (mean over the reply)")
-    if k and m.drafts:
+    if mtp_depth and m.drafts:
         parts.append(f"accept {100 * m.acceptance_rate:.1f}% (mean length {m.mean_acceptance_length:.2f})")
     line = Text(" · ".join(parts), style="dim")
     if finish_reason == "cancelled":
@@ -116,8 +116,8 @@ class LiveReply:
     ten times a second. Closing it replaces the live view with the whole reply and a summary line.
     Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
 
-    def __init__(self, console: Console, seq, k: int, thinking: bool):
-        self.console, self.seq, self.k, self.thinking = console, seq, k, thinking
+    def __init__(self, console: Console, seq, mtp_depth: int, thinking: bool):
+        self.console, self.seq, self.mtp_depth, self.thinking = console, seq, mtp_depth, thinking
         self.step_s: list[float] = []
         self.drawn = 0.0
         self.live = Live(self, console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
@@ -130,7 +130,7 @@ class LiveReply:
         answer = answer[-keep:]
         reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
         yield Tail(reply_view(reasoning, answer, markdown=False), height)
-        yield status_bar(self.seq.metrics, self.k, self.step_s)
+        yield status_bar(self.seq.metrics, self.mtp_depth, self.step_s)
 
     def __enter__(self):
         self.tty.__enter__()
@@ -141,7 +141,7 @@ class LiveReply:
         self.live.stop()
         self.tty.__exit__()
         self.console.print(reply_view(*split_reply(self.seq.text[: self.seq.emitted], self.thinking)))
-        self.console.print(summary_line(self.seq.metrics, self.k, self.seq.finish_reason))
+        self.console.print(summary_line(self.seq.metrics, self.mtp_depth, self.seq.finish_reason))
 
     def update(self) -> None:
         if time.perf_counter() - self.drawn >= 0.1:
@@ -197,7 +197,7 @@ def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
             ("device", str(engine.device)),
             ("dtype", info.dtype),
             ("tensor parallel", str(settings.tp)),
-            ("MTP depth", str(engine.k) if engine.k else "off"),
+            ("MTP depth", str(engine.mtp_depth) if engine.mtp_depth else "off"),
             ("parameters", human_count(info.parameters)),
             ("layers", f"{info.layers} (+{info.mtp_layers} MTP)"),
             ("vocab", str(info.vocab_size)),

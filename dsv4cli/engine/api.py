@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     from dsv4cli.model import Transformer
     from dsv4cli.tokenizer import Tokenizer
 
-    from .compiled import CompiledStep
-    from .engine import Event, Metrics, Sequence
+    from .compiled import CompiledDecode
+    from .request import Event, Metrics, Sequence
     from .sampling import SamplingParams
 
 
@@ -45,10 +45,10 @@ class EngineAPI(Protocol):
     device: torch.device
     max_batch: int
     max_seq_len: int
-    k: int              # MTP depth: tokens drafted per step (0 = plain decoding)
+    mtp_depth: int      # tokens drafted per step (0 = plain decoding)
     totals: Metrics     # of every finished request
     model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
-    compiled: CompiledStep | None   # the compiled decode step and its counts, when compile is on
+    compiled: CompiledDecode | None   # the compiled decode step and its counts, when compile is on
 
     @property
     def model_info(self) -> ModelInfo: ...

@@ -70,7 +70,7 @@ def kernel_calls(source: str) -> int:
     return len(_CALL.findall(source))
 
 
-class CompiledStep:
+class CompiledDecode:
     """`fn(*key)` compiled once per key, static shapes, no graph breaks. Counts compiles and the
     kernel calls each key's generated code makes. `tag` names what else fixes the graph (the
     engine's shape), so a graph this process already loaded keeps its count."""

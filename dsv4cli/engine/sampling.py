@@ -1,9 +1,6 @@
-"""On-device sampling and speculative verification, batched over requests with their own settings.
-
-Greedy rows become one-hot distributions, so greedy and sampled requests share one verification rule:
-accept draft d with probability p(d); on rejection draw from p with d removed; when every draft is
-accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
-exactly as the target model's (and for greedy it is exact-match acceptance).
+"""On-device sampling, batched over requests with their own settings: penalties, filters, the target
+distributions (greedy rows one-hot, so greedy and sampled requests share one verification rule,
+`verify.py`), logprobs and counter-based randomness.
 
 Logprobs are those of the processed distribution: the logits after logit_bias, penalties and temperature
 (temperature 0 counts as 1, so greedy rows report the model's own distribution, not the one-hot they
@@ -40,7 +37,8 @@ TOP_LOGPROBS = 20
 
 
 class SlotParams:
-    """Per-slot sampling settings as device tensors [max_batch] (written on admission only)."""
+    """Per-slot sampling settings as device tensors [max_batch] (written on admission), with the prompt
+    mask and output-token counts [max_batch, vocab] the penalties read (counts updated every step)."""
 
     def __init__(self, n: int, vocab: int, device):
         def t(value, dtype=torch.float32):
@@ -65,6 +63,11 @@ class SlotParams:
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.bias.device)
             self.bias[slot, ids] = torch.tensor(list(p.logit_bias.values()), device=self.bias.device)
+
+
+# what a request's uniforms are for: each purpose its own stream, so no two draws share a number
+RNG_ACCEPT = 1      # accepting a draft
+RNG_DRAW = 2        # drawing a token: the first, a correction or a bonus
 
 
 def uniform(seed: torch.Tensor, pos: torch.Tensor, purpose: int) -> torch.Tensor:
@@ -128,32 +131,3 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.cumsum(-1)
     idx = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1).contiguous()).squeeze(-1)
     return idx.clamp(max=probs.shape[-1] - 1)
-
-
-def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor):
-    """Speculative verification of K drafts with K+1 target rows.
-
-    probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K];
-    pos [B] the position of row 0. Returns (tokens [B,K+1], n_accepted [B]): the committed tokens
-    are tokens[:, :n_accepted+1] (accepted drafts, then a correction or bonus token).
-    """
-    B, R, _ = probs.shape
-    K = R - 1
-    rows = pos[:, None] + torch.arange(R, device=probs.device)
-    if K:
-        p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # [B,K]
-        accept = uniform(seed[:, None], rows[:, :K], 1) < p_draft
-        n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
-    else:
-        n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
-    final_row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, probs.shape[-1])).squeeze(1)
-    if K:
-        # rejected at row n: remove the draft from that row's distribution (bonus rows keep all)
-        rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
-        residual = final_row.scatter(-1, rejected[:, None], 0.0)
-        final_row = torch.where((n_acc < K)[:, None], residual, final_row)
-    final_pos = pos + n_acc
-    last = sample_from(final_row, uniform(seed, final_pos, 2))
-    tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
-    tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
-    return tokens, n_acc

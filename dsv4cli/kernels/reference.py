@@ -54,9 +54,9 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ratio: int) -> torch.Tensor:
-    """One compressed KV entry per closing block: candidates kv, gate [B,n,c,C] fp32 (c = coff*ratio
-    rows, C = coff*d channels), valid [B,n,c]; the channels pooled with a per-channel softmax of the
-    gate over the rows. With coff = 2 (ratio 4) the earlier block's rows give their first d channels
+    """One compressed KV entry per closing block: candidates kv, gate [B,n,c,C] fp32 (c = span*ratio
+    rows, C = span*d channels), valid [B,n,c]; the channels pooled with a per-channel softmax of the
+    gate over the rows. With span = 2 (ratio 4) the earlier block's rows give their first d channels
     and this block's rows their second d. Returns [B,n,d] fp32."""
     gate = gate.masked_fill(~valid[..., None], float("-inf"))
     if kv.shape[2] == 2 * ratio:

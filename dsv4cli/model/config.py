@@ -3,6 +3,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+COMPRESS_RATIOS = (0, 4, 128)       # a layer's KV compression: 0 window only, 4 with the indexer, 128 dense
+LARGEST_RATIO = max(COMPRESS_RATIOS)
+
 
 class ConfigError(ValueError):
     """A missing or inconsistent config.json field; the message is one line naming it."""
@@ -124,7 +127,7 @@ class ModelConfig:
         if len(self.compress_ratios) != self.n_layers + self.n_mtp_layers:
             bad(f"compress_ratios has {len(self.compress_ratios)} entries, expected num_hidden_layers + "
                 f"num_nextn_predict_layers = {self.n_layers + self.n_mtp_layers}")
-        if any(r not in (0, 4, 128) for r in self.compress_ratios):
+        if any(r not in COMPRESS_RATIOS for r in self.compress_ratios):
             bad(f"compress_ratios entries must be 0, 4 or 128, got {sorted(set(self.compress_ratios))}")
         if any(r != 0 for r in self.compress_ratios[self.n_layers:]):
             bad("compress_ratios entries of the MTP layers must be 0 (sliding window only)")

@@ -23,7 +23,7 @@ from torch import nn
 
 from dsv4cli import kernels, platforms
 
-from .config import ModelConfig
+from .config import LARGEST_RATIO, ModelConfig
 
 
 def world() -> tuple[int, int]:
@@ -109,12 +109,18 @@ def rope_table(cfg: ModelConfig, length: int, compressed: bool, device) -> tuple
 # Decode state and the per-call plan
 # --------------------------------------------------------------------------------------------------
 
+def block_span(ratio: int) -> int:
+    """Blocks a compressor row feeds: ratio-4 blocks overlap (block j pools tokens 4j-4..4j+3), so their
+    projections are two halves wide and a block has 2r candidate rows."""
+    return 2 if ratio == 4 else 1
+
+
 class LayerCache:
     """One attention layer's state for `batch` sequences; all sizes fixed at allocation.
 
     win:      ring [B, R, head_dim] of window KV, slot p % R
-    cmp_kv/cmp_gate: ring [B, R, coff*head_dim] f32 of compressor projections (gate includes ape)
-    cmp:      [B, T+1, head_dim] compressed blocks, block j in slot j, slot T is a sink for unused writes
+    compress_kv/compress_gate: ring [B, R, span*head_dim] f32 of compressor projections (gate includes ape)
+    compressed: [B, T+1, head_dim] compressed blocks, block j in slot j, slot T is a sink for unused writes
     idx_*:    the same for the indexer's own compressor (ratio 4 only)
     """
 
@@ -125,15 +131,15 @@ class LayerCache:
         self.ratio = ratio
         self.win = zeros(batch, ring, cfg.head_dim)
         if ratio:
-            coff = 2 if ratio == 4 else 1
+            span = block_span(ratio)
             blocks = max_len // ratio + 1
-            self.cmp_kv = zeros(batch, ring, coff * cfg.head_dim, dt=torch.float32)
-            self.cmp_gate = zeros(batch, ring, coff * cfg.head_dim, dt=torch.float32)
-            self.cmp = zeros(batch, blocks, cfg.head_dim)
+            self.compress_kv = zeros(batch, ring, span * cfg.head_dim, dt=torch.float32)
+            self.compress_gate = zeros(batch, ring, span * cfg.head_dim, dt=torch.float32)
+            self.compressed = zeros(batch, blocks, cfg.head_dim)
         if ratio == 4:
             self.idx_kv = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
             self.idx_gate = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
-            self.idx_cmp = zeros(batch, blocks, cfg.index_head_dim)
+            self.idx_compressed = zeros(batch, blocks, cfg.index_head_dim)
 
     def tensors(self):
         return [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
@@ -161,8 +167,8 @@ class DecodeState:
         device = device or model.embed.weight.device
         dtype = dtype or model.dtype
         self.batch, self.max_len, self.max_draft = batch, max_len, max_draft
-        # rows any call reads before its first position: the window, or a ratio-128 block's candidates
-        self.lookback = max(cfg.window_size, 128) - 1
+        # rows any call reads before its first position: the window, or a largest-ratio block's candidates
+        self.lookback = max(cfg.window_size, LARGEST_RATIO) - 1
         self.ring = self.lookback + 1 + max_draft + 1 + spare
         ratios = cfg.compress_ratios
         self.layers = [LayerCache(cfg, ratios[i], batch, self.ring, max_len, device, dtype)
@@ -174,7 +180,7 @@ class DecodeState:
                      "compress": rope_table(cfg, table_len, True, device)}
         self._views = {}
 
-    def slot(self, index: int | slice) -> "DecodeState":
+    def view(self, index: int | slice) -> "DecodeState":
         """A view of some sequence slots; writes through it land in this state. Views are cached,
         so stepping a batch bucket creates nothing."""
         if isinstance(index, int):
@@ -200,7 +206,7 @@ class CompressPlan:
     """
 
     def __init__(self, r: int, start, pos, S: int, ring: int, blocks: int, visible_blocks: int, table):
-        coff = 2 if r == 4 else 1
+        span = block_span(r)
         n = -(-S // r)
         first = (r - 1 - start % r) % r                                        # [B]
         rows = first[:, None] + r * torch.arange(n, device=pos.device)          # [B,n]
@@ -210,7 +216,7 @@ class CompressPlan:
         self.slot = torch.where(valid & (block < blocks - 1), block, blocks - 1)
         block_pos = (block.clamp(min=0) * r).clamp(max=table[0].shape[0] - 1)
         self.cos, self.sin = table[0][block_pos], table[1][block_pos]
-        cand = row_pos[..., None] - (coff * r - 1) + torch.arange(coff * r, device=pos.device)  # [B,n,coff*r]
+        cand = row_pos[..., None] - (span * r - 1) + torch.arange(span * r, device=pos.device)  # [B,n,span*r]
         self.from_ring = (cand < start[:, None, None])[..., None]
         self.ring_row = (cand % ring).flatten(1)[..., None]
         self.chunk_row = (cand - start[:, None, None]).clamp(0, S - 1).flatten(1)[..., None]
@@ -220,7 +226,7 @@ class CompressPlan:
 
 
     def candidates(self, ring: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-        """[B,n,coff*r,C]: each closing block's candidate rows, from the ring (earlier calls) or from
+        """[B,n,span*r,C]: each closing block's candidate rows, from the ring (earlier calls) or from
         this chunk's rows, read in place."""
         B, n, c = *self.cand_valid.shape[:2], self.cand_valid.shape[2]
         from_ring = ring.gather(1, self.ring_row.expand(-1, -1, ring.shape[-1]))
@@ -228,14 +234,14 @@ class CompressPlan:
         return torch.where(self.from_ring, from_ring.view(B, n, c, -1), from_chunk.view(B, n, c, -1))
 
 
-class Step:
-    """Everything the layers share for one call: positions, RoPE rows, masks, write slots."""
+class CallPlan:
+    """Everything the layers share for one call of the model: positions, RoPE rows, masks, write slots."""
 
     def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, cfg: ModelConfig,
                  compressed: bool = True, context: int | None = None):
         B, S = tokens.shape
         dev = tokens.device
-        self.tokens, self.start, self.state, self.B, self.S = tokens, start, state, B, S
+        self.B, self.S = B, S
         table_len = state.rope["main"][0].shape[0]
         self.pos = start[:, None] + torch.arange(S, device=dev)                 # [B,S]
         p = self.pos.clamp(max=table_len - 1)
@@ -279,24 +285,24 @@ class Compressor(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int):
         super().__init__()
         self.ratio, self.head_dim = ratio, head_dim
-        self.coff = 2 if ratio == 4 else 1
+        self.span = block_span(ratio)
         self.eps = cfg.norm_eps
-        self.ape = nn.Parameter(torch.zeros(ratio, self.coff * head_dim, dtype=torch.float32))
-        self.wkv = Linear(cfg.dim, self.coff * head_dim)
-        self.wgate = Linear(cfg.dim, self.coff * head_dim)
+        self.ape = nn.Parameter(torch.zeros(ratio, self.span * head_dim, dtype=torch.float32))
+        self.wkv = Linear(cfg.dim, self.span * head_dim)
+        self.wgate = Linear(cfg.dim, self.span * head_dim)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def forward(self, x, step: Step, ring_kv, ring_gate, blocks):
-        plan: CompressPlan = step.plans[self.ratio]
-        B, r, d = step.B, self.ratio, self.head_dim
+    def forward(self, x, call: CallPlan, ring_kv, ring_gate, blocks):
+        plan: CompressPlan = call.plans[self.ratio]
+        B, r, d = call.B, self.ratio, self.head_dim
         kv = kernels.linear_fp32(x, self.wkv.weight)
-        gate = kernels.linear_fp32(x, self.wgate.weight) + self.ape[step.pos % r]
+        gate = kernels.linear_fp32(x, self.wgate.weight) + self.ape[call.pos % r]
         cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
         pooled = kernels.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(x.dtype)      # [B,n,d]
         pooled = kernels.rope(self.norm(pooled), plan.cos, plan.sin)
         blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
-        step.write_ring(ring_kv, kv)
-        step.write_ring(ring_gate, gate)
+        call.write_ring(ring_kv, kv)
+        call.write_ring(ring_gate, gate)
 
 
 class Indexer(nn.Module):
@@ -311,17 +317,17 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, self.n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim)
 
-    def forward(self, x, qr, step: Step, cache: LayerCache) -> torch.Tensor:
+    def forward(self, x, qr, call: CallPlan, cache: LayerCache) -> torch.Tensor:
         """The blocks each query attends to: [B,S,k] block indices, k = min(index_topk, the blocks a
         call may read), best first; ties go to the lower block index. Where fewer blocks are closed
         than k, the surplus indices point at blocks the query must not see (the attention masks them)."""
-        B, S = step.B, step.S
-        self.compressor(x, step, cache.idx_kv, cache.idx_gate, cache.idx_cmp)
-        cos, sin = step.rope["compress"]
+        B, S = call.B, call.S
+        self.compressor(x, call, cache.idx_kv, cache.idx_gate, cache.idx_compressed)
+        cos, sin = call.rope["compress"]
         q = kernels.rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
-        plan = step.plans[4]
+        plan = call.plans[4]
         w = self.weights_proj(x).float() * self.scale
-        scores = all_reduce(kernels.indexer_scores(q, cache.idx_cmp[:B, : plan.n_visible], w))   # [B,S,T]
+        scores = all_reduce(kernels.indexer_scores(q, cache.idx_compressed[:B, : plan.n_visible], w))   # [B,S,T]
         return kernels.topk_blocks(scores, plan.closed, min(self.topk, plan.n_visible))
 
 
@@ -348,9 +354,9 @@ class Attention(nn.Module):
         if self.ratio == 4:
             self.indexer = Indexer(cfg)
 
-    def forward(self, x, step: Step, cache: LayerCache):
-        B, S = step.B, step.S
-        cos, sin = step.rope[self.rope_kind]
+    def forward(self, x, call: CallPlan, cache: LayerCache):
+        B, S = call.B, call.S
+        cos, sin = call.rope[self.rope_kind]
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
         q = kernels.rope(kernels.rms_norm(q, None, self.eps), cos, sin)
@@ -360,18 +366,18 @@ class Attention(nn.Module):
         ring = cache.win[:B]
         if torch.is_grad_enabled():      # training: autograd keeps what attention read, and the ring is
             ring = ring.clone()          # overwritten below; inference reads it in place
-        sources = [(ring, step.ring_mask, None), (kv, step.chunk_mask, None)]
+        sources = [(ring, call.ring_mask, None), (kv, call.chunk_mask, None)]
         if self.ratio:
-            self.compressor(x, step, cache.cmp_kv, cache.cmp_gate, cache.cmp)
-            plan = step.plans[self.ratio]
+            self.compressor(x, call, cache.compress_kv, cache.compress_gate, cache.compressed)
+            plan = call.plans[self.ratio]
             if self.ratio == 4:
-                top = self.indexer(x, qr, step, cache)
-                sources.append((cache.cmp[:B], top < plan.closed[..., None], top))
+                top = self.indexer(x, qr, call, cache)
+                sources.append((cache.compressed[:B], top < plan.closed[..., None], top))
             else:
                 visible = torch.arange(plan.n_visible, device=x.device) < plan.closed[..., None]
-                sources.append((cache.cmp[:B, : plan.n_visible], visible, None))
+                sources.append((cache.compressed[:B, : plan.n_visible], visible, None))
         o = kernels.sparse_attention(q, sources, self.attn_sink, self.scale)
-        step.write_ring(cache.win, kv)
+        call.write_ring(cache.win, kv)
         o = kernels.rope(o, cos, -sin).reshape(B, S, self.n_groups, -1)      # undo RoPE at the query position
         z = kernels.grouped_projection(o, self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1))
         return all_reduce(self.wo_b(z.flatten(2)))
@@ -511,8 +517,8 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def forward(self, h, step: Step, cache: LayerCache, input_ids):
-        h = self.hyper_connection(h, "attn", lambda x: self.attn(self.attn_norm(x), step, cache))
+    def forward(self, h, call: CallPlan, cache: LayerCache, input_ids):
+        h = self.hyper_connection(h, "attn", lambda x: self.attn(self.attn_norm(x), call, cache))
         return self.hyper_connection(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
 
     def hyper_connection(self, h, part: str, sublayer):
@@ -576,10 +582,10 @@ class MTPBlock(Block):
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, h_prev, next_ids, step: Step, cache: LayerCache, embed, head):
+    def forward(self, h_prev, next_ids, call: CallPlan, cache: LayerCache, embed, head):
         e = self.enorm(embed(next_ids))
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h_prev))
-        x = super().forward(x, step, cache, next_ids)
+        x = super().forward(x, call, cache, next_ids)
         y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
         return head(self.norm(y)), x
@@ -618,27 +624,27 @@ class Transformer(nn.Module):
                 moe.stack_experts()
         return self
 
-    def step(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
+    def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
         """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.
 
         `context` optionally bounds every position + 1 in the call (host-known, so no sync), which
         limits the compressed blocks read. Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D]
         before hc_head)."""
-        step = Step(tokens, start, state, self.cfg, context=context)
+        call = CallPlan(tokens, start, state, self.cfg, context=context)
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         for layer, cache in zip(self.layers, state.layers):
-            h = layer(h, step, cache, tokens)
+            h = layer(h, call, cache, tokens)
         hh = h[:, -1:] if last_only else h
         y = kernels.mhc_head(hh, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
         return self.head(self.norm(y)), h
 
-    def mtp_step(self, hidden, next_ids, start, state: DecodeState):
+    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState):
         """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
 
         Returns (logits [B,S,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
-        step = Step(next_ids, start, state, self.cfg, compressed=False)
-        return self.mtp[0](hidden, next_ids, step, state.mtp[0], self.embed, self.head)
+        call = CallPlan(next_ids, start, state, self.cfg, compressed=False)
+        return self.mtp[0](hidden, next_ids, call, state.mtp[0], self.embed, self.head)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, return_hidden: bool = False):
@@ -646,7 +652,7 @@ class Transformer(nn.Module):
         B, S = input_ids.shape
         state = DecodeState(self, B, S, max_draft=0)
         start = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        logits, hidden = self.step(input_ids, start, state)
+        logits, hidden = self.forward_chunk(input_ids, start, state)
         return (logits, hidden) if return_hidden else logits
 
     @torch.no_grad()
@@ -655,4 +661,4 @@ class Transformer(nn.Module):
         B, S = next_ids.shape
         state = DecodeState(self, B, S, max_draft=0)
         start = torch.zeros(B, dtype=torch.long, device=next_ids.device)
-        return self.mtp_step(hidden, next_ids, start, state)[0]
+        return self.mtp_forward_chunk(hidden, next_ids, start, state)[0]

@@ -1,0 +1,124 @@
+"""A request and what comes back: the sequence (prompt, output so far, finish reason), its metrics, the
+events each engine step streams, and the logprobs of its tokens."""
+from dataclasses import dataclass, field
+
+from dsv4cli.tokenizer import StreamDecoder
+
+from .sampling import SamplingParams
+
+
+@dataclass
+class Metrics:
+    """Per-request timings and speculative-decoding counters (vLLM definitions)."""
+    t_submit: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0          # prompt tokens whose state was reused, not prefilled
+    output_tokens: int = 0
+    drafts: int = 0                 # steps that proposed drafts
+    draft_tokens: int = 0           # drafts proposed
+    accepted_tokens: int = 0        # drafts accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float:
+        return self.t_first - self.t_submit
+
+    @property
+    def tpot(self) -> float:
+        return (self.t_last - self.t_first) / max(self.output_tokens - 1, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode speed: tokens after the first over the time after the first."""
+        dt = self.t_last - self.t_first
+        return (self.output_tokens - 1) / dt if dt > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @property
+    def per_position(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+
+    def count_drafts(self, proposed: int, accepted: int) -> None:
+        """One step's speculation: `proposed` drafts, of which the first `accepted` were accepted."""
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        if not self.accepted_per_position:
+            self.accepted_per_position = [0] * proposed
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def merge(self, other: "Metrics") -> None:
+        self.prompt_tokens += other.prompt_tokens
+        self.cached_tokens += other.cached_tokens
+        self.output_tokens += other.output_tokens
+        self.drafts += other.drafts
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        if len(self.accepted_per_position) < len(other.accepted_per_position):
+            self.accepted_per_position += [0] * (len(other.accepted_per_position) - len(self.accepted_per_position))
+        for i, a in enumerate(other.accepted_per_position):
+            self.accepted_per_position[i] += a
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "output_tokens": self.output_tokens,
+                "ttft_s": round(self.ttft, 6), "tpot_s": round(self.tpot, 6),
+                "tokens_per_s": round(self.tokens_per_s, 3), "drafts": self.drafts,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "mean_acceptance_length": round(self.mean_acceptance_length, 4),
+                "per_position": [round(p, 4) for p in self.per_position]}
+
+
+@dataclass
+class TokenLogprob:
+    """A committed token's logprob under the processed distribution, and the most likely alternatives."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]       # (token id, logprob), most likely first
+
+    @classmethod
+    def from_scored(cls, token: int, scored: list[float], n_top: int) -> "TokenLogprob":
+        """One row of sampling.token_logprobs, read back on the host, with the request's n_top alternatives."""
+        w = (len(scored) - 1) // 2
+        top = [(int(t), v) for v, t in zip(scored[1: 1 + n_top], scored[1 + w: 1 + w + n_top])]
+        return cls(token, scored[0], top)
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0                # characters of `text` already streamed
+    finish_reason: str | None = None
+    slot: int = -1
+    metrics: Metrics = field(default_factory=Metrics)
+    decoder: StreamDecoder | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)     # one per output id, when asked for
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Event:
+    """What one step produced for one sequence: new text/tokens, and whether it finished."""
+    seq: Sequence
+    text: str
+    token_ids: list[int]
+    finished: bool

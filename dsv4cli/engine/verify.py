@@ -1,0 +1,38 @@
+"""Speculative verification (rejection sampling) of K drafts against the target distributions.
+
+Accept draft d with probability p(d); on rejection draw from p with d removed; when every draft is
+accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
+exactly as the target model's, and greedy rows (one-hot p) get exact-match acceptance.
+"""
+import torch
+
+from .sampling import RNG_ACCEPT, RNG_DRAW, sample_from, uniform
+
+
+def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor):
+    """Speculative verification of K drafts with K+1 target rows.
+
+    probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K];
+    pos [B] the position of row 0. Returns (tokens [B,K+1], n_accepted [B]): the committed tokens
+    are tokens[:, :n_accepted+1] (accepted drafts, then a correction or bonus token).
+    """
+    B, R, _ = probs.shape
+    K = R - 1
+    rows = pos[:, None] + torch.arange(R, device=probs.device)
+    if K:
+        p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # [B,K]
+        accept = uniform(seed[:, None], rows[:, :K], RNG_ACCEPT) < p_draft
+        n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
+    final_row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, probs.shape[-1])).squeeze(1)
+    if K:
+        # rejected at row n: remove the draft from that row's distribution (bonus rows keep all)
+        rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
+        residual = final_row.scatter(-1, rejected[:, None], 0.0)
+        final_row = torch.where((n_acc < K)[:, None], residual, final_row)
+    final_pos = pos + n_acc
+    last = sample_from(final_row, uniform(seed, final_pos, RNG_DRAW))
+    tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
+    tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
+    return tokens, n_acc
