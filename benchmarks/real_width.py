@@ -283,8 +283,8 @@ class StepProfile:
 def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float, int]:
     """The same step compiled (torch.compile, as `--compile on` runs it): rep times, compile time and
     kernel calls. Parts are not timed: the compiled graph has no module boundaries left."""
-    from dsv4cli.engine.compiled import CompiledStep
-    step = CompiledStep(engine._device_step, DEVICE)
+    from dsv4cli.engine.compiled import CompiledDecode
+    step = CompiledDecode(engine._fused_decode, DEVICE)
     times = []
     for _ in range(reps + 1):                          # the first compiles
         t = clock()

@@ -48,7 +48,7 @@ def run_config(engine: EngineAPI, prompts, max_tokens: int) -> dict:
     """Decode-phase speed: tokens after each request's first over the wall time after admission."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [engine.submit(p, params) for p in prompts]
-    engine.step()                               # admits the batch (prefill) and runs the first step
+    engine.step()                               # admits the batch (prefill: the first tokens)
     t0, steps = time.perf_counter(), 1
     done_before = sum(len(s.output_ids) for s in seqs)
     while engine.has_work():
@@ -107,7 +107,7 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
     """Kernel launches of one decode step: leaf ops when eager, kernel calls of the generated code when
     compiled (C++ / Triton kernels, library GEMMs, custom ops: the host-routed experts count as one)."""
     seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    engine.step()                                  # admission and the first decode step
+    engine.step()                                  # admission (the first token)
     if engine.compiled is None:
         n = eager_launches(engine)
     else:

@@ -111,12 +111,14 @@ class Engine:
         return ModelInfo.of(self.model)
 
     def step(self) -> list[Event]:
-        """Admit waiting requests into free slots (prefill), then one decode step for all running."""
+        """Admit waiting requests into free slots (prefill: their first tokens), or else one decode
+        step for all running. Admissions return first, so a first token streams without waiting
+        for a decode step (nor for its compile)."""
         events = []
         while self.waiting and None in self.slots:
             events.append(self._admit(self.waiting.pop(0)))
-        if any(s is not None for s in self.slots):
-            events += self._decode()
+        if not events and any(s is not None for s in self.slots):
+            events = self._decode()
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:

@@ -122,40 +122,51 @@ def projection(x, weight, scale, xq=None):
     return w8a8_linear(x, weight, scale, xq, weight if weight.is_mkldnn else None)
 
 
-def expert_ffn(x, weights, scales, limit, routing_weight=None, xq=None):
-    """One expert: w2(swiglu(w1 x, w3 x) * routing_weight). weights = [w1, w3, w2] (float, int8 or
-    packed), scales = their per-channel scales (None for float); xq = x quantised per token."""
-    w1, w3, w2 = weights
-    s1, s3, s2 = scales
-    h = swiglu(projection(x, w1, s1, xq), projection(x, w3, s3, xq), limit)
+def expert_ffn(x, w1, w3, w2, limit, routing_weight=None, xq=None):
+    """One expert: w2(swiglu(w1 x, w3 x) * routing_weight). w1, w3, w2: its projections, callables
+    p(x, xq=None) (the expert's Linear modules, or a TensorExpert's); xq = x quantised per token."""
+    h = swiglu(w1(x, xq), w3(x, xq), limit)
     if routing_weight is not None:       # the routing weight scales the intermediate, before w2
         h = h * routing_weight
-    return projection(h.to(x.dtype), w2, s2)
+    return w2(h.to(x.dtype))
 
 
-def experts_on_host(x, weights, local, experts, limit, xq=None):
+class TensorExpert:
+    """An expert made of its tensors: weights [w1, w3, w2] (float, int8 or packed) and their scales."""
+
+    def __init__(self, weights, scales, limit: float):
+        self.projections = [lambda x, xq=None, w=w, s=s: projection(x, w, s, xq) for w, s in zip(weights, scales)]
+        self.limit = limit
+
+    def __call__(self, x, routing_weight=None, xq=None):
+        return expert_ffn(x, *self.projections, self.limit, routing_weight, xq)
+
+
+def experts_on_host(x, weights, local, experts, xq=None):
     """Routed experts one at a time, each on its own tokens, for tensors in host memory (reading the
     routing there costs no device sync), each expert's weights read in place (packed or not).
 
     x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
-    first expert; experts: this rank's experts as (weights, scales) pairs of `expert_ffn`.
-    Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
+    first expert; experts: this rank's experts, callables expert(rows, routing_weight [n,1], rows_q)
+    (a compiled graph takes their `kernel_tensors()` and `limit`). Pairs routed to another rank's
+    experts add nothing. Returns fp32 [T, dim]."""
     if torch.compiler.is_compiling():    # a graph can't read the routing: one opaque op in it
-        flat = [(w, s) for ws, ss in experts for w, s in zip(ws, ss)]
+        tensors = [e.kernel_tensors() for e in experts]
         q, sx = xq if xq is not None else (None, None)
-        return experts_on_host_op(x, weights, local, q, sx, [w for w, _ in flat], [s for _, s in flat], limit)
+        return experts_on_host_op(x, weights, local, q, sx, [w for ws, _ in tensors for w in ws],
+                                  [s for _, ss in tensors for s in ss], experts[0].limit)
     n_local, k = len(experts), local.shape[1]
     key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
     order = key.argsort(stable=True)
     counts = torch.bincount(key, minlength=n_local + 1).tolist()
     y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     start = 0
-    for (w, s), n in zip(experts, counts[:-1]):
+    for expert, n in zip(experts, counts[:-1]):
         if n:
             sel = order[start: start + n]
             rows = sel // k
             rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
-            y.index_add_(0, rows, expert_ffn(x[rows], w, s, limit, weights.flatten()[sel, None], rows_q).float())
+            y.index_add_(0, rows, expert(x[rows], weights.flatten()[sel, None], rows_q).float())
         start += n
     return y
 
@@ -165,8 +176,9 @@ def experts_on_host_op(x: torch.Tensor, weights: torch.Tensor, local: torch.Tens
                        xs: torch.Tensor | None, expert_weights: list[torch.Tensor],
                        expert_scales: list[torch.Tensor | None], limit: float) -> torch.Tensor:
     """`experts_on_host` as one op of a compiled graph; the experts' tensors come flat, three each."""
-    experts = [(expert_weights[i: i + 3], expert_scales[i: i + 3]) for i in range(0, len(expert_weights), 3)]
-    return experts_on_host(x, weights, local, experts, limit, None if xq is None else (xq, xs))
+    experts = [TensorExpert(expert_weights[i: i + 3], expert_scales[i: i + 3], limit)
+               for i in range(0, len(expert_weights), 3)]
+    return experts_on_host(x, weights, local, experts, None if xq is None else (xq, xs))
 
 
 @experts_on_host_op.register_fake

@@ -398,12 +398,12 @@ class Expert(nn.Module):
         self.w3 = Linear(dim, inter_dim)
 
     def kernel_tensors(self) -> tuple[list, list]:
-        """(weights, scales) of w1, w3, w2 as `kernels.expert_ffn` takes them."""
+        """(weights, scales) of w1, w3, w2, as a compiled graph passes them to the host-experts op."""
         linears = (self.w1, self.w3, self.w2)
         return [lin.kernel_weight for lin in linears], [lin.weight_scale for lin in linears]
 
     def forward(self, x, weight=None, xq=None):
-        return kernels.expert_ffn(x, *self.kernel_tensors(), self.limit, weight, xq)
+        return kernels.expert_ffn(x, self.w1, self.w3, self.w2, self.limit, weight, xq)
 
 
 class Gate(nn.Module):
@@ -491,8 +491,7 @@ class MoE(nn.Module):
         if self.stack is not None and not (self.routes_on_host and not torch.compiler.is_compiling()):
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         else:
-            y = kernels.experts_on_host(x, weights, local, [e.kernel_tensors() for e in self.local_experts()],
-                                        self.limit, xq)
+            y = kernels.experts_on_host(x, weights, local, self.local_experts(), xq)
         y = all_reduce(y)
         if self.shared_experts is not None:
             y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
