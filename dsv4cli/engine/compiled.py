@@ -30,6 +30,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4cli" / "inductor"
 
 
+def use_cache_dir() -> None:
+    """Point inductor at `cache_dir()` unless the user chose a directory or it can't be written
+    (then inductor keeps its own, under the temp directory)."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    if os.access(cache_dir(), os.W_OK):
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """One line saying why this machine can't compile for `device`, or None."""
     if device.type == "cpu":
@@ -79,7 +90,7 @@ class CompiledDecode:
 
     def __init__(self, fn, device: torch.device, tag: tuple = ()):
         self.tag = tag
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir()))
+        use_cache_dir()
         torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
         torch._dynamo.config.fail_on_recompile_limit_hit = True
         self.fn = torch.compile(fn, backend=platforms.for_device(device).compile_backend, fullgraph=True,
