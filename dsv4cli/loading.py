@@ -134,7 +134,7 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
         raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
     # a chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
-                  reuse_prefix=s.mode == "chat", compile=s.compile == "on")
+                  prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on")
 
 
 def load_engine(s: Settings) -> EngineAPI:

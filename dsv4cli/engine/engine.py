@@ -1,9 +1,10 @@
 """The engine: requests in, streamed tokens out, with continuous batching and fused MTP speculation.
 
-Admission (`_admit`): a waiting request takes a free slot (with prefix reuse, the one whose state it
-resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the MTP layer,
-and the first token and first drafts come out of prefill.
-One fused decode step for the running slots, all on the device (`_fused_decode`):
+Admission (`_assign`, `_prefill`): a waiting request takes a free slot (with prefix reuse, the one whose
+state it resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the MTP
+layer, at most `prefill_budget` tokens per step, and the first token and first drafts come out of its
+last chunk. Each step then runs one fused decode step for the running slots, all on the device
+(`_fused_decode`):
   trunk over [last token, K drafts] -> target distributions (`sampling.py`) -> verify (`verify.py`) ->
   MTP over the same rows with the committed tokens -> next K drafts (`mtp.py`).
 The host reads one packed tensor per step (committed tokens + counts, and their logprobs when a running
@@ -45,13 +46,14 @@ CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this m
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, graphs: bool = True, reuse_prefix: bool = False,
-                 compile: bool = False):
+                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 512, graphs: bool = True,
+                 reuse_prefix: bool = False, compile: bool = False):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
         self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
-        self.prefill_chunk = prefill_chunk
+        # prefill tokens per step: running streams wait at most this much prefill between tokens
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.device = model.embed.weight.device
         # Prefix reuse: a new prompt starts where a free slot's state stops matching it (a chat turn
         # resumes the previous one). Off by default: batch output must not depend on slot history.
@@ -60,6 +62,7 @@ class Engine:
         self.drafter = MTPDrafter(model, mtp) if mtp else None
         self.slots: list[Sequence | None] = [None] * max_batch
         self.waiting: list[Sequence] = []
+        self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
         self.totals = Metrics()
         self._ids = itertools.count()
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
@@ -91,15 +94,18 @@ class Engine:
     def cancel(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         if not seq.finished:
             seq.finish_reason = "cancelled"
         if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
-            self.slots[seq.slot] = None
+            self._free(seq.slot)
 
     def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
         """A new engine on the same loaded model with another batch size or MTP depth."""
         return Engine(self.model, self.tok, max_batch=max_batch, max_seq_len=self.max_seq_len, mtp=mtp,
-                      prefill_chunk=self.prefill_chunk, graphs=self.graphs is not None,
+                      prefill_chunk=self.prefill_chunk, prefill_budget=self.prefill_budget,
+                      graphs=self.graphs is not None,
                       reuse_prefix=self.reuse_prefix,
                       compile=self.compiled is not None if compile is None else compile)
 
@@ -111,14 +117,16 @@ class Engine:
         return ModelInfo.of(self.model)
 
     def step(self) -> list[Event]:
-        """Admit waiting requests into free slots (prefill: their first tokens), or else one decode
-        step for all running. Admissions return first, so a first token streams without waiting
-        for a decode step (nor for its compile)."""
-        events = []
+        """Prefill chunks of admitted requests within the token budget (a request whose last chunk runs
+        gives its first token and joins decoding), then one decode step for the running slots. With no
+        stream running before the step, it returns after the prefill, so a first token streams without
+        waiting for a decode step (nor for its compile)."""
         while self.waiting and None in self.slots:
-            events.append(self._admit(self.waiting.pop(0)))
-        if not events and any(s is not None for s in self.slots):
-            events = self._decode()
+            self._assign(self.waiting.pop(0))
+        running = any(s is not None and s not in self.prefilling for s in self.slots)
+        events = self._prefill(self.prefill_budget)
+        if running:
+            events += self._decode()
         return events
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
@@ -129,11 +137,10 @@ class Engine:
 
     # ---- admission ---------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def _admit(self, seq: Sequence) -> Event:
-        """Chunked prefill of the trunk and the MTP layer (from the reusable prefix on), first token,
-        first drafts."""
-        state, cache, sp = self.state, self.state.cache, self.state.sampling
+    def _assign(self, seq: Sequence) -> None:
+        """A free slot for a waiting request (with prefix reuse, the one whose state it resumes
+        furthest); its prefill starts at the next step."""
+        state, cache = self.state, self.state.cache
         free = [i for i, s in enumerate(self.slots) if s is None]
         starts = {i: state.history[i].resume_point(seq.prompt_ids, cache.lookback, cache.ring)
                   if self.reuse_prefix else 0 for i in free}
@@ -141,28 +148,53 @@ class Engine:
         reused = starts[slot]
         state.history[slot] = state.history[slot].resumed(reused, cache.ring)
         self.slots[slot], seq.slot = seq, slot
-        seq.metrics.cached_tokens = reused
-        ids = torch.tensor(seq.prompt_ids, device=self.device)
-        sp.set(slot, seq.params, seq.seed, ids)
-        view = cache.view(slot)
+        seq.metrics.cached_tokens = seq.prefilled = reused
+        state.sampling.set(slot, seq.params, seq.seed, torch.tensor(seq.prompt_ids, device=self.device))
+        state.pos[slot] = reused     # where the decode steps write this inactive slot's rows (_fused_decode)
+        self.prefilling.append(seq)
+
+    def _prefill(self, budget: int) -> list[Event]:
+        """Prefill chunks, oldest request first, up to `budget` tokens (a chunk is cut to fit)."""
+        events = []
+        while budget > 0 and self.prefilling:
+            seq = self.prefilling[0]
+            a = seq.prefilled
+            b = min(a + self.prefill_chunk, a + budget, len(seq.prompt_ids))
+            budget -= b - a
+            event = self._prefill_chunk(seq, a, b)
+            if event is not None:
+                self.prefilling.pop(0)
+                events.append(event)
+        return events
+
+    @torch.no_grad()
+    def _prefill_chunk(self, seq: Sequence, a: int, b: int) -> Event | None:
+        """Prompt positions [a, b) through the trunk and the MTP layer; after the last chunk, the first
+        token and first drafts."""
+        state, sp, slot = self.state, self.state.sampling, seq.slot
+        view = state.cache.view(slot)
         n = len(seq.prompt_ids)
-        for a in range(reused, n, self.prefill_chunk):
-            b = min(a + self.prefill_chunk, n)
-            start = torch.tensor([a], device=self.device)
-            logits, h = self.model.forward_chunk(ids[None, a:b], start, view, last_only=True, context=b)
-            if b < n:
-                nxt = ids[None, a + 1:b + 1]
-            else:
-                processed = processed_logits(logits, sp, slice(slot, slot + 1), sp.output_counts[slot:slot + 1, None])
-                probs = target_probs(processed, sp, slice(slot, slot + 1), needs_sort([seq.params]))
-                first = sample_from(probs[:, 0], uniform(sp.seed[slot:slot + 1], start + b - 1 - a, RNG_DRAW))
-                scored = token_logprobs(processed, first[:, None])[0, 0] if seq.params.logprobs is not None else None
-                nxt = torch.cat([ids[None, a + 1:b], first[:, None]], 1)
-            if self.drafter is not None:   # the MTP layer sees every prompt row so its window has no holes
-                drafts = self.drafter.after_prompt_chunk(h, nxt, start, view, last=b == n)
+        ids = torch.tensor(seq.prompt_ids[a:b + 1], device=self.device)[None]
+        start = torch.tensor([a], device=self.device)
+        logits, h = self.model.forward_chunk(ids[:, : b - a], start, view, last_only=True, context=b)
+        if b < n:
+            nxt = ids[:, 1:]
+        else:
+            processed = processed_logits(logits, sp, slice(slot, slot + 1), sp.output_counts[slot:slot + 1, None])
+            probs = target_probs(processed, sp, slice(slot, slot + 1), needs_sort([seq.params]))
+            first = sample_from(probs[:, 0], uniform(sp.seed[slot:slot + 1], start + b - 1 - a, RNG_DRAW))
+            scored = token_logprobs(processed, first[:, None])[0, 0] if seq.params.logprobs is not None else None
+            nxt = torch.cat([ids[:, 1:], first[:, None]], 1)
+        if self.drafter is not None:   # the MTP layer sees every prompt row so its window has no holes
+            drafts = self.drafter.after_prompt_chunk(h, nxt, start, view, last=b == n)
+        seq.prefilled = b
+        state.pos[slot] = b
+        if b < n:
+            return None
         if self.drafter is not None:
             state.drafts[slot, : self.mtp_depth] = drafts[0]
-        state.last[slot], state.pos[slot] = first[0], n
+        state.last[slot] = first[0]
+        state.active[slot] = True
         sp.output_counts[slot, first[0]] += 1
         self._record(slot, seq.prompt_ids + [int(first[0])])
         logprobs = (None if scored is None
@@ -182,7 +214,7 @@ class Engine:
         state, sp, b = self.state, self.state.sampling, slice(0, nb)
         k = self.mtp_depth
         cache = state.cache      # the layers read and write rows [0, nb) of every cache
-        pos, last = state.pos[b], state.last[b]
+        pos, last, active = state.pos[b], state.last[b], state.active[b]
         drafts = state.drafts[b, :k]
         rows = torch.cat([last[:, None], drafts], 1)                          # [nb, K+1]
         logits, h = self.model.forward_chunk(rows, pos, cache, context=context)
@@ -194,12 +226,19 @@ class Engine:
         processed = processed_logits(logits, sp, b, counts)
         probs = target_probs(processed, sp, b, sort)
         tokens, n_acc = verify(probs, drafts, sp.seed[b], pos)
+        # Inactive rows (free slots, prompts still prefilling) keep their state and act as a slot whose
+        # drafts were all rejected: they write only positions pos..pos+K (MTP chains included), which
+        # is safe for the reason rejected rows are (design.md, position-addressed state). A prefilling
+        # slot's pos is its next prefill position, which its next chunk and first decode step rewrite
+        # before anything reads them; a free slot's is its last token's, under its `written_to`.
+        n_acc = torch.where(active, n_acc, 0)
         if self.drafter is not None:
-            state.drafts[b, :k] = self.drafter.after_verify(h, drafts, tokens, n_acc, pos, cache)
-        state.last[b] = tokens.gather(1, n_acc[:, None]).squeeze(1)
-        state.pos[b] = pos + n_acc + 1
+            new = self.drafter.after_verify(h, drafts, tokens, n_acc, pos, cache)
+            state.drafts[b, :k] = torch.where(active[:, None], new, drafts)
+        state.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), last)
+        state.pos[b] = pos + torch.where(active, n_acc + 1, 0)
         sp.output_counts[b].scatter_add_(
-            1, tokens, (torch.arange(k + 1, device=self.device) <= n_acc[:, None]).float())
+            1, tokens, ((torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]).float())
         packed = torch.cat([tokens, n_acc[:, None]], 1)
         if not logprobs:
             return packed
@@ -209,8 +248,9 @@ class Engine:
 
     @torch.no_grad()
     def _decode(self) -> list[Event]:
-        nb = max(i for i, s in enumerate(self.slots) if s is not None) + 1
-        running = [s.params for s in self.slots[:nb] if s is not None]
+        decoding = [s is not None and s not in self.prefilling for s in self.slots]
+        nb = max(i for i, d in enumerate(decoding) if d) + 1
+        running = [s.params for s, d in zip(self.slots[:nb], decoding) if d]
         logprobs = any(p.logprobs is not None for p in running)
         context = self._context_bound(nb)
         if self.compiled is not None:    # fewer, coarser shapes: each one is a compile
@@ -225,7 +265,7 @@ class Engine:
         events = []
         for i, row in enumerate(packed):
             seq = self.slots[i]
-            if seq is None:
+            if not decoding[i]:                 # free or prefilling
                 continue
             tokens, n = [int(t) for t in row[: k + 1]], int(row[k + 1])
             scored = None
@@ -256,6 +296,10 @@ class Engine:
         """Committed tokens into the request's output (stop rules); a finished request frees its slot."""
         event = append_output(seq, tokens, logprobs, self.tok.eos_id, self.max_seq_len)
         if event.finished:
-            self.slots[seq.slot] = None
+            self._free(seq.slot)
             self.totals.merge(seq.metrics)
         return event
+
+    def _free(self, slot: int) -> None:
+        self.slots[slot] = None
+        self.state.active[slot] = False

@@ -106,6 +106,7 @@ class Sequence:
     emitted: int = 0                # characters of `text` already streamed
     finish_reason: str | None = None
     slot: int = -1
+    prefilled: int = 0              # prompt positions whose state is written (admission, in chunks)
     metrics: Metrics = field(default_factory=Metrics)
     decoder: StreamDecoder | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)     # one per output id, when asked for

@@ -18,6 +18,8 @@ class SlotState:
     last:      [B] long, the last committed token, not yet run through the trunk
     pos:       [B] long, its position
     drafts:    [B, max(K, 1)] long, the MTP drafts the next step verifies
+    active:    [B] bool, the slot decodes (free and still-prefilling slots are stepped but keep their
+               state: their `pos` names where their rows may be written, see Engine._fused_decode)
     sampling:  SlotParams, the request's settings: [B] temperature, top_p, top_k, min_p, rep,
                presence, frequency, seed; [B, V] bias (logit_bias), prompt_mask (tokens in the
                prompt), output_counts (how often each token was output)
@@ -30,6 +32,7 @@ class SlotState:
         self.last = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.drafts = torch.zeros(max_batch, max(mtp_depth, 1), dtype=torch.long, device=device)
+        self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.sampling = SlotParams(max_batch, model.cfg.vocab_size, device)
         self.history = [SlotHistory() for _ in range(max_batch)]
 
