@@ -46,3 +46,23 @@ def tiny_model_dir(tmp_path_factory, small_tokenizer_dir):
         shutil.copy(small_tokenizer_dir / name, path / name)
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "temperature": 0.0}))
     return path
+
+
+@pytest.fixture(scope="module")
+def tok(small_tokenizer_dir):
+    """The small tokenizer (modules with another tokenizer define their own `tok`)."""
+    from dsv4cli.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(small_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tok, tmp_path_factory):
+    """A random tiny float model with every attention kind and MTP, for engine tests."""
+    from tiny import tiny_config, write_checkpoint
+
+    from dsv4cli.model import load_model
+
+    path = tmp_path_factory.mktemp("ckpt")
+    write_checkpoint(path, tiny_config(vocab_size=tok.vocab_size), seed=3)
+    return load_model(path, dtype=torch.float32)

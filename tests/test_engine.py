@@ -5,33 +5,13 @@ import threading
 
 import pytest
 import torch
-from tiny import tiny_config, write_checkpoint
+from tiny import prompts
 
 from dsv4cli import kernels, parallel
 from dsv4cli.engine import Engine, EngineAPI, ModelInfo
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
 from dsv4cli.engine.verify import verify
-from dsv4cli.model import load_model
 from dsv4cli.model.quant import quantize_model
-from dsv4cli.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(small_tokenizer_dir):
-    return Tokenizer.from_dir(small_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    write_checkpoint(path, tiny_config(vocab_size=tok.vocab_size), seed=3)
-    return load_model(path, dtype=torch.float32)
-
-
-def prompts(n_list, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(21, vocab, (n,), generator=g).tolist() for n in n_list]
-
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -2,31 +2,12 @@
 request run alone, whatever the interleaving (chunk cuts at window 16, ratio 4 and ratio 128 edges)."""
 import pytest
 import torch
-from tiny import tiny_config, write_checkpoint
+from tiny import prompts
 
 from dsv4cli.engine import Engine
 from dsv4cli.engine.sampling import SamplingParams
-from dsv4cli.model import load_model
-from dsv4cli.tokenizer import Tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tok(small_tokenizer_dir):
-    return Tokenizer.from_dir(small_tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def model(tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    write_checkpoint(path, tiny_config(vocab_size=tok.vocab_size), seed=3)
-    return load_model(path, dtype=torch.float32)
-
-
-def prompts(n_list, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(21, vocab, (n,), generator=g).tolist() for n in n_list]
 
 
 @torch.no_grad()

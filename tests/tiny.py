@@ -40,3 +40,9 @@ def write_checkpoint(path, cfg: dict, seed: int = 0, max_shard_bytes: int = 0) -
     model = random_model(cfg, seed)
     save_checkpoint(model.state_dict(), cfg, path, max_shard_bytes=max_shard_bytes)
     return model
+
+
+def prompts(n_list, vocab, seed=0) -> list[list[int]]:
+    """Random prompts of the given lengths, ids above the special tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(21, vocab, (n,), generator=g).tolist() for n in n_list]
