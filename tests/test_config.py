@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from dsv4cli.batch.requests import SAMPLING_FIELDS
 from dsv4cli.config import SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
 from dsv4cli.engine import SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import sampling_params
+from dsv4cli.openai.requests import SAMPLING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
