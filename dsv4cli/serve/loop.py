@@ -51,8 +51,10 @@ class EngineLoop:
         self.wake = threading.Condition()
         self.inbox: list[Job] = []          # submitted, not yet in the engine
         self.cancels: list[Job] = []
-        self.jobs: dict[str, Job] = {}      # in the engine, by Sequence.id (engine thread only)
-        self.waiting = 0                    # jobs without a slot, as of the last step (plus the inbox)
+        self.jobs: dict[str, Job] = {}      # in the engine, by Sequence.id
+        # jobs in the engine holding a slot / waiting for one, counted whenever jobs come or go (under the
+        # lock, so a submit never sees a job that is in neither the inbox nor these counts)
+        self.running = self.waiting = 0
         self.stopping = False
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -72,7 +74,8 @@ class EngineLoop:
         with self.wake:
             if self.error is not None:
                 raise RuntimeError(self.error)
-            if self.waiting + len(self.inbox) >= self.max_waiting + self._free_slots():
+            free_slots = self.engine.max_batch - self.running
+            if self.waiting + len(self.inbox) >= self.max_waiting + free_slots:
                 raise QueueFull
             self.inbox.append(job)
             self.wake.notify()
@@ -84,11 +87,7 @@ class EngineLoop:
             self.cancels.append(job)
             self.wake.notify()
 
-    def _free_slots(self) -> int:
-        return self.engine.max_batch - self.metrics.running
-
     def _run(self) -> None:
-        admitting: list[Job] = []
         try:
             while True:
                 with self.wake:
@@ -96,19 +95,18 @@ class EngineLoop:
                         self.wake.wait()
                     if self.stopping:
                         return
-                    admitting, self.inbox = self.inbox, []
-                    cancels, self.cancels = self.cancels, []
-                for job in admitting:
-                    self._admit(job)
-                for job in cancels:
-                    self._cancel(job)
+                    while self.inbox:
+                        self._admit(self.inbox.pop(0))
+                    while self.cancels:
+                        self._cancel(self.cancels.pop())
+                    self._count()
                 if self.engine.has_work():
                     self._step()
         except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
             traceback.print_exc(file=sys.stderr)
             with self.wake:
                 self.error = f"engine failed: {type(e).__name__}: {e}"
-                orphans = {id(job): job for job in [*admitting, *self.jobs.values(), *self.inbox]}.values()
+                orphans = [*self.jobs.values(), *self.inbox]
             for job in orphans:
                 job.deliver(Delta("", [], error=self.error))
 
@@ -126,6 +124,7 @@ class EngineLoop:
             self.metrics.finish(job.seq)
 
     def _step(self) -> None:
+        deliveries = []
         for event in self.engine.step():
             job = self.jobs.get(event.seq.id)
             if job is None:
@@ -135,10 +134,16 @@ class EngineLoop:
                 else []
             done = seq if event.finished else None
             if done is not None:
-                del self.jobs[seq.id]
+                with self.wake:
+                    del self.jobs[seq.id]
                 self.metrics.finish(seq)
-            job.deliver(Delta(event.text, logprobs, done))
-        running = sum(job.seq.slot >= 0 for job in self.jobs.values())
+            deliveries.append((job, Delta(event.text, logprobs, done)))
         with self.wake:
-            self.waiting = len(self.jobs) - running
-        self.metrics.set_load(running, self.waiting)
+            self._count()           # before the deltas: a client that got its tokens sees itself running
+        for job, delta in deliveries:
+            job.deliver(delta)
+
+    def _count(self) -> None:
+        self.running = sum(job.seq.slot >= 0 for job in self.jobs.values())
+        self.waiting = len(self.jobs) - self.running
+        self.metrics.set_load(self.running, self.waiting)
