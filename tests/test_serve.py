@@ -126,10 +126,11 @@ def test_stream_with_usage_and_reasoning(server, reference):
     assert text == reference(PROMPTS[1])
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
-    # thinking: the reasoning streams apart from the answer, as the non-streamed message has it
-    kw = {"extra_body": {"thinking": True}, "max_tokens": 40}
-    whole = ask(server.client(), "Tell me a story.", **kw).choices[0].message
-    parts = list(ask(server.client(), "Tell me a story.", stream=True, **kw))
+    # thinking: the reasoning streams apart from the answer, as the non-streamed message has it (and past
+    # an ignored EOS, the message ends there in both)
+    kw = {"extra_body": {"thinking": True, "ignore_eos": True}, "max_tokens": 40}
+    whole = ask(server.client(), PROMPTS[5], **kw).choices[0].message
+    parts = list(ask(server.client(), PROMPTS[5], stream=True, **kw))
     deltas = [c.choices[0].delta for c in parts]
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.reasoning_content
     assert "".join(d.content or "" for d in deltas) == whole.content

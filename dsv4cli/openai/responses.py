@@ -2,7 +2,7 @@
 `chat.completion.chunk` / `text_completion` chunks; `dsv4 batch` and `dsv4 serve` both build them here."""
 import time
 
-from dsv4cli.encoding import THINK_END, TOOL_CALLS_OPENING, parse_completion
+from dsv4cli.encoding import EOS, THINK_END, TOOL_CALLS_OPENING, parse_completion
 from dsv4cli.engine import Sequence, TokenLogprob
 from dsv4cli.tokenizer import Tokenizer
 
@@ -95,10 +95,11 @@ class ChunkStream:
         self.text += text
         if not self.req.chat:
             return [self._chunk(text, logprobs)] if text or logprobs else []
-        reasoning, answer = "", self.text
+        text = _before(self.text, EOS)[0]       # what parse_completion reads (ignore_eos writes past EOS)
+        reasoning, answer = "", text
         if self.req.thinking:
-            reasoning, done = _before(self.text, THINK_END)
-            answer = self.text.partition(THINK_END)[2] if done else ""
+            reasoning, done = _before(text, THINK_END)
+            answer = text.partition(THINK_END)[2] if done else ""
         return self._deltas(reasoning, _before(answer, TOOL_CALLS_OPENING)[0], logprobs)
 
     def finish(self, seq: Sequence) -> list[dict]:
