@@ -220,7 +220,8 @@ class Settings:
     host: str = _key("serve", "127.0.0.1", "Address to listen on (0.0.0.0: every interface)")
     port: int = _key("serve", 8000, "Port to listen on; 0 picks a free one", lo=0, hi=65535)
     api_key: str | None = _key(
-        "serve", None, "Require `Authorization: Bearer KEY` on every request (unset: no key)", secret=True
+        "serve", None, "Require `Authorization: Bearer KEY` on /v1 requests (unset: no key); better in DSV4_API_KEY",
+        secret=True,
     )
     max_waiting: int = _key(
         "serve", 64, "Most requests waiting for a batch slot; beyond it a request gets HTTP 429", lo=0

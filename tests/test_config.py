@@ -172,10 +172,10 @@ def test_bad_generation_config_names_the_file(tmp_path):
         resolve(flags={"model": str(tmp_path)}, env={})
 
 
-@pytest.mark.parametrize("name", ["chat", "generate", "batch", "npu-8card"])
+@pytest.mark.parametrize("name", ["chat", "generate", "batch", "serve", "npu-8card"])
 def test_example_configs_validate(name):
     found = load_file(ROOT / "configs" / f"{name}.toml")
-    assert found["mode"][0] in ("chat", "generate", "batch")
+    assert found["mode"][0] in ("chat", "generate", "batch", "serve")
 
 
 def test_npu_config_is_a_real_deployment():

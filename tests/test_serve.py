@@ -3,6 +3,7 @@ sockets. Each server starts once per module and is killed at the end, also when 
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
+from dsv4cli.cli import main
 from dsv4cli.config import BUNDLED_MODEL_DIR, resolve
 from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING
 from dsv4cli.engine import SamplingParams, Sequence
@@ -272,3 +274,23 @@ def test_a_full_queue_is_429(tiny_queue):
     while tiny_queue.health() != {"status": "ok", "running": 0, "waiting": 0} and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ask(client, "Hi").choices[0].message.content is not None
+
+
+def test_the_key_is_redacted_in_config_show(monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_API_KEY", KEY)
+    assert main(["config", "show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["api_key"]
+    assert shown == {"value": "<redacted>", "source": "env DSV4_API_KEY"}
+    assert main(["config", "show"]) == 0
+    assert KEY not in capsys.readouterr().out
+
+
+def test_a_taken_port_is_one_error_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "dsv4cli", "serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
+    assert len(r.stderr.splitlines()) == 1
