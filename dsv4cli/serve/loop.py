@@ -140,10 +140,15 @@ class EngineLoop:
             deliveries.append((job, Delta(event.text, logprobs, done)))
         with self.wake:
             self._count()           # before the deltas: a client that got its tokens sees itself running
-        for job, delta in deliveries:
-            job.deliver(delta)
+        if deliveries:      # one wake-up of the (one) event loop per step, not one per request
+            deliveries[0][0].aloop.call_soon_threadsafe(_put_all, deliveries)
 
     def _count(self) -> None:
         self.running = sum(job.seq.slot >= 0 for job in self.jobs.values())
         self.waiting = len(self.jobs) - self.running
         self.metrics.set_load(self.running, self.waiting)
+
+
+def _put_all(deliveries: list[tuple[Job, Delta]]) -> None:
+    for job, delta in deliveries:
+        job.queue.put_nowait(delta)
