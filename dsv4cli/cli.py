@@ -50,12 +50,12 @@ VERBS = {
                      "by default); the prompt can come from -p, --prompt-file or stdin."),
     "batch": Verb("dsv4cli.batch.command:batch", "Answer every request of a JSONL file (OpenAI batch format) "
                   "into -o OUT.jsonl; --resume continues a run."),
+    "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
+                  "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
     "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs MTP K = 1..4 at several batch sizes and "
                   "prompt lengths, with a peer."),
     "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "
                     "parameters, layers, memory."),
-    "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
-                  "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
     "convert": Verb("dsv4cli.tools.commands:convert", "Convert a checkpoint, streaming shard by shard with bounded "
                     "memory."),
 }
@@ -116,7 +116,8 @@ def _root(
     ),
     _debug: bool = typer.Option(False, "--debug", help="Show tracebacks (here or after the verb; or DSV4_DEBUG=1)"),
 ) -> None:
-    """Terminal inference for DeepSeek V4 Flash: chat, one-shot generation, JSONL batch, config-driven runs."""
+    """Terminal inference for DeepSeek V4 Flash: chat, one-shot generation, JSONL batch, an OpenAI-compatible
+    server, config-driven runs."""
 
 
 @config_app.command("show")
