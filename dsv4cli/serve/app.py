@@ -120,7 +120,7 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             return await handler(request)
         return route
 
-    async def completions(request: Request, chat: bool) -> Response:
+    async def completions(request: Request, chat: bool) -> Response | EventStream:
         try:
             body = await request.json()
         except ValueError as e:
@@ -141,7 +141,7 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         number = str(next(numbers))
         gone = asyncio.ensure_future(disconnect(request.receive))
         if req.stream:
-            return EventStream(loop, job, ChunkStream(req, tok, model, number), gone)  # type: ignore[return-value]
+            return EventStream(loop, job, ChunkStream(req, tok, model, number), gone)
         try:
             while (delta := await next_delta(job, gone)) is not None:
                 if delta.error is not None:
@@ -153,10 +153,10 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         loop.cancel(job)                    # the client went away: nobody reads the answer
         return Response(status_code=499)
 
-    async def chat_completions(request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response | EventStream:
         return await completions(request, chat=True)
 
-    async def text_completions(request: Request) -> Response:
+    async def text_completions(request: Request) -> Response | EventStream:
         return await completions(request, chat=False)
 
     async def models(request: Request) -> Response:
