@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from dsv4cli.config import SPEC, format_value, resolve
+from dsv4cli.config import REDACTED, SPEC, format_value, resolve, shown_value
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.options import CliOptions, model_options, with_options
 
@@ -50,6 +50,8 @@ VERBS = {
                      "by default); the prompt can come from -p, --prompt-file or stdin."),
     "batch": Verb("dsv4cli.batch.command:batch", "Answer every request of a JSONL file (OpenAI batch format) "
                   "into -o OUT.jsonl; --resume continues a run."),
+    "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
+                  "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
     "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs MTP K = 1..4 at several batch sizes and "
                   "prompt lengths, with a peer."),
     "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "
@@ -59,7 +61,7 @@ VERBS = {
 }
 # `dsv4 run FILE.toml`: mode -> "module:function" taking the resolved Settings and returning an exit code
 MODES = {"chat": "dsv4cli.chat.command:run_chat", "generate": "dsv4cli.generate:run_generate",
-         "batch": "dsv4cli.batch.runner:run_batch"}
+         "batch": "dsv4cli.batch.runner:run_batch", "serve": "dsv4cli.serve.command:run_serve"}
 
 
 def load(target: str) -> Callable[..., Any]:
@@ -114,7 +116,8 @@ def _root(
     ),
     _debug: bool = typer.Option(False, "--debug", help="Show tracebacks (here or after the verb; or DSV4_DEBUG=1)"),
 ) -> None:
-    """Terminal inference for DeepSeek V4 Flash: chat, one-shot generation, JSONL batch, config-driven runs."""
+    """Terminal inference for DeepSeek V4 Flash: chat, one-shot generation, JSONL batch, an OpenAI-compatible
+    server, config-driven runs."""
 
 
 @config_app.command("show")
@@ -124,13 +127,14 @@ def config_show(
 ) -> int:
     """Print every setting with its resolved value and where it came from."""
     settings, sources = opts.resolve()
-    values = asdict(settings)
+    values = {name: shown_value(name, value) for name, value in asdict(settings).items()}
     if as_json:
         print(json.dumps({name: {"value": values[name], "source": sources[name]} for name in SPEC}, indent=2))
         return 0
     table = Table("key", "value", "source")
     for name, key in SPEC.items():
-        table.add_row(*map(escape, (key.place, format_value(values[name]), sources[name])))
+        value = values[name] if values[name] is REDACTED else format_value(values[name])
+        table.add_row(*map(escape, (key.place, value, sources[name])))
     Console().print(table)
     return 0
 
@@ -144,7 +148,7 @@ def run(
     """Run what a config file describes (its `mode`); flags override the file."""
     settings, _ = resolve(file, opts.flags)
     if settings.mode is None:
-        raise UsageError(f'{file}: mode: missing; set it to "chat", "generate" or "batch" at the top')
+        raise UsageError(f'{file}: mode: missing; set it to "chat", "generate", "batch" or "serve" at the top')
     return load(MODES[settings.mode])(settings)
 
 

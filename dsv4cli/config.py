@@ -60,6 +60,7 @@ class Key:
     flags: tuple[str, ...] = ()  # CLI spellings; () = "--" + name with "_" -> "-"
     path: bool = False  # a relative path in a config file is relative to that file's directory
     file_only: bool = False  # no flag, no environment variable
+    secret: bool = False  # `config show` prints it redacted
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -115,7 +116,8 @@ class Settings:
     """Every setting, flat; sections only group keys in TOML files, help and docs."""
 
     mode: str | None = _key(
-        "", None, "What `dsv4 run` does with this file", choices=("chat", "generate", "batch"), file_only=True
+        "", None, "What `dsv4 run` does with this file", choices=("chat", "generate", "batch", "serve"),
+        file_only=True
     )
     # [model]
     model: str | None = _key("model", None, "Model directory (unset: the bundled dsv4-tiny)", path=True)
@@ -214,6 +216,17 @@ class Settings:
     )
     errors: str | None = _key("batch", None, "Failed requests go here instead of into the output", path=True)
     resume: bool = _key("batch", False, "Skip requests whose custom_id is already in the output")
+    # [serve]
+    host: str = _key("serve", "127.0.0.1", "Address to listen on (0.0.0.0: every interface)")
+    port: int = _key("serve", 8000, "Port to listen on; 0 picks a free one", lo=0, hi=65535)
+    api_key: str | None = _key(
+        "serve", None, "Require `Authorization: Bearer KEY` on /v1 requests (unset: no key); better in DSV4_API_KEY",
+        secret=True,
+    )
+    max_waiting: int = _key(
+        "serve", 64, "Most requests waiting for a batch slot; beyond it a request gets HTTP 429", lo=0
+    )
+    log_prompts: bool = _key("serve", False, "Log each request's body (prompts included)")
 
     @property
     def model_dir(self) -> Path:
@@ -244,6 +257,14 @@ SPEC: dict[str, Key] = _spec()
 SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in SPEC.values() if k.section))
 # What a request may set: the engine's SamplingParams has these fields (and the defaults here), plus logit_bias.
 SAMPLING_KEYS: tuple[str, ...] = tuple(name for name, key in SPEC.items() if key.section == "sampling")
+
+
+REDACTED = "<redacted>"
+
+
+def shown_value(name: str, value: Any) -> Any:
+    """A value as `config show` may print it: a secret that is set is redacted."""
+    return REDACTED if SPEC[name].secret and value is not None else value
 
 
 def format_value(value: Any) -> str:

@@ -3,11 +3,11 @@ import json
 import sys
 from pathlib import Path
 
-from dsv4cli.batch.output import chat_logprobs, tool_calls
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
+from dsv4cli.openai.responses import chat_logprobs, tool_calls
 from dsv4cli.options import CliOptions, model_options
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"

@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from dsv4cli.batch.requests import SAMPLING_FIELDS
 from dsv4cli.config import SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
 from dsv4cli.engine import SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import sampling_params
+from dsv4cli.openai.requests import SAMPLING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,10 +172,10 @@ def test_bad_generation_config_names_the_file(tmp_path):
         resolve(flags={"model": str(tmp_path)}, env={})
 
 
-@pytest.mark.parametrize("name", ["chat", "generate", "batch", "npu-8card"])
+@pytest.mark.parametrize("name", ["chat", "generate", "batch", "serve", "npu-8card"])
 def test_example_configs_validate(name):
     found = load_file(ROOT / "configs" / f"{name}.toml")
-    assert found["mode"][0] in ("chat", "generate", "batch")
+    assert found["mode"][0] in ("chat", "generate", "batch", "serve")
 
 
 def test_npu_config_is_a_real_deployment():

@@ -13,58 +13,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv4cli.encoding import parse_completion
-from dsv4cli.engine import Sequence, TokenLogprob
+from dsv4cli.engine import Sequence
 from dsv4cli.errors import UsageError
+from dsv4cli.openai.responses import completion
 from dsv4cli.tokenizer import Tokenizer
 
 from .requests import BadLine, Request
 
 
-def chat_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
-    """OpenAI chat `choices[].logprobs`: per output token its text, UTF-8 bytes, logprob and alternatives."""
-    def entry(token: int, logprob: float) -> dict:
-        text = tok.decode([token])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [entry(e.token, e.logprob) | {"top_logprobs": [entry(t, v) for t, v in e.top]}
-                        for e in logprobs], "refusal": None}
-
-
-def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
-    """OpenAI completions `choices[].logprobs`: parallel lists, alternatives keyed by their text."""
-    tokens = [tok.decode([e.token]) for e in logprobs]
-    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [{tok.decode([t]): v for t, v in e.top} for e in logprobs], "text_offset": offsets}
-
-
-def tool_calls(calls: list[dict], prefix: str) -> list[dict]:
-    """Parsed DSML calls with the ids OpenAI messages carry (a later `role: "tool"` turn answers by id)."""
-    return [{"id": f"call_{prefix}{i}", **call} for i, call in enumerate(calls)]
-
-
 def result_record(req: Request, seq: Sequence, model: str, tok: Tokenizer) -> dict:
-    usage = {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-             "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
-    finish_reason = seq.finish_reason
-    if req.chat:
-        parsed = parse_completion(seq.text, req.thinking)
-        message = {"role": "assistant", "content": parsed["content"]}
-        if req.thinking:
-            message["reasoning_content"] = parsed["reasoning_content"]
-        if parsed["tool_calls"]:
-            message["tool_calls"] = tool_calls(parsed["tool_calls"], f"{req.line}_")
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        logprobs = chat_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
-        body = {"id": f"chatcmpl-{req.line}", "object": "chat.completion"}
-    else:
-        logprobs = completion_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
-        choice = {"index": 0, "text": seq.text, "finish_reason": finish_reason, "logprobs": logprobs}
-        body = {"id": f"cmpl-{req.line}", "object": "text_completion"}
-    body |= {"created": int(time.time()), "model": model, "choices": [choice], "usage": usage,
-             "dsv4_stats": seq.metrics.as_dict()}
+    body = completion(req, seq, model, tok, str(req.line))
     return {"id": f"batch_req_{req.line}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": f"req_{req.line}", "body": body}, "error": None}
 

@@ -4,70 +4,32 @@ Two line forms:
   OpenAI batch: {"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body": {...}}
   simple:       {"id", "messages": [...] | "prompt": "...", sampling keys...}  (the line is its own body)
 
-Every body field is honoured, accepted as harmless (HARMLESS, with the reason), or refused with an error
-record naming it: no field is silently dropped (README, "Request fields").
+The body itself is parsed by `dsv4cli.openai.requests`, the field policy `dsv4 serve` follows too.
 """
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
 
-from dsv4cli.config import SAMPLING_KEYS, check
-from dsv4cli.encoding import encode_messages, is_tool
-from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
-from dsv4cli.errors import UsageError
+from dsv4cli.engine import SamplingParams
+from dsv4cli.openai import requests as body_requests
+from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser
 from dsv4cli.tokenizer import Tokenizer
 
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-
-# body field -> sampling settings key, the values checked by the same rules as the flags: every sampling key
-# under its own name but logprobs (OpenAI spells it differently, see _logprobs), and OpenAI's newer name
-# for max_tokens
-SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} | {"max_completion_tokens": "max_tokens"}
-# fields read elsewhere in this module
-HONOURED = {"messages", "prompt", "stream", "n", "thinking", "reasoning_effort", "logprobs", "top_logprobs",
-            "tools", "tool_choice", "logit_bias", "response_format"}
-# accepted and without effect, for this reason
-HARMLESS = {
-    "model": "a run serves the one model given by --model",
-    "user": "an end-user id for abuse monitoring: nothing to monitor offline",
-    "metadata": "tags for stored completions: nothing is stored",
-    "store": "nothing is stored",
-    "stream_options": "options of streaming, which batch requests do not do",
-    "parallel_tool_calls": "the model may call several tools in one turn; every call is returned",
-}
-# fields known to be unsupported, with what to do instead
-REFUSED = {
-    "audio": "audio output is not supported",
-    "modalities": "only text output is supported",
-    "prediction": "predicted outputs are not supported",
-    "functions": "deprecated; use tools",
-    "function_call": "deprecated; use tool_choice",
-    "web_search_options": "web search is not supported",
-    "echo": "echoing the prompt is not supported",
-    "best_of": "only one completion per request is supported",
-    "suffix": "insertion (suffix) is not supported",
-}
 LINE_KEYS = {"custom_id", "method", "url", "body"}     # an OpenAI batch line around its body
-MAX_STOP = 4                                          # OpenAI's limit on stop strings
 
 
 @dataclass
-class Request:
-    line: int
-    custom_id: str
-    chat: bool                      # /v1/chat/completions; else /v1/completions
-    prompt_ids: list[int]
-    params: SamplingParams
-    thinking: bool
+class Request(body_requests.Request):
+    line: int = 0
+    custom_id: str = ""
 
 
-class BadLine(Exception):
+class BadLine(BadRequest):
     """A line that cannot run; `parse` fills in its line number and custom_id (when it has one)."""
 
     def __init__(self, code: str, message: str, custom_id: str | None = None):
-        super().__init__(message)
-        self.code, self.message, self.custom_id, self.line = code, message, custom_id, 0
+        super().__init__(code, message)
+        self.custom_id, self.line = custom_id, 0
 
 
 def request_seed(run_seed: int, custom_id: str) -> int:
@@ -82,8 +44,8 @@ class RequestParser:
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
                  thinking: bool = False, reasoning_effort: str | None = None):
-        self.tok, self.defaults, self.run_seed, self.max_seq_len = tok, defaults, run_seed, max_seq_len
-        self.thinking, self.reasoning_effort = thinking, reasoning_effort
+        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort)
+        self.run_seed = run_seed
         self.seen: set[str] = set()
 
     def parse(self, line: int, raw: bytes) -> Request:
@@ -98,9 +60,10 @@ class RequestParser:
                 raise BadLine("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
             custom_id = self._custom_id(obj)
             return self._request(line, obj, custom_id)
-        except BadLine as e:
-            e.line, e.custom_id = line, e.custom_id or custom_id
-            raise
+        except BadRequest as e:
+            bad = e if isinstance(e, BadLine) else BadLine(e.code, e.message)
+            bad.line, bad.custom_id = line, bad.custom_id or custom_id
+            raise bad from None
 
     def _custom_id(self, obj: dict) -> str:
         """The line's custom_id (an int `id` of a simple line counts too), claimed even if the rest is bad."""
@@ -117,6 +80,7 @@ class RequestParser:
         return cid
 
     def _request(self, line: int, obj: dict, custom_id: str) -> Request:
+        seed = request_seed(self.run_seed, custom_id)
         if "body" in obj:
             extra = next((k for k in obj if k not in LINE_KEYS), None)
             if extra is not None:
@@ -127,160 +91,9 @@ class RequestParser:
             url = obj.get("url")
             if url not in (CHAT_URL, COMPLETIONS_URL):
                 raise BadLine("unsupported_url", f"url: must be {CHAT_URL} or {COMPLETIONS_URL}, got {json.dumps(url)}")
-            body, place = obj["body"], "body."
-            if not isinstance(body, dict):
-                raise BadLine("invalid_request", "body: must be a JSON object")
-            chat = url == CHAT_URL
+            req = self.bodies.parse(obj["body"], url == CHAT_URL, "body.", seed)
         else:
-            body, place = obj, ""
-            if ("messages" in body) == ("prompt" in body):
+            if ("messages" in obj) == ("prompt" in obj):
                 raise BadLine("invalid_request", "give exactly one of messages (chat) or prompt (completion)")
-            chat = "messages" in body
-        _check_fields(body, place, simple="body" not in obj)
-        if body.get("stream"):
-            raise BadLine("unsupported_parameter", f"{place}stream: batch requests cannot stream")
-        if body.get("n") not in (None, 1):
-            raise BadLine("unsupported_parameter", f"{place}n: only one choice per request is supported")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise BadLine("unsupported_parameter", f"{place}response_format: only type text is supported "
-                                                   f"(json_object and json_schema need constrained decoding)")
-        params = self._params(body, place, custom_id)
-        params.logprobs = _logprobs(body, place, chat)
-        params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
-        thinking = False
-        if chat:
-            thinking, effort = self._thinking(body, place)
-            tools = _tools(body, place)
-            ids = self._chat_ids(body, place, thinking, effort, tools)
-        else:
-            for name in ("tools", "tool_choice"):
-                if name in body:
-                    raise BadLine("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
-            ids = self._completion_ids(body, place)
-        if len(ids) >= self.max_seq_len:
-            raise BadLine("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
-        return Request(line, custom_id, chat, ids, params, thinking)
-
-    def _params(self, body: dict, place: str, custom_id: str) -> SamplingParams:
-        """The run's sampling defaults with the body's values on top."""
-        given = {}
-        for name, key in SAMPLING_FIELDS.items():
-            value = body.get(name)
-            if value is not None:
-                given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
-        if len(given.get("stop", [])) > MAX_STOP:
-            raise BadLine("invalid_parameter", f"{place}stop: at most {MAX_STOP} strings")
-        given.setdefault("seed", request_seed(self.run_seed, custom_id))
-        return dataclasses.replace(self.defaults, **given)
-
-    def _thinking(self, body: dict, place: str) -> tuple[bool, str | None]:
-        thinking = body.get("thinking", self.thinking)
-        if isinstance(thinking, dict):    # the DeepSeek API spelling: {"type": "enabled"}
-            thinking = thinking.get("type") == "enabled"
-        effort = body.get("reasoning_effort")
-        if effort is not None:
-            effort = _check("reasoning_effort", effort, place + "reasoning_effort")
-        return _check("thinking", thinking, place + "thinking"), effort or self.reasoning_effort
-
-    def _logit_bias(self, bias, place: str) -> dict[int, float]:
-        """OpenAI's {"token id": bias in [-100, 100]} -> {id: bias}."""
-        if bias is None:
-            return {}
-        if not isinstance(bias, dict):
-            raise BadLine("invalid_parameter", f"{place}logit_bias: must be an object of token id -> bias")
-        out = {}
-        for key, value in bias.items():
-            if not (key.isdigit() and int(key) < self.tok.vocab_size):
-                raise BadLine("invalid_parameter", f"{place}logit_bias: {key!r} is not a token id "
-                                                   f"(0..{self.tok.vocab_size - 1})")
-            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
-                raise BadLine("invalid_parameter", f"{place}logit_bias[{key}]: must be a number in -100..100")
-            out[int(key)] = float(value)
-        return out
-
-    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None, tools: list) -> list[int]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadLine("invalid_messages", f"{place}messages: must be a non-empty list of messages")
-        messages = [_plain(m) for m in messages]
-        if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
-            first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
-            messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
-        try:
-            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
-        except ValueError as e:
-            raise BadLine("invalid_messages", f"{place}messages: {e}") from None
-        return self.tok.encode(text)
-
-    def _completion_ids(self, body: dict, place: str) -> list[int]:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str):
-            raise BadLine("invalid_prompt", f"{place}prompt: must be a string")
-        return [self.tok.bos_id, *self.tok.encode(prompt)]
-
-
-def _check(key: str, value, place: str):
-    """A body value checked by the rules of the settings key; one line's mistake must not reach the engine."""
-    try:
-        value = check(key, value, place)
-    except UsageError as e:
-        raise BadLine("invalid_parameter", str(e)) from None
-    if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
-        raise BadLine("invalid_parameter", f"{place}: must fit in 64 bits")    # the engine keeps it in an int64
-    return value
-
-
-def _check_fields(body: dict, place: str, simple: bool) -> None:
-    """The field policy: a field that is neither honoured nor harmless is an error naming it."""
-    for name in body:
-        if name in REFUSED:
-            raise BadLine("unsupported_parameter", f"{place}{name}: {REFUSED[name]}")
-        known = name in SAMPLING_FIELDS or name in HONOURED or name in HARMLESS
-        if not (known or simple and name in ("id", "custom_id")):
-            raise BadLine("unsupported_parameter", f"{place}{name}: not a supported request field")
-
-
-def _logprobs(body: dict, place: str, chat: bool) -> int | None:
-    """How many alternatives to report per token (None: no logprobs). Chat: logprobs true and
-    top_logprobs 0..20; completions: logprobs 0..20."""
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if chat and logprobs is not None and not isinstance(logprobs, bool):
-        raise BadLine("invalid_parameter", f"{place}logprobs: must be true or false")
-    count = top if chat else logprobs
-    name = "top_logprobs" if chat else "logprobs"
-    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= TOP_LOGPROBS):
-        raise BadLine("invalid_parameter", f"{place}{name}: must be an integer 0..{TOP_LOGPROBS}")
-    if not chat:
-        if top is not None:
-            raise BadLine("unsupported_parameter", f"{place}top_logprobs: only for {CHAT_URL}; give logprobs N")
-        return count
-    if top is not None and not logprobs:
-        raise BadLine("invalid_parameter", f"{place}top_logprobs: needs logprobs: true")
-    return (top or 0) if logprobs else None
-
-
-def _tools(body: dict, place: str) -> list:
-    """The tools to render: none with tool_choice "none"; "required" or a named function would need
-    constrained decoding, which this engine does not do."""
-    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        what = "required" if choice == "required" else "a named function" if isinstance(choice, dict) else choice
-        raise BadLine("unsupported_parameter", f"{place}tool_choice: {json.dumps(what)} needs constrained decoding, "
-                                               f"which is not supported; use auto or none")
-    if tools is None:
-        return []
-    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
-        raise BadLine("invalid_parameter",
-                      f'{place}tools: must be a list of {{"type": "function", "function": {{"name": ..., ...}}}}')
-    # "none": the model is not shown the tools, so it has nothing to call (rendering them and then
-    # ignoring a call would return DSML markup as the answer)
-    return [] if choice == "none" else tools
-
-
-def _plain(message):
-    """OpenAI content parts [{"type": "text", "text": ...}, ...] -> one string; anything else as is."""
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
-    return message
+            req = self.bodies.parse(obj, "messages" in obj, "", seed, extra=("id", "custom_id"))
+        return Request(**vars(req), line=line, custom_id=custom_id)

@@ -1,0 +1,251 @@
+"""OpenAI request bodies -> requests the engine can run, or a BadRequest with a code and a message.
+
+`dsv4 batch` (one body per input line) and `dsv4 serve` (one per HTTP request) parse bodies here, so both
+follow one field policy: every body field is honoured, accepted as harmless (HARMLESS, with the reason),
+or refused with an error naming it; no field is silently dropped (README, "Request fields").
+"""
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from dsv4cli.config import SAMPLING_KEYS, check
+from dsv4cli.encoding import encode_messages, is_tool
+from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
+from dsv4cli.errors import UsageError
+from dsv4cli.tokenizer import Tokenizer
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+
+# body field -> sampling settings key, the values checked by the same rules as the flags: every sampling key
+# under its own name but logprobs (OpenAI spells it differently, see _logprobs), and OpenAI's newer name
+# for max_tokens
+SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} | {"max_completion_tokens": "max_tokens"}
+# fields read elsewhere in this module
+HONOURED = {"messages", "prompt", "stream", "n", "thinking", "reasoning_effort", "logprobs", "top_logprobs",
+            "tools", "tool_choice", "logit_bias", "response_format"}
+# accepted and without effect, for this reason
+HARMLESS = {
+    "model": "a run serves the one model given by --model",
+    "user": "an end-user id for abuse monitoring: nothing to monitor offline",
+    "metadata": "tags for stored completions: nothing is stored",
+    "store": "nothing is stored",
+    "stream_options": "options of streaming, which batch requests do not do (honoured by dsv4 serve)",
+    "parallel_tool_calls": "the model may call several tools in one turn; every call is returned",
+}
+# fields known to be unsupported, with what to do instead
+REFUSED = {
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "functions": "deprecated; use tools",
+    "function_call": "deprecated; use tool_choice",
+    "web_search_options": "web search is not supported",
+    "echo": "echoing the prompt is not supported",
+    "best_of": "only one completion per request is supported",
+    "suffix": "insertion (suffix) is not supported",
+}
+MAX_STOP = 4                                          # OpenAI's limit on stop strings
+
+
+@dataclass
+class Request:
+    chat: bool                      # /v1/chat/completions; else /v1/completions
+    prompt_ids: list[int]
+    params: SamplingParams
+    thinking: bool
+    stream: bool = False            # send chunks as they come (dsv4 serve only)
+    include_usage: bool = False     # stream_options.include_usage: a last chunk with the usage
+
+
+class BadRequest(Exception):
+    """A body that cannot run: an OpenAI error code (e.g. `unsupported_parameter`) and a message that
+    names the field."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class BodyParser:
+    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len."""
+
+    def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, thinking: bool = False,
+                 reasoning_effort: str | None = None):
+        self.tok, self.defaults, self.max_seq_len = tok, defaults, max_seq_len
+        self.thinking, self.reasoning_effort = thinking, reasoning_effort
+
+    def parse(self, body, chat: bool, place: str = "", seed: int | None = None, streaming: bool = False,
+              extra: tuple[str, ...] = ()) -> Request:
+        """One body -> Request, or raise BadRequest. `place` prefixes field names in messages ("body."),
+        `seed` is the seed of a body that names none, `streaming` whether `stream` may be true, `extra`
+        fields the caller reads itself."""
+        if not isinstance(body, dict):
+            raise BadRequest("invalid_request", f"{place.rstrip('.') or 'the body'}: must be a JSON object")
+        _check_fields(body, place, extra)
+        stream = body.get("stream")
+        if streaming and stream is not None and not isinstance(stream, bool):
+            raise BadRequest("invalid_parameter", f"{place}stream: must be true or false")
+        if stream and not streaming:
+            raise BadRequest("unsupported_parameter", f"{place}stream: batch requests cannot stream")
+        include_usage = _stream_options(body, place) if streaming else False
+        if body.get("n") not in (None, 1):
+            raise BadRequest("unsupported_parameter", f"{place}n: only one choice per request is supported")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise BadRequest("unsupported_parameter", f"{place}response_format: only type text is supported "
+                                                      f"(json_object and json_schema need constrained decoding)")
+        params = self._params(body, place, seed)
+        params.logprobs = _logprobs(body, place, chat)
+        params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
+        thinking = False
+        if chat:
+            thinking, effort = self._thinking(body, place)
+            tools = _tools(body, place)
+            ids = self._chat_ids(body, place, thinking, effort, tools)
+        else:
+            for name in ("tools", "tool_choice"):
+                if name in body:
+                    raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
+            ids = self._completion_ids(body, place)
+        if len(ids) >= self.max_seq_len:
+            raise BadRequest("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
+        return Request(chat, ids, params, thinking, bool(stream), include_usage)
+
+    def _params(self, body: dict, place: str, seed: int | None) -> SamplingParams:
+        """The run's sampling defaults with the body's values on top."""
+        given = {}
+        for name, key in SAMPLING_FIELDS.items():
+            value = body.get(name)
+            if value is not None:
+                given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
+        if len(given.get("stop", [])) > MAX_STOP:
+            raise BadRequest("invalid_parameter", f"{place}stop: at most {MAX_STOP} strings")
+        if seed is not None:
+            given.setdefault("seed", seed)
+        return dataclasses.replace(self.defaults, **given)
+
+    def _thinking(self, body: dict, place: str) -> tuple[bool, str | None]:
+        thinking = body.get("thinking", self.thinking)
+        if isinstance(thinking, dict):    # the DeepSeek API spelling: {"type": "enabled"}
+            thinking = thinking.get("type") == "enabled"
+        effort = body.get("reasoning_effort")
+        if effort is not None:
+            effort = _check("reasoning_effort", effort, place + "reasoning_effort")
+        return _check("thinking", thinking, place + "thinking"), effort or self.reasoning_effort
+
+    def _logit_bias(self, bias, place: str) -> dict[int, float]:
+        """OpenAI's {"token id": bias in [-100, 100]} -> {id: bias}."""
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            raise BadRequest("invalid_parameter", f"{place}logit_bias: must be an object of token id -> bias")
+        out = {}
+        for key, value in bias.items():
+            if not (key.isdigit() and int(key) < self.tok.vocab_size):
+                raise BadRequest("invalid_parameter", f"{place}logit_bias: {key!r} is not a token id "
+                                                   f"(0..{self.tok.vocab_size - 1})")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+                raise BadRequest("invalid_parameter", f"{place}logit_bias[{key}]: must be a number in -100..100")
+            out[int(key)] = float(value)
+        return out
+
+    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None, tools: list) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("invalid_messages", f"{place}messages: must be a non-empty list of messages")
+        messages = [_plain(m) for m in messages]
+        if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
+            first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
+            messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
+        try:
+            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
+        except ValueError as e:
+            raise BadRequest("invalid_messages", f"{place}messages: {e}") from None
+        return self.tok.encode(text)
+
+    def _completion_ids(self, body: dict, place: str) -> list[int]:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise BadRequest("invalid_prompt", f"{place}prompt: must be a string")
+        return [self.tok.bos_id, *self.tok.encode(prompt)]
+
+
+def _check(key: str, value, place: str):
+    """A body value checked by the rules of the settings key; one body's mistake must not reach the engine."""
+    try:
+        value = check(key, value, place)
+    except UsageError as e:
+        raise BadRequest("invalid_parameter", str(e)) from None
+    if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
+        raise BadRequest("invalid_parameter", f"{place}: must fit in 64 bits")    # the engine keeps it in an int64
+    return value
+
+
+def _check_fields(body: dict, place: str, extra: tuple[str, ...]) -> None:
+    """The field policy: a field that is neither honoured nor harmless is an error naming it."""
+    for name in body:
+        if name in REFUSED:
+            raise BadRequest("unsupported_parameter", f"{place}{name}: {REFUSED[name]}")
+        known = name in SAMPLING_FIELDS or name in HONOURED or name in HARMLESS or name in extra
+        if not known:
+            raise BadRequest("unsupported_parameter", f"{place}{name}: not a supported request field")
+
+
+def _stream_options(body: dict, place: str) -> bool:
+    """Whether a streamed reply ends with a usage chunk (`stream_options: {"include_usage": true}`)."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not body.get("stream"):
+        raise BadRequest("invalid_parameter", f"{place}stream_options: only allowed with stream: true")
+    if not isinstance(options, dict) or any(k != "include_usage" for k in options):
+        raise BadRequest("invalid_parameter", f'{place}stream_options: must be {{"include_usage": true or false}}')
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise BadRequest("invalid_parameter", f"{place}stream_options.include_usage: must be true or false")
+    return usage
+
+
+def _logprobs(body: dict, place: str, chat: bool) -> int | None:
+    """How many alternatives to report per token (None: no logprobs). Chat: logprobs true and
+    top_logprobs 0..20; completions: logprobs 0..20."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat and logprobs is not None and not isinstance(logprobs, bool):
+        raise BadRequest("invalid_parameter", f"{place}logprobs: must be true or false")
+    count = top if chat else logprobs
+    name = "top_logprobs" if chat else "logprobs"
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= TOP_LOGPROBS):
+        raise BadRequest("invalid_parameter", f"{place}{name}: must be an integer 0..{TOP_LOGPROBS}")
+    if not chat:
+        if top is not None:
+            raise BadRequest("unsupported_parameter", f"{place}top_logprobs: only for {CHAT_URL}; give logprobs N")
+        return count
+    if top is not None and not logprobs:
+        raise BadRequest("invalid_parameter", f"{place}top_logprobs: needs logprobs: true")
+    return (top or 0) if logprobs else None
+
+
+def _tools(body: dict, place: str) -> list:
+    """The tools to render: none with tool_choice "none"; "required" or a named function would need
+    constrained decoding, which this engine does not do."""
+    tools, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        what = "required" if choice == "required" else "a named function" if isinstance(choice, dict) else choice
+        raise BadRequest("unsupported_parameter", f"{place}tool_choice: {json.dumps(what)} needs constrained decoding, "
+                                               f"which is not supported; use auto or none")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+        raise BadRequest("invalid_parameter",
+                      f'{place}tools: must be a list of {{"type": "function", "function": {{"name": ..., ...}}}}')
+    # "none": the model is not shown the tools, so it has nothing to call (rendering them and then
+    # ignoring a call would return DSML markup as the answer)
+    return [] if choice == "none" else tools
+
+
+def _plain(message):
+    """OpenAI content parts [{"type": "text", "text": ...}, ...] -> one string; anything else as is."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "".join(str(p.get("text", "")) for p in content)}
+    return message

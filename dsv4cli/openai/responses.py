@@ -1,0 +1,141 @@
+"""Finished sequences -> OpenAI `chat.completion` / `text_completion` bodies, and a reply streamed as
+`chat.completion.chunk` / `text_completion` chunks; `dsv4 batch` and `dsv4 serve` both build them here."""
+import time
+
+from dsv4cli.encoding import EOS, THINK_END, TOOL_CALLS_OPENING, parse_completion
+from dsv4cli.engine import Sequence, TokenLogprob
+from dsv4cli.tokenizer import Tokenizer
+
+from .requests import Request
+
+
+def chat_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
+    """OpenAI chat `choices[].logprobs`: per output token its text, UTF-8 bytes, logprob and alternatives."""
+    def entry(token: int, logprob: float) -> dict:
+        text = tok.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [entry(e.token, e.logprob) | {"top_logprobs": [entry(t, v) for t, v in e.top]}
+                        for e in logprobs], "refusal": None}
+
+
+def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], offset: int = 0) -> dict:
+    """OpenAI completions `choices[].logprobs`: parallel lists, alternatives keyed by their text; `offset`
+    is where the first token's text starts in the reply (a streamed chunk's tokens start mid-reply)."""
+    tokens = [tok.decode([e.token]) for e in logprobs]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
+            "top_logprobs": [{tok.decode([t]): v for t, v in e.top} for e in logprobs], "text_offset": offsets}
+
+
+def tool_calls(calls: list[dict], prefix: str) -> list[dict]:
+    """Parsed DSML calls with the ids OpenAI messages carry (a later `role: "tool"` turn answers by id)."""
+    return [{"id": f"call_{prefix}{i}", **call} for i, call in enumerate(calls)]
+
+
+def usage(seq: Sequence) -> dict:
+    return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
+            "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+
+
+def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str) -> dict:
+    """The response body of a finished request: ids `chatcmpl-<number>` / `cmpl-<number>`, tool call ids
+    `call_<number>_<n>`."""
+    finish_reason = seq.finish_reason
+    if req.chat:
+        parsed = parse_completion(seq.text, req.thinking)
+        message = {"role": "assistant", "content": parsed["content"]}
+        if req.thinking:
+            message["reasoning_content"] = parsed["reasoning_content"]
+        if parsed["tool_calls"]:
+            message["tool_calls"] = tool_calls(parsed["tool_calls"], f"{number}_")
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        logprobs = chat_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
+        body = {"id": f"chatcmpl-{number}", "object": "chat.completion"}
+    else:
+        logprobs = completion_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
+        choice = {"index": 0, "text": seq.text, "finish_reason": finish_reason, "logprobs": logprobs}
+        body = {"id": f"cmpl-{number}", "object": "text_completion"}
+    return body | {"created": int(time.time()), "model": model, "choices": [choice], "usage": usage(seq),
+                   "dsv4_stats": seq.metrics.as_dict()}
+
+
+def _before(text: str, marker: str) -> tuple[str, bool]:
+    """The text before `marker` and whether it was found; while not found, an ending that could be the
+    start of the marker is held back, so no markup ever streams."""
+    head, found, _ = text.partition(marker)
+    if not found:
+        held = next((n for n in range(len(marker) - 1, 0, -1) if head.endswith(marker[:n])), 0)
+        head = head[: len(head) - held]
+    return head, bool(found)
+
+
+class ChunkStream:
+    """One reply as stream chunks: `update` with each event's text and logprobs gives the chunks to send;
+    `finish` the last ones. Reasoning streams as `delta.reasoning_content`, the answer as `delta.content`,
+    tool calls (parsed once the reply is whole) as `delta.tool_calls`; the concatenated deltas equal the
+    non-streamed message."""
+
+    def __init__(self, req: Request, tok: Tokenizer, model: str, number: str):
+        self.req, self.tok = req, tok
+        self.base = {"id": f"{'chatcmpl' if req.chat else 'cmpl'}-{number}",
+                     "object": "chat.completion.chunk" if req.chat else "text_completion",
+                     "created": int(time.time()), "model": model}
+        self.number = number
+        self.text = ""                          # the reply so far
+        self.sent = {"reasoning_content": 0, "content": 0}     # characters of each already sent
+        self.offset = 0                         # completions: characters of text whose logprobs were sent
+
+    def first(self) -> list[dict]:
+        """A chat stream opens with the assistant role (OpenAI's first chunk); a completion with nothing."""
+        return [self._chunk({"role": "assistant", "content": ""})] if self.req.chat else []
+
+    def update(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
+        self.text += text
+        if not self.req.chat:
+            return [self._chunk(text, logprobs)] if text or logprobs else []
+        text = _before(self.text, EOS)[0]       # what parse_completion reads (ignore_eos writes past EOS)
+        reasoning, answer = "", text
+        if self.req.thinking:
+            reasoning, done = _before(text, THINK_END)
+            answer = text.partition(THINK_END)[2] if done else ""
+        return self._deltas(reasoning, _before(answer, TOOL_CALLS_OPENING)[0], logprobs)
+
+    def finish(self, seq: Sequence) -> list[dict]:
+        """The rest of the reply (parsed whole, as the non-streamed body is), tool calls, the finish reason
+        and, when asked for, the usage."""
+        finish_reason, chunks = seq.finish_reason, []
+        if self.req.chat:
+            parsed = parse_completion(seq.text, self.req.thinking)
+            chunks = self._deltas(parsed["reasoning_content"], parsed["content"], [])
+            if parsed["tool_calls"]:
+                calls = [{"index": i, **call} for i, call in enumerate(tool_calls(parsed["tool_calls"],
+                                                                                 f"{self.number}_"))]
+                chunks.append(self._chunk({"tool_calls": calls}))
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        chunks.append(self._chunk({} if self.req.chat else "", finish_reason=finish_reason))
+        if self.req.include_usage:
+            chunks.append(self.base | {"choices": [], "usage": usage(seq)})
+        return chunks
+
+    def _deltas(self, reasoning: str, content: str, logprobs: list[TokenLogprob]) -> list[dict]:
+        delta = {}
+        for field, text in (("reasoning_content", reasoning), ("content", content)):
+            if len(text) > self.sent[field]:
+                delta[field] = text[self.sent[field]:]
+                self.sent[field] = len(text)
+        return [self._chunk(delta, logprobs)] if delta or logprobs else []
+
+    def _chunk(self, delta: dict | str, logprobs: list[TokenLogprob] | None = None,
+               finish_reason: str | None = None) -> dict:
+        wanted = self.req.params.logprobs is not None
+        if self.req.chat:
+            choice = {"index": 0, "delta": delta,
+                      "logprobs": chat_logprobs(self.tok, logprobs or []) if wanted and logprobs else None}
+        else:
+            choice = {"index": 0, "text": delta, "logprobs": None}
+            if wanted:
+                choice["logprobs"] = completion_logprobs(self.tok, logprobs or [], self.offset)
+                self.offset += sum(map(len, choice["logprobs"]["tokens"]))
+        return self.base | {"choices": [choice | {"finish_reason": finish_reason}]}

@@ -1,0 +1,1 @@
+"""`dsv4 serve`: an OpenAI-compatible HTTP server on the engine."""

@@ -1,0 +1,65 @@
+"""`dsv4 serve`: the model behind an OpenAI-compatible HTTP API (`mode = "serve"` of `dsv4 run` is
+`run_serve`). Loads the engine, starts its thread, binds the socket, prints the URL, runs uvicorn."""
+import socket
+import sys
+
+from dsv4cli.config import Settings
+from dsv4cli.errors import UsageError
+from dsv4cli.options import CliOptions, model_options
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound here so --port 0 can report the free port it got."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    sock.listen(2048)
+    return sock
+
+
+def run_serve(s: Settings) -> int:
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as e:
+        raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
+                         f"pip install 'dsv4cli[serve]'") from None
+    from dsv4cli.loading import load_engine, sampling_params
+    from dsv4cli.openai.requests import BodyParser
+
+    from .loop import EngineLoop
+    from .metrics import ServerMetrics
+
+    sock = bind(s.host, s.port)     # before loading: a taken port fails in a second, not after the model
+    engine = load_engine(s)
+    parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort)
+    metrics = ServerMetrics()
+    loop = EngineLoop(engine, s.max_waiting, metrics)
+    app = create_app(loop, parser, engine.tok, s.model_dir.name, metrics, s.api_key, s.log_prompts)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                           timeout_graceful_shutdown=2))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    key = ", API key required" if s.api_key else ""
+    print(f"dsv4 serve: {s.model_dir.name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
+          f"MTP {engine.mtp_depth}{key})", flush=True)
+    loop.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loop.stop()
+    print("dsv4 serve: stopped", file=sys.stderr)
+    return 0
+
+
+@model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort")
+def serve(opts: CliOptions) -> int:
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
+    streaming), with continuous batching."""
+    settings, _ = opts.resolve()
+    return run_serve(settings)

@@ -1,0 +1,154 @@
+"""The engine thread: the one thread that touches the engine (and so every tensor).
+
+HTTP handlers run on the asyncio event loop. They hand work to this thread through `submit` and
+`cancel`, which only append to a lock-guarded inbox and wake the thread; the thread applies the inbox
+between engine steps, steps while there is work, and sleeps on a condition when there is none (no
+spinning). What a step produced goes back to each request's asyncio queue with
+`call_soon_threadsafe`, as plain values: a handler never reads a Sequence the engine is still writing.
+Batching is the engine's own: every step admits waiting requests into free slots (continuous batching).
+"""
+import asyncio
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+
+from dsv4cli.engine import EngineAPI, Sequence, TokenLogprob
+from dsv4cli.openai.requests import Request
+
+from .metrics import ServerMetrics
+
+
+class QueueFull(Exception):
+    """More requests wait for a slot than `max_waiting` allows."""
+
+
+@dataclass
+class Delta:
+    """What one step produced for a request: text that can no longer change, the logprobs of its new
+    tokens, and, when it ended, the finished Sequence (the engine no longer writes it)."""
+    text: str
+    logprobs: list[TokenLogprob]
+    done: Sequence | None = None
+    error: str | None = None        # the engine failed; the request is over
+
+
+@dataclass(eq=False)
+class Job:
+    """A request on its way through the engine thread, and where its deltas go."""
+    request: Request
+    queue: asyncio.Queue
+    aloop: asyncio.AbstractEventLoop
+    seq: Sequence | None = None
+
+    def deliver(self, delta: Delta) -> None:
+        self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineAPI, max_waiting: int, metrics: ServerMetrics):
+        self.engine, self.max_waiting, self.metrics = engine, max_waiting, metrics
+        self.wake = threading.Condition()
+        self.inbox: list[Job] = []          # submitted, not yet in the engine
+        self.cancels: list[Job] = []
+        self.jobs: dict[str, Job] = {}      # in the engine, by Sequence.id
+        # jobs in the engine holding a slot / waiting for one, counted whenever jobs come or go (under the
+        # lock, so a submit never sees a job that is in neither the inbox nor these counts)
+        self.running = self.waiting = 0
+        self.stopping = False
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
+
+    def submit(self, request: Request) -> Job:
+        """Queue a request (from the event loop); raises QueueFull when too many already wait."""
+        job = Job(request, asyncio.Queue(), asyncio.get_running_loop())
+        with self.wake:
+            if self.error is not None:
+                raise RuntimeError(self.error)
+            free_slots = self.engine.max_batch - self.running
+            if self.waiting + len(self.inbox) >= self.max_waiting + free_slots:
+                raise QueueFull
+            self.inbox.append(job)
+            self.wake.notify()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """End a request early (its client went away); the engine frees its slot before the next step."""
+        with self.wake:
+            self.cancels.append(job)
+            self.wake.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.wake:
+                    while not (self.inbox or self.cancels or self.stopping or self.engine.has_work()):
+                        self.wake.wait()
+                    if self.stopping:
+                        return
+                    while self.inbox:
+                        self._admit(self.inbox.pop(0))
+                    while self.cancels:
+                        self._cancel(self.cancels.pop())
+                    self._count()
+                if self.engine.has_work():
+                    self._step()
+        except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
+            traceback.print_exc(file=sys.stderr)
+            with self.wake:
+                self.error = f"engine failed: {type(e).__name__}: {e}"
+                orphans = [*self.jobs.values(), *self.inbox]
+            for job in orphans:
+                job.deliver(Delta("", [], error=self.error))
+
+    def _admit(self, job: Job) -> None:
+        try:
+            job.seq = self.engine.submit(job.request.prompt_ids, job.request.params)
+        except ValueError as e:         # the parser checks what the engine refuses; this is a last guard
+            job.deliver(Delta("", [], error=str(e)))
+            return
+        self.jobs[job.seq.id] = job
+
+    def _cancel(self, job: Job) -> None:
+        if job.seq is not None and self.jobs.pop(job.seq.id, None) is not None:
+            self.engine.cancel(job.seq)
+            self.metrics.finish(job.seq)
+
+    def _step(self) -> None:
+        deliveries = []
+        for event in self.engine.step():
+            job = self.jobs.get(event.seq.id)
+            if job is None:
+                continue
+            seq = event.seq
+            logprobs = seq.logprobs[len(seq.logprobs) - len(event.token_ids):] if seq.params.logprobs is not None \
+                else []
+            done = seq if event.finished else None
+            if done is not None:
+                with self.wake:
+                    del self.jobs[seq.id]
+                self.metrics.finish(seq)
+            deliveries.append((job, Delta(event.text, logprobs, done)))
+        with self.wake:
+            self._count()           # before the deltas: a client that got its tokens sees itself running
+        if deliveries:      # one wake-up of the (one) event loop per step, not one per request
+            deliveries[0][0].aloop.call_soon_threadsafe(_put_all, deliveries)
+
+    def _count(self) -> None:
+        self.running = sum(job.seq.slot >= 0 for job in self.jobs.values())
+        self.waiting = len(self.jobs) - self.running
+        self.metrics.set_load(self.running, self.waiting)
+
+
+def _put_all(deliveries: list[tuple[Job, Delta]]) -> None:
+    for job, delta in deliveries:
+        job.queue.put_nowait(delta)

@@ -1,0 +1,296 @@
+"""`dsv4 serve` end to end: real server processes on the bundled model, the real `openai` client, real
+sockets. Each server starts once per module and is killed at the end, also when a test fails."""
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from dsv4cli.cli import main
+from dsv4cli.config import BUNDLED_MODEL_DIR, resolve
+from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING
+from dsv4cli.engine import SamplingParams, Sequence
+from dsv4cli.generate import prompt_ids
+from dsv4cli.loading import load_engine, sampling_params
+from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.responses import ChunkStream
+from dsv4cli.tokenizer import Tokenizer
+
+KEY = "sk-test-0123456789"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+# the bundled model's kinds of questions (README), 16 of them for 16 concurrent streams
+PROMPTS = [f"What is the capital of {c}?" for c in ("France", "Spain", "Italy", "Japan")] + \
+          [f"What is {a} plus {b}?" for a, b in ((3, 4), (7, 12), (9, 9), (5, 11))] + \
+          [f"What colour is {x}?" for x in ("the sky", "grass", "snow", "a banana")] + \
+          ["What is the opposite of hot?", "What sound does a cat make?", "Hello!", "Tell me a story."]
+MAX_TOKENS = 12
+
+
+class Server:
+    """`dsv4 serve --port 0 ARGS` in a subprocess (the env, hence 1 thread and no compile, inherited);
+    its first stdout line gives the URL. stderr (the access log) goes to a file the tests read."""
+
+    def __init__(self, tmp_path, *args: str, env: dict | None = None):
+        self.log = tmp_path / "server.log"
+        with open(self.log, "w") as log:      # the child keeps its own descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "dsv4cli", "serve", "--port", "0", *args],
+                                         stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env={**os.environ, **(env or {})})
+        line = self.proc.stdout.readline()
+        match = re.search(r"(http://\S+)/v1", line)
+        if match is None:
+            self.stop()
+            raise AssertionError(f"no URL from dsv4 serve: {line!r}\n{self.log.read_text()}")
+        self.url = match[1]
+
+    def client(self, key: str | None = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=60)
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.read().decode()
+
+    def health(self) -> dict:
+        return json.loads(self.get("/health"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Greedy, 16 slots, the key from the environment variable."""
+    s = Server(tmp_path_factory.mktemp("serve"), "--temperature", "0", "--max-batch", "16",
+               env={"DSV4_API_KEY": KEY})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_queue(tmp_path_factory):
+    """One slot and one waiting place: a third request is refused."""
+    s = Server(tmp_path_factory.mktemp("serve1"), "--max-batch", "1", "--max-waiting", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """What `dsv4 generate --temperature 0 -n 12` answers (its own prompt building and engine), each prompt
+    run alone."""
+    settings, _ = resolve(flags={"temperature": 0.0, "max_tokens": MAX_TOKENS, "max_batch": 1}, env={})
+    engine = load_engine(settings)
+
+    def answer(prompt: str, tools: list | None = None) -> str:
+        seq = engine.submit(prompt_ids(engine, settings, prompt, tools or []), sampling_params(settings))
+        while engine.has_work():
+            engine.step()
+        return seq.text
+
+    return answer
+
+
+def ask(client: openai.OpenAI, prompt: str, **kw):
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat.completions.create(model="dsv4-tiny", messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def test_chat_equals_dsv4_generate(server, reference):
+    r = ask(server.client(), PROMPTS[0])
+    assert r.object == "chat.completion" and r.choices[0].finish_reason in ("stop", "length")
+    assert r.choices[0].message.content == reference(PROMPTS[0])
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the CLI itself, once: the in-process reference is what it prints
+    out = subprocess.run([sys.executable, "-m", "dsv4cli", "generate", "-p", PROMPTS[0], "--temperature", "0",
+                          "-n", str(MAX_TOKENS), "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(out.stdout)["text"] == r.choices[0].message.content
+
+
+def test_stream_with_usage_and_reasoning(server, reference):
+    chunks = list(ask(server.client(), PROMPTS[1], stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference(PROMPTS[1])
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # thinking: the reasoning streams apart from the answer, as the non-streamed message has it (and past
+    # an ignored EOS, the message ends there in both)
+    kw = {"extra_body": {"thinking": True, "ignore_eos": True}, "max_tokens": 40}
+    whole = ask(server.client(), PROMPTS[5], **kw).choices[0].message
+    parts = list(ask(server.client(), PROMPTS[5], stream=True, **kw))
+    deltas = [c.choices[0].delta for c in parts]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == whole.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == whole.content
+    assert "think>" not in whole.content + whole.reasoning_content
+
+
+def test_completions_plain_and_streamed(server):
+    client = server.client()
+    r = client.completions.create(model="dsv4-tiny", prompt="Once upon a time", max_tokens=10, logprobs=2)
+    assert r.object == "text_completion" and r.choices[0].text and r.usage.completion_tokens <= 10
+    assert len(r.choices[0].logprobs.tokens) == r.usage.completion_tokens
+    streamed = client.completions.create(model="dsv4-tiny", prompt="Once upon a time", max_tokens=10, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+def test_models_health_and_unknown_route(server):
+    assert [m.id for m in server.client().models.list()] == ["dsv4-tiny"]
+    assert server.health()["status"] == "ok"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        server.get("/v1/nothing")
+    assert e.value.code == 404 and json.loads(e.value.read())["error"]["code"] == "not_found"
+
+
+def test_tools_are_offered_like_dsv4_generate_tools(server, reference):
+    """The tiny model answers without calling; its answer with the tools in the prompt equals generate
+    --tools, and a tool result turn is accepted."""
+    client = server.client()
+    r = ask(client, PROMPTS[2], tools=[WEATHER])
+    assert r.choices[0].message.content == reference(PROMPTS[2], [WEATHER])
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    r = client.chat.completions.create(model="dsv4-tiny", max_tokens=4, tools=[WEATHER], messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1_0", "content": "sunny, 21 C"}])
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tool_calls_stream_as_openai_chunks(server):
+    """What the model writes when it calls a tool, fed to the stream in pieces as the engine would: the
+    client sees the text before the calls, then the call, never the DSML markup."""
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "stream": True}
+    req = BodyParser(tok, SamplingParams(), 4096).parse(body, chat=True, streaming=True)
+    text = (f'I will look.{TOOL_CALLS_OPENING}\n<{DSML}invoke name="get_weather">\n'
+            f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n</{DSML}invoke>\n{TOOL_CALLS_END}')
+    stream = ChunkStream(req, tok, "tiny", "7")
+    chunks = stream.first()
+    for i in range(0, len(text), 3):
+        chunks += stream.update(text[i:i + 3], [])
+    chunks += stream.finish(Sequence("x", [0], req.params, 0, output_ids=[1, 2], text=text, finish_reason="stop"))
+    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
+    assert "".join(c.choices[0].delta.content or "" for c in parsed) == "I will look."
+    [call] = [t for c in parsed for t in c.choices[0].delta.tool_calls or []]
+    assert call.id == "call_7_0" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    assert parsed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_16_concurrent_streams_equal_dsv4_generate(server, reference):
+    results: dict[int, str] = {}
+
+    def stream(i: int) -> None:
+        chunks = ask(server.client(), PROMPTS[i], stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {i: reference(p) for i, p in enumerate(PROMPTS)}
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    client = server.client()
+    stream = ask(client, "Tell me a story.", stream=True, max_tokens=4000, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    next(iter(stream))
+    assert server.health()["running"] == 1
+    stream.close()                                  # the client goes away mid-reply
+    deadline = time.monotonic() + 20
+    while server.health()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.health()["running"] == 0
+    assert re.search(r'^dsv4:requests_total\{finish_reason="cancelled"\} [1-9]', server.get("/metrics"), re.M)
+    assert ask(client, PROMPTS[3]).choices[0].message.content
+
+
+def test_metrics_are_prometheus_text(server):
+    ask(server.client(), PROMPTS[4])
+    text = server.get("/metrics")
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["dsv4:generation_tokens_total"] > 0 and values["dsv4:prompt_tokens_total"] > 0
+    assert values["dsv4:time_to_first_token_seconds_count"] >= 1
+    assert values["dsv4:spec_decode_num_draft_tokens_total"] >= values["dsv4:spec_decode_num_accepted_tokens_total"] > 0
+    assert 'dsv4:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in values
+    assert "# TYPE dsv4:time_per_output_token_seconds histogram" in text
+
+
+def test_wrong_or_missing_key_is_401_and_the_key_is_not_logged(server):
+    with pytest.raises(openai.AuthenticationError) as e:
+        ask(server.client("sk-wrong"), "Hi")
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+    no_header = urllib.request.Request(server.url + "/v1/models")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(no_header, timeout=10)
+    assert e.value.code == 401
+    log = server.log.read_text()
+    assert "POST /v1/chat/completions 401" in log
+    assert KEY not in log and "capital of" not in log        # neither the key nor prompts
+
+
+def test_bad_field_is_400_naming_it(server):
+    client = server.client()
+    for extra, field in (({"temprature": 0.5}, "temprature"), ({"temperature": -1}, "temperature"),
+                         ({"tool_choice": "required", "tools": [WEATHER]}, "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, "Hi", extra_body=extra)
+        error = e.value.body
+        assert e.value.status_code == 400 and error["param"] == field and error["message"].startswith(field + ":")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="dsv4-tiny", prompt="Hi", stream_options={"include_usage": True})
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_a_full_queue_is_429(tiny_queue):
+    """One request runs, one waits, the third is refused; closing them frees the server."""
+    client = tiny_queue.client()
+    long = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
+    running = ask(client, "Tell me a story.", stream=True, **long)
+    waiting = ask(client, "Tell me a story.", stream=True, **long)
+    with pytest.raises(openai.RateLimitError) as e:
+        ask(client, "Hi")
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    running.close()
+    waiting.close()
+    deadline = time.monotonic() + 20
+    while tiny_queue.health() != {"status": "ok", "running": 0, "waiting": 0} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ask(client, "Hi").choices[0].message.content is not None
+
+
+def test_the_key_is_redacted_in_config_show(monkeypatch, capsys):
+    monkeypatch.setenv("DSV4_API_KEY", KEY)
+    assert main(["config", "show", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["api_key"]
+    assert shown == {"value": "<redacted>", "source": "env DSV4_API_KEY"}
+    assert main(["config", "show"]) == 0
+    assert KEY not in capsys.readouterr().out
+
+
+def test_a_taken_port_is_one_error_line():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "dsv4cli", "serve", "--port", str(port)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
+    assert len(r.stderr.splitlines()) == 1
