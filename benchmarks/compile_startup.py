@@ -4,8 +4,9 @@ step takes over.
 Two measures per case, each in a fresh process:
 - `dsv4 chat` piped, one message on stdin: every chunk of the reply timestamped as it streams (first chunk,
   next chunk, the longest gap between chunks);
-- the engine as chat builds it (compile in the background), one long greedy reply: time to the first token,
-  to the compiled step being ready (compiled, or loaded from the saved step), and tokens/s before and after.
+- the engine as chat builds it (compile in the background), greedy replies one after another until the
+  compiled step is ready, then one more: time to the first token, to the compiled step being ready (compiled,
+  or loaded from the saved step), and tokens/s of the replies before (eager) and of the last (compiled).
 The first token comes out of prefill (eager in every mode); decode steps run eagerly until the step is ready.
 Results: JSON on stdout, or --out.
 """
@@ -43,8 +44,9 @@ def run_chat(compile_mode: str, cache: str, message: str, max_tokens: int) -> di
             "exit_s": round(time.perf_counter() - t0, 2), "chunks": len(chunks), "returncode": proc.returncode}
 
 
-def takeover(max_tokens: int) -> dict:
-    """In this process: the chat engine, one long reply, the step in which the compiled step took over."""
+def takeover(reply_tokens: int) -> dict:
+    """In this process: the chat engine, replies one after another until the compiled step is ready, then
+    one more reply, compiled throughout."""
     t0 = time.perf_counter()
     import dataclasses
 
@@ -55,22 +57,27 @@ def takeover(max_tokens: int) -> dict:
     engine = load_engine(dataclasses.replace(resolve()[0], max_batch=1, mode="chat"))
     loaded = time.perf_counter() - t0
     prompt = engine.tok.encode("Once upon a time, a little fox named Ben lived by the river.")
-    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    ready_at = ready_tokens = None
-    while engine.has_work():
-        engine.step()
-        if ready_at is None and engine.compiled is not None and engine.compiled.ready:
-            ready_at, ready_tokens = time.perf_counter(), len(seq.output_ids)
-    m = seq.metrics
-    out = {"load_s": round(loaded, 2), "first_token_s": round(m.t_first - t0, 2), "tokens": len(seq.output_ids)}
-    if ready_at is None:
-        return {**out, "tokens_per_s": round(m.tokens_per_s, 1)}
+    params = SamplingParams(temperature=0, max_tokens=reply_tokens, ignore_eos=True)
+    first = ready_at = None
+    eager_tokens, eager_s = 0, 0.0          # of the replies that ran eagerly throughout
+    while True:
+        compiled_throughout = ready_at is not None
+        seq = engine.submit(prompt, params)
+        while engine.has_work():
+            engine.step()
+            if ready_at is None and engine.compiled.ready:
+                ready_at = time.perf_counter()
+        m = seq.metrics
+        first = m.t_first - t0 if first is None else first
+        if compiled_throughout:
+            break
+        if ready_at is None:
+            eager_tokens, eager_s = eager_tokens + m.output_tokens - 1, eager_s + m.t_last - m.t_first
     how, seconds = next(iter(engine.compiled.built.values()))
-    before = (ready_tokens - 1) / max(ready_at - m.t_first, 1e-9)
-    after = (len(seq.output_ids) - ready_tokens) / max(m.t_last - ready_at, 1e-9)
-    return {**out, "step": how, "step_build_s": round(seconds, 2), "compiled_ready_s": round(ready_at - t0, 2),
-            "tokens_before_ready": ready_tokens, "eager_tokens_per_s": round(before, 1),
-            "compiled_tokens_per_s": round(after, 1)}
+    return {"load_s": round(loaded, 2), "first_token_s": round(first, 2), "step": how,
+            "step_build_s": round(seconds, 2), "compiled_ready_s": round(ready_at - t0, 2),
+            "eager_tokens_per_s": round(eager_tokens / eager_s, 1) if eager_s else None,
+            "compiled_tokens_per_s": round(m.tokens_per_s, 1)}
 
 
 def run_takeover(compile_mode: str, cache: str, max_tokens: int) -> dict:
@@ -85,7 +92,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--message", default="Tell me a story.")
     ap.add_argument("--max-tokens", type=int, default=16, help="chat reply length")
-    ap.add_argument("--long-tokens", type=int, default=3000, help="reply length of the takeover run")
+    ap.add_argument("--reply-tokens", type=int, default=400, help="reply length in the takeover runs")
     ap.add_argument("--takeover", type=int, default=None, help=argparse.SUPPRESS)   # the inner process
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -97,11 +104,11 @@ def main():
         for label, mode in (("off", "off"), ("on, cold cache", "on"), ("on, warm cache", "on")):
             r = {"case": label, "compile": mode, "chat": run_chat(mode, cache, a.message, a.max_tokens)}
             if mode == "on":    # the takeover run after chat's: its cache is as the case says
-                r["long_reply"] = run_takeover(mode, cache, a.long_tokens)
+                r["takeover"] = run_takeover(mode, cache, a.reply_tokens)
             results.append(r)
             print(json.dumps(results[-1]), file=sys.stderr)
     report = {"benchmark": "compile_startup", "message": a.message, "max_tokens": a.max_tokens,
-              "long_tokens": a.long_tokens, "results": results}
+              "reply_tokens": a.reply_tokens, "results": results}
     text = json.dumps(report, indent=2)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -68,3 +68,17 @@ def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
                         "-n", "4", "--raw"], capture_output=True, text=True, timeout=300, env=env, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines() == ["compile: no C++ compiler found (install g++ or set CXX); running eager"]
+
+
+@pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, tmp_path):
+    """generate compiles in the background: its reply comes from eager steps and the process ends with its
+    own exit code while the compile still runs (the interpreter's shutdown under it would abort)."""
+    args = [sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir), "-p", "hi", "-n", "6",
+            "--raw", "--temperature", "0"]
+    eager = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    env = {**os.environ, "DSV4_COMPILE": "on", "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert (r.returncode, r.stdout) == (0, eager.stdout), r.stderr
+    assert not list((tmp_path / "dsv4cli" / "steps").glob("*.bin"))      # it ended before the step was saved

@@ -14,6 +14,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -93,6 +94,15 @@ def kernel_calls(source: str) -> int:
     return len(_CALL.findall(source))
 
 
+def exit_if_building(code: int) -> None:
+    """End the process now, with `code`, if a background compile is still running: it can't be stopped,
+    and the interpreter's shutdown under it aborts (C++ threads torn down while it runs)."""
+    if any(t.is_alive() for t in _BUILDS):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def source_digest() -> str:
     """The package's code: a saved step holds traced code, so any change to it makes a new step."""
     root = Path(__file__).resolve().parents[1]
@@ -146,7 +156,7 @@ class CompiledDecode:
 
     def _start(self, key: tuple) -> Future:
         """`_build(key)` on a daemon thread: a launch that ends meanwhile doesn't wait for it (the step
-        is saved only once whole, so the next launch compiles it again)."""
+        is saved only once whole, so the next launch compiles it again; `exit_if_building`)."""
         future = Future()
 
         def work():
@@ -156,7 +166,9 @@ class CompiledDecode:
                 except BaseException as e:   # noqa: B036 (handed to the engine thread, which raises it)
                     future.set_exception(e)
 
-        threading.Thread(target=work, name="dsv4-compile", daemon=True).start()
+        thread = threading.Thread(target=work, name="dsv4-compile", daemon=True)
+        _BUILDS.add(thread)
+        thread.start()
         return future
 
     def is_ready(self, key: tuple) -> bool:
@@ -210,3 +222,4 @@ class CompiledDecode:
 
 
 _SOURCE = source_digest()
+_BUILDS: set[threading.Thread] = set()      # background compiles started in this process
