@@ -195,7 +195,7 @@ def bench_command(
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
     if sources["max_tokens"] == "default":
         settings = dataclasses.replace(settings, max_tokens=64)
-    engine = load_engine(settings)
+    engine = load_engine(settings, compile_in_background=False)
     # compile = auto or on: the compiled step against eager in the same run
     can_compile = settings.compile != "off" and not compiled.unavailable_reason(engine.device)
     compile_modes = (False, True) if can_compile else (False,)

@@ -154,7 +154,13 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code: 0 ok, 1 internal error, 2 usage or input error, 130 interrupted."""
-    argv = sys.argv[1:] if argv is None else argv
+    code = run_verb(sys.argv[1:] if argv is None else argv)
+    if (compiled := sys.modules.get("dsv4cli.engine.compiled")) is not None:
+        compiled.exit_if_building(code)
+    return code
+
+
+def run_verb(argv: list[str]) -> int:
     debug = "--debug" in argv or os.environ.get("DSV4_DEBUG") == "1"    # before or after the verb
     try:
         return app(args=argv, prog_name="dsv4", standalone_mode=False) or 0

@@ -120,7 +120,7 @@ def check_tp(s: Settings, cfg: ModelConfig) -> None:
             raise UsageError(f"--tp {s.tp}: does not divide the {n} {what} of {path.parent}")
 
 
-def build_engine(s: Settings, device: torch.device) -> Engine:
+def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False) -> Engine:
     """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state."""
     path = s.model_dir
     if s.threads:
@@ -132,13 +132,18 @@ def build_engine(s: Settings, device: torch.device) -> Engine:
         raise UsageError(str(e)) from None
     if s.mtp and not model.cfg.n_mtp_layers:
         raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
-    # a chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh
+    # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
-                  prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on")
+                  prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
+                  compile_in_background=compile_in_background)
 
 
-def load_engine(s: Settings) -> EngineAPI:
-    """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks."""
+def load_engine(s: Settings, compile_in_background: bool = True) -> EngineAPI:
+    """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks.
+
+    `compile_in_background`: a step shape compiles on a worker thread while its steps run eagerly, so no
+    stream stalls on a compile (not under --tp, whose ranks must run the same step; bench times the
+    compiled step, so it waits)."""
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)
@@ -150,6 +155,6 @@ def load_engine(s: Settings) -> EngineAPI:
         print(why, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
-        return build_engine(s, device)
+        return build_engine(s, device, compile_in_background)
     from dsv4cli import parallel
     return parallel.launch_leader(s, device, lambda dev: build_engine(s, dev))

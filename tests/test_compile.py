@@ -15,9 +15,11 @@ from dsv4cli.tokenizer import Tokenizer
 
 @pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
 @pytest.mark.parametrize("experts", ["stacked", "host"])
-def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts):
+def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts, tmp_path, monkeypatch):
     """Experts stacked (what `prepare` does with unpacked experts: grouped GEMMs in the graph) or
-    routed on the host (packed experts: one opaque op in the graph)."""
+    routed on the host (packed experts: one opaque op in the graph). The compiled step is saved, and a
+    new engine loads it in the background, stepping eagerly until it is ready."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
                       vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
@@ -42,6 +44,18 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts):
         assert list(engine.compiled.calls) == [(2, 512, False, False)]
         assert run(engine) == want                       # steady state: the same graph, no recompile
         assert engine.compiled.recompiles == 0
+        assert engine.compiled.built[(2, 512, False, False)][0] == "compiled"
+        assert len(list(compiled.steps_dir().iterdir())) == 1
+
+        # a later launch: the saved step loads on the worker thread while steps run eagerly
+        later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True, compile_in_background=True)
+        assert run(later) == want
+        assert later.compiled.eager_steps > 0
+        later.compiled.wait()
+        assert later.compiled.built[(2, 512, False, False)][0] == "loaded"
+        eager_steps = later.compiled.eager_steps
+        assert run(later) == want
+        assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
     calls = engine.compiled.calls[(2, 512, False, False)]
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
@@ -54,3 +68,17 @@ def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
                         "-n", "4", "--raw"], capture_output=True, text=True, timeout=300, env=env, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines() == ["compile: no C++ compiler found (install g++ or set CXX); running eager"]
+
+
+@pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
+def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, tmp_path):
+    """generate compiles in the background: its reply comes from eager steps and the process ends with its
+    own exit code while the compile still runs (the interpreter's shutdown under it would abort)."""
+    args = [sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir), "-p", "hi", "-n", "6",
+            "--raw", "--temperature", "0"]
+    eager = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
+    env = {**os.environ, "DSV4_COMPILE": "on", "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert (r.returncode, r.stdout) == (0, eager.stdout), r.stderr
+    assert not list((tmp_path / "dsv4cli" / "steps").glob("*.bin"))      # it ended before the step was saved

@@ -1,15 +1,23 @@
-"""The compiled decode step: `compile = auto | on | off`, a persistent compile cache, and counts that
-make any fallback visible.
+"""The compiled decode step: `compile = auto | on | off`, compiled steps saved to disk, compiles that
+don't stall the streams, and counts that make any fallback visible.
 
 The fused step is compiled whole (`fullgraph`: a graph break is an error, never a silent switch to
 eager) with static shapes per key (batch bucket, context bucket, sort, logprobs). Buckets are powers
-of two, so a run compiles a handful of keys and none in steady state; Dynamo's recompile limit is an
-error too. Prefill chunks and admission's first drafts run eagerly.
+of two, so a run compiles a handful of keys and none in steady state. Each key is compiled ahead of
+time (`aot_compile`: traced and compiled, not run) and saved whole, Dynamo's trace included, so a
+later launch loads it in seconds instead of tracing the ~5,000-op step again. In the background
+(interactive verbs) the compile or load runs on a worker thread while steps of that key run eagerly,
+so streams keep flowing; otherwise the first step of a key waits for it. Prefill chunks run eagerly.
 """
+import hashlib
 import inspect
 import os
 import re
 import shutil
+import sys
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -17,7 +25,7 @@ import torch
 from dsv4cli import platforms
 
 MIN_CONTEXT = 512           # the smallest context bucket
-RECOMPILE_LIMIT = 64        # keys one compiled step may hold; more is an error (torch's default is 8)
+KEY_LIMIT = 64              # keys one compiled step may hold; more is an error (shapes are not bucketed)
 
 # a kernel call in generated wrapper code: inductor's C++ / Triton kernels, library (extern) kernels,
 # aten fallbacks and custom ops
@@ -28,6 +36,11 @@ _CALL = re.compile(r"^\s*(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kern
 def cache_dir() -> Path:
     """Where compiled kernels persist between runs (XDG cache)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4cli" / "inductor"
+
+
+def steps_dir() -> Path:
+    """Where whole compiled steps (graph, guards and generated code) persist between runs."""
+    return cache_dir().parent / "steps"
 
 
 def use_cache_dir() -> None:
@@ -54,8 +67,8 @@ def choose(mode: str, device: torch.device) -> tuple[bool, str]:
     """Whether to compile the decode step, and why in a few words.
 
     auto: on for accelerators (where the compiled step is then captured as a graph), off on the CPU,
-    where a cold compile takes minutes (`compile = on` pays off for long CPU jobs; a warm cache
-    starts in seconds)."""
+    where a cold compile takes minutes (`compile = on` pays off for long CPU jobs; a saved step loads
+    in seconds)."""
     if mode == "off":
         return False, "compile = off"
     reason = unavailable_reason(device)
@@ -81,34 +94,132 @@ def kernel_calls(source: str) -> int:
     return len(_CALL.findall(source))
 
 
+def exit_if_building(code: int) -> None:
+    """End the process now, with `code`, if a background compile is still running: it can't be stopped,
+    and the interpreter's shutdown under it aborts (C++ threads torn down while it runs)."""
+    if any(t.is_alive() for t in _BUILDS):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def source_digest() -> str:
+    """The package's code: a saved step holds traced code, so any change to it makes a new step."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
 class CompiledDecode:
-    """`fn(*key)` compiled once per key, static shapes, no graph breaks. Counts compiles and the
-    kernel calls each key's generated code makes. `tag` names what else fixes the graph (the
-    engine's shape), so a graph this process already loaded keeps its count."""
+    """`step(*key)` (a bound method of `owner`) compiled once per key: static shapes, no graph
+    breaks, saved to `steps_dir()` and loaded from there when a launch finds it.
 
-    _known_calls: dict[tuple, int] = {}
+    `background`: a key's compile (or load) runs on a worker thread and its steps run eagerly until
+    it is ready (`eager_steps` counts them); otherwise a key's first step waits for it. Counts: the
+    kernel calls each key's generated code makes, where each key came from (`built`: "compiled" or
+    "loaded", with seconds), and `recompiles` (a ready key whose guards fail: must stay 0)."""
 
-    def __init__(self, fn, device: torch.device, tag: tuple = ()):
-        self.tag = tag
+    def __init__(self, step, device: torch.device, tag: tuple = (), background: bool = False):
         use_cache_dir()
-        torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-        self.fn = torch.compile(fn, backend=platforms.for_device(device).compile_backend, fullgraph=True,
-                                dynamic=False)
-        self.calls: dict[tuple, int] = {}       # key -> kernel calls of its generated code
-        self.recompiles = 0                     # compiles for a key already compiled: must stay 0
+        self.step, self.owner, self.tag, self.background = step, step.__self__, tag, background
+        self.compiler = torch.compile(step, backend=platforms.for_device(device).compile_backend, fullgraph=True,
+                                      dynamic=False)
+        self.where = (torch.__version__, device.type, platforms.for_device(device).compile_backend, tag)
+        self.ready: dict[tuple, object] = {}      # key -> the compiled step
+        self.pending: dict[tuple, Future] = {}
+        self.calls: dict[tuple, int] = {}         # key -> kernel calls of its generated code
+        self.built: dict[tuple, tuple[str, float]] = {}
+        self.recompiles = 0
+        self.eager_steps = 0
+        self._building = threading.Lock()          # one at a time: Dynamo's state is process-wide
 
     def __call__(self, *key) -> torch.Tensor:
-        from torch._dynamo.utils import counters
+        fn = self.ready.get(key)
+        if fn is None:
+            if not self.background:
+                fn = self._build(key)
+            elif key not in self.pending:
+                self.pending[key] = self._start(key)
+            elif self.pending[key].done():
+                self.pending[key].result()       # it failed: the error, not eager steps for ever
+        if fn is None:
+            self.eager_steps += 1
+            return self.step(*key)
+        if fn.guard_check(self.owner, *key):
+            return fn(self.owner, *key)
+        self.recompiles += 1          # what the step reads no longer matches its graph
+        del self.ready[key]
+        return self._build(key, reuse=False)(self.owner, *key)
+
+    def _start(self, key: tuple) -> Future:
+        """`_build(key)` on a daemon thread: a launch that ends meanwhile doesn't wait for it (the step
+        is saved only once whole, so the next launch compiles it again; `exit_if_building`)."""
+        future = Future()
+
+        def work():
+            with self._building:
+                try:
+                    future.set_result(self._build(key))
+                except BaseException as e:   # noqa: B036 (handed to the engine thread, which raises it)
+                    future.set_exception(e)
+
+        thread = threading.Thread(target=work, name="dsv4-compile", daemon=True)
+        _BUILDS.add(thread)
+        thread.start()
+        return future
+
+    def is_ready(self, key: tuple) -> bool:
+        return key in self.ready
+
+    @property
+    def busy(self) -> bool:
+        """A compile or load is running (graph capture waits: a worker's device work would spoil it)."""
+        return any(not f.done() for f in self.pending.values())
+
+    def wait(self) -> None:
+        """Until every compile started so far is ready (re-raises its error)."""
+        for f in list(self.pending.values()):
+            f.result()
+
+    def _path(self, key: tuple) -> Path:
+        model = self.owner.model
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()]
+        ident = repr((self.where, key, _SOURCE, model.cfg, shapes)).encode()
+        return steps_dir() / f"{hashlib.sha256(ident).hexdigest()[:32]}.bin"
+
+    def _build(self, key: tuple, reuse: bool = True):
         from torch._inductor.codecache import PyCodeCache
 
-        graphs, modules = counters["stats"]["unique_graphs"], len(PyCodeCache.modules)
-        out = self.fn(*key)
-        if key not in self.calls:
-            new = [m for m in PyCodeCache.modules[modules:] if hasattr(m, "call")]
-            known = self._known_calls.get((self.tag, key), 0)
-            self.calls[key] = sum(kernel_calls(inspect.getsource(m.call)) for m in new) if new else known
-            self._known_calls[(self.tag, key)] = self.calls[key]
-        elif counters["stats"]["unique_graphs"] > graphs:
-            self.recompiles += 1
-        return out
+        if len(self.ready) >= KEY_LIMIT:       # only if shapes escaped the buckets
+            raise RuntimeError(f"compile: more than {KEY_LIMIT} step shapes; shapes are not bucketed")
+        t0, modules = time.perf_counter(), len(PyCodeCache.modules)
+        path, fn = self._path(key), None
+        if reuse and path.exists():
+            try:
+                with open(path, "rb") as f:
+                    fn = torch.compiler.load_compiled_function(f, external_data={"owner": self.owner})
+                how = "loaded"
+            except Exception:      # written by another torch or platform: compile it afresh
+                fn = None
+        if fn is None:
+            with torch.no_grad():
+                fn = self.compiler.aot_compile((key, {}))
+            how = "compiled"
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fn.save_compiled_function(str(path), external_data={"owner": self.owner})
+            except OSError:
+                pass              # an unwritable cache: the next launch compiles again
+        new = [m for m in PyCodeCache.modules[modules:] if hasattr(m, "call")]
+        self.calls[key] = sum(kernel_calls(inspect.getsource(m.call)) for m in new)
+        fn.disable_guard_check()         # __call__ checks them once, itself
+        self.built[key] = (how, time.perf_counter() - t0)
+        self.ready[key] = fn
+        return fn
+
+
+_SOURCE = source_digest()
+_BUILDS: set[threading.Thread] = set()      # background compiles started in this process

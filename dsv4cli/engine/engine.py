@@ -47,7 +47,7 @@ CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this m
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 512, graphs: bool = True,
-                 reuse_prefix: bool = False, compile: bool = False):
+                 reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
@@ -67,8 +67,13 @@ class Engine:
         self._ids = itertools.count()
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
         # the fused decode step compiled (torch.compile); captured graphs replay the compiled kernels
-        self.compiled = (CompiledDecode(self._fused_decode, self.device, (mtp, max_batch, max_seq_len))
-                         if compile else None)
+        self.compiled = (CompiledDecode(self._fused_decode, self.device, (mtp, max_batch, max_seq_len),
+                                        background=compile_in_background) if compile else None)
+
+    def __getstate__(self) -> dict:
+        """What a saved compiled step keeps of the engine (its guards' view): what the fused step reads,
+        not the host bookkeeping the engine thread changes meanwhile, nor the compiler."""
+        return {k: self.__dict__[k] for k in ("model", "state", "drafter", "mtp_depth", "device")}
 
     # ---- API ---------------------------------------------------------------------------------
 
@@ -107,7 +112,8 @@ class Engine:
                       prefill_chunk=self.prefill_chunk, prefill_budget=self.prefill_budget,
                       graphs=self.graphs is not None,
                       reuse_prefix=self.reuse_prefix,
-                      compile=self.compiled is not None if compile is None else compile)
+                      compile=self.compiled is not None if compile is None else compile,
+                      compile_in_background=self.compiled is not None and self.compiled.background)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -258,7 +264,10 @@ class Engine:
         key = (nb, context, needs_sort(running), logprobs)
         run = self._fused_decode if self.compiled is None else self.compiled
         fused = lambda: run(*key)  # noqa: E731
-        packed = (fused() if self.graphs is None else self.graphs.run(key, fused)).tolist()   # the one host sync
+        # capture only the step that stays: compiled, with no compile running beside the capture
+        capture = self.graphs is not None and (self.compiled is None
+                                               or (self.compiled.is_ready(key) and not self.compiled.busy))
+        packed = (self.graphs.run(key, fused) if capture else fused()).tolist()   # the one host sync
         k = self.mtp_depth
         width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on
         now = time.perf_counter()
