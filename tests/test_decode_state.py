@@ -4,8 +4,7 @@ import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
 
-from dsv4cli.model import DecodeState, load_model
-from dsv4cli.model.model import Segment
+from dsv4cli.model import DecodeState, Segment, load_model
 
 CFG = tiny_config(index_topk=4)   # window 16, blocks of 4 and 128
 
