@@ -1,12 +1,15 @@
 """The engine: requests in, streamed tokens out, with continuous batching and fused MTP speculation.
 
-Admission (`_assign`, `_prefill`): a waiting request takes a free slot (with prefix reuse, the one whose
-state it resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the MTP
-layer, at most `prefill_budget` tokens per step, and the first token and first drafts come out of its
-last chunk. Each step then runs one fused decode step for the running slots, all on the device
+Admission (`_assign`, `_prefill_chunks`): a waiting request takes a free slot (with prefix reuse, the one
+whose state it resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the
+MTP layer, at most `prefill_budget` tokens per step, and the first token and first drafts come out of its
+last chunk. Each step runs one fused decode step for the running slots, all on the device
 (`_fused_decode`):
   trunk over [last token, K drafts] -> target distributions (`sampling.py`) -> verify (`verify.py`) ->
   MTP over the same rows with the committed tokens -> next K drafts (`mtp.py`).
+Eager (`mixed`), the step's prefill chunks join its forward passes (`Transformer.forward_segments`): the
+weights are read and the token-wise ops run once for both; compiled, they run in passes of their own first
+(`_prefill_chunk`).
 The host reads one packed tensor per step (committed tokens + counts, and their logprobs when a running
 request asked for them) and does the bookkeeping: metrics, detokenising and stop rules (`output.py`).
 Requests (`request.py`) join and leave between steps; every per-slot tensor lives in `slots.py`.
