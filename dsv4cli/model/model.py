@@ -642,6 +642,7 @@ class MTPBlock(Block):
         return super().forward(x, calls, caches, next_ids)
 
     def logits(self, x, head):
+        """fp32 logits from the block's streams x, through the shared LM head."""
         y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
         return head(self.norm(y))
@@ -698,13 +699,13 @@ class Transformer(nn.Module):
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         for i, layer in enumerate(self.layers):
             h = layer(h, calls, [s.state.layers[i] for s in segments], tokens)
+        return self._outputs(h, calls, segments, self.logits)
 
-        def logits(x):
-            y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
-                                 self.cfg.hc_eps)
-            return self.head(self.norm(y))
-
-        return self._outputs(h, calls, segments, logits)
+    def logits(self, h):
+        """fp32 logits from the trunk's streams h [..., hc, D]."""
+        y = kernels.mhc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+                             self.cfg.hc_eps)
+        return self.head(self.norm(y))
 
     def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState):
         """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
