@@ -1,64 +1,28 @@
 """The token-budget scheduler under load: 8 streams decode while a ~3.5k-token prompt arrives.
 
-    python benchmarks/scheduler.py [--model PATH] [--budgets 128 256 512] [--out scheduler.json]
+    python benchmarks/scheduler.py [--model PATH] [--budgets 128 256 512] [--repeat 3] [--separate] [--out F]
 
-Per budget: the running streams' inter-token gaps (time between a stream's consecutive events, each a
-step's committed tokens) over the steps before, during and after the prefill, and the new request's
-TTFT, against the TTFT of the same prompt on an idle engine with the default budget (512).
+Per budget, with prefill chunks in the decode step's forward pass (mixed) and, in the same process, in
+passes of their own (separate, as before the mixed pass and under compile): the running streams'
+inter-token gaps (time between a stream's consecutive events, each a step's committed tokens) over the
+steps before, during and after the prefill, and the new request's TTFT, against the TTFT of the same
+prompt on an idle engine (budget 512). `--separate`: separate passes only. With `--repeat N` every
+(budget, mode) runs N times, interleaved, and each figure is reported as the min and median over the runs
+(the cores are shared: a busy neighbour inflates single steps, so the worst gap is the noisiest figure).
 """
 import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from dsv4cli.bench import LOAD_TEXT, first_token_s, under_load
 from dsv4cli.config import BUNDLED_MODEL_DIR
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
-
-TEXT = "Once upon a time, a little fox named Ben lived by the river. Every morning he looked for berries. "
-
-
-def ttft(engine: Engine, prompt: list[int]) -> float:
-    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    while not seq.output_ids:
-        engine.step()
-    return seq.metrics.ttft
-
-
-def under_load(engine: Engine, streams: list[list[int]], prompt: list[int], around: int) -> dict:
-    """`around` decode steps before the prompt arrives and after its first token."""
-    params = SamplingParams(temperature=0, max_tokens=engine.max_seq_len, ignore_eos=True)
-    running = [engine.submit(p, params) for p in streams]
-    while any(not s.output_ids for s in running):
-        engine.step()
-    times = {s.id: [] for s in running}
-
-    def step() -> None:
-        events = engine.step()
-        now = time.perf_counter()
-        for e in events:
-            if e.seq.id in times:
-                times[e.seq.id].append(now)
-
-    for _ in range(around):
-        step()
-    new = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=around, ignore_eos=True))
-    steps = 0
-    while not new.output_ids:
-        step()
-        steps += 1
-    for _ in range(around):
-        step()
-    for s in running:
-        engine.cancel(s)
-    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
-    return {"ttft_s": new.metrics.ttft, "prefill_steps": steps, "gap_max_ms": 1000 * max(gaps),
-            "gap_median_ms": 1000 * statistics.median(gaps)}
 
 
 def main() -> None:
@@ -68,28 +32,38 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=3500)
     ap.add_argument("--mtp", type=int, default=1)
     ap.add_argument("--around", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--separate", action="store_true", help="separate passes only")
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args()
     torch.set_num_threads(1)
     model, tok = load_model(args.model, "cpu", torch.float32), Tokenizer.from_dir(args.model)
-    ids = tok.encode(TEXT * (args.prompt_tokens // 10))
+    ids = tok.encode(LOAD_TEXT * (args.prompt_tokens // 10))
     prompt = ids[: args.prompt_tokens]
-    streams = [tok.encode(f"Story {i}: " + TEXT) for i in range(8)]
+    streams = [tok.encode(f"Story {i}: " + LOAD_TEXT) for i in range(8)]
+    modes = ["separate"] if args.separate else ["mixed", "separate"]
     result = {"prompt_tokens": len(prompt), "streams": len(streams), "mtp": args.mtp, "threads": 1,
-              "prefill_chunk": 256, "budgets": {}}
-    idle_engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp)
-    ttft(idle_engine, streams[0][:8])                                 # warm-up
-    idle = min(ttft(idle_engine, prompt) for _ in range(3))
-    for budget in args.budgets:
-        engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=budget)
-        run = under_load(engine, streams, prompt, args.around)
-        run.update(gap_max_vs_median=run["gap_max_ms"] / run["gap_median_ms"])
-        result["budgets"][budget] = run
-        print(budget, json.dumps(run), file=sys.stderr, flush=True)
-    # the machine's cores are shared: the idle TTFT again after the runs, the best of both
-    result["idle_ttft_s"] = idle = min(idle, min(ttft(idle_engine, prompt) for _ in range(3)))
-    for run in result["budgets"].values():
-        run["ttft_vs_idle"] = run["ttft_s"] / idle
+              "prefill_chunk": 256, "repeat": args.repeat, "modes": {m: {} for m in modes}}
+    idle_engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=512)
+    first_token_s(idle_engine, streams[0][:8])                                 # warm-up
+    idle = min(first_token_s(idle_engine, prompt) for _ in range(3))
+    with torch.no_grad():
+        runs = {(m, b): [] for m in modes for b in args.budgets}
+        for _ in range(args.repeat):
+            for budget in args.budgets:
+                for mode in modes:
+                    engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp,
+                                    prefill_budget=budget, mixed=mode == "mixed")
+                    run = under_load(engine, streams, prompt, args.around)
+                    runs[mode, budget].append(run)
+                    print(mode, budget, json.dumps(run), file=sys.stderr, flush=True)
+        # the machine's cores are shared: the idle TTFT again after the runs, the best of both
+        result["idle_ttft_s"] = idle = min(idle, min(first_token_s(idle_engine, prompt) for _ in range(3)))
+    for (mode, budget), rs in runs.items():
+        for run in rs:
+            run["ttft_vs_idle"] = run["ttft_s"] / idle
+        result["modes"][mode][budget] = {f"{key}_{name}": f([r[key] for r in rs]) for key in rs[0]
+                                         for name, f in (("min", min), ("median", statistics.median))}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -3,9 +3,11 @@
 Every configuration (MTP depth x batch x prompt length) runs on the same loaded model; speed-ups are
 ratios against plain decoding (K = 0) measured in the same run. When transformers is installed its
 `generate` runs on the same weights (dequantised to float if the checkpoint is W8A8) as a peer.
+`--under-load N`: the scheduler instead, an N-token prompt arriving while streams decode.
 """
 import dataclasses
 import json
+import statistics
 import tempfile
 import time
 
@@ -64,6 +66,63 @@ def run_config(engine: EngineAPI, prompts, max_tokens: int) -> dict:
             "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
             "ttft_ms": 1000 * sum(s.metrics.ttft for s in seqs) / len(seqs), "decode_tokens": tokens}
+
+
+LOAD_TEXT = "Once upon a time, a little fox named Ben lived by the river. Every morning he looked for berries. "
+
+
+def first_token_s(engine: EngineAPI, prompt: list[int]) -> float:
+    """TTFT of `prompt` on `engine`."""
+    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not seq.output_ids:
+        engine.step()
+    return seq.metrics.ttft
+
+
+def under_load(engine: EngineAPI, streams: list[list[int]], prompt: list[int], around: int) -> dict:
+    """`streams` decode for `around` steps, then `prompt` arrives; after its first token, `around` more
+    steps. Its TTFT, and the running streams' inter-token gaps (time between a stream's consecutive
+    events, each a step's committed tokens) over all those steps."""
+    params = SamplingParams(temperature=0, max_tokens=engine.max_seq_len, ignore_eos=True)
+    running = [engine.submit(p, params) for p in streams]
+    while any(not s.output_ids for s in running):
+        engine.step()
+    times = {s.id: [] for s in running}
+
+    def step() -> None:
+        events = engine.step()
+        now = time.perf_counter()
+        for e in events:
+            if e.seq.id in times:
+                times[e.seq.id].append(now)
+
+    for _ in range(around):
+        step()
+    new = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=around + 1, ignore_eos=True))
+    steps = 0
+    while not new.output_ids:
+        step()
+        steps += 1
+    for _ in range(around):
+        step()
+    for s in running + [new]:
+        engine.cancel(s)
+    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
+    median = statistics.median(gaps)
+    return {"ttft_s": new.metrics.ttft, "prefill_steps": steps, "gap_max_ms": 1000 * max(gaps),
+            "gap_median_ms": 1000 * median, "gap_max_vs_median": max(gaps) / median}
+
+
+def bench_under_load(engine: EngineAPI, streams: int, prompt_tokens: int, around: int) -> dict:
+    """A `prompt_tokens` prompt arriving while `streams` requests decode (`under_load`), its TTFT also
+    against the same prompt's on the idle engine."""
+    eng = engine.resized(streams + 1, engine.mtp_depth)
+    prompt = eng.tok.encode(LOAD_TEXT * (prompt_tokens // 10 + 1))[:prompt_tokens]
+    first_token_s(eng, prompt[:8])                                     # warm-up
+    idle = min(first_token_s(eng, prompt) for _ in range(2))
+    run = under_load(eng, bench_prompts(eng.tok, "short", streams), prompt, around)
+    return {"streams": streams, "mtp": eng.mtp_depth, "prompt_tokens": len(prompt), **run,
+            "idle_ttft_s": idle, "ttft_vs_idle": run["ttft_s"] / idle}
 
 
 def float_copy(engine: EngineAPI, out_dir) -> None:
@@ -163,6 +222,15 @@ def render(rows: list[dict], console: Console) -> None:
     console.print(table)
 
 
+def render_under_load(r: dict, console: Console) -> None:
+    table = Table("streams", "MTP K", "prompt", "TTFT s", "idle TTFT s", "vs idle", "gap median ms",
+                  "gap max ms", "max / median")
+    table.add_row(str(r["streams"]), str(r["mtp"]), str(r["prompt_tokens"]), f"{r['ttft_s']:.2f}",
+                  f"{r['idle_ttft_s']:.2f}", f"{r['ttft_vs_idle']:.2f}x", f"{r['gap_median_ms']:.1f}",
+                  f"{r['gap_max_ms']:.1f}", f"{r['gap_max_vs_median']:.2f}x")
+    console.print(table)
+
+
 def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
     """Comma-separated integers, each in [lo, hi]."""
     try:
@@ -183,6 +251,11 @@ def bench_command(
     prompts: str = typer.Option("short,long", "--prompts", help="Prompt lengths: short, long"),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON"),
     no_hf: bool = typer.Option(False, "--no-transformers", help="Skip the transformers peer"),
+    load_prompt: int = typer.Option(0, "--under-load", min=0, metavar="N",
+                                    help="Instead: the TTFT of an N-token prompt arriving while --streams "
+                                         "requests decode (vs the idle engine's) and the streams' inter-token "
+                                         "gaps, over --max-tokens steps before and after it"),
+    streams: int = typer.Option(8, "--streams", min=1, help="Running streams, with --under-load"),
 ) -> int:
     """Decode speed: plain vs MTP K = 1..4 at several batch sizes and prompt lengths, with a peer."""
     settings, sources = opts.resolve()
@@ -195,6 +268,8 @@ def bench_command(
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
     if sources["max_tokens"] == "default":
         settings = dataclasses.replace(settings, max_tokens=64)
+    if load_prompt:
+        return bench_command_under_load(settings, load_prompt, streams, as_json)
     engine = load_engine(settings, compile_in_background=False)
     # compile = auto or on: the compiled step against eager in the same run
     can_compile = settings.compile != "off" and not compiled.unavailable_reason(engine.device)
@@ -210,4 +285,20 @@ def bench_command(
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
     else:
         render(rows, Console())
+    return 0
+
+
+def bench_command_under_load(settings, prompt_tokens: int, streams: int, as_json: bool) -> int:
+    if prompt_tokens + settings.max_tokens + 1 >= settings.max_seq_len:
+        raise UsageError(f"--under-load: {prompt_tokens} prompt tokens and {settings.max_tokens} steps don't fit "
+                         f"max_seq_len {settings.max_seq_len}")
+    engine = load_engine(settings, compile_in_background=False)
+    with torch.no_grad():
+        result = bench_under_load(engine, streams, prompt_tokens, settings.max_tokens)
+    result.update(prefill_budget=settings.prefill_budget, compile=engine.compiled is not None)
+    meta = {"model": str(settings.model_dir), "device": str(engine.device), "threads": torch.get_num_threads()}
+    if as_json:
+        print(json.dumps({"meta": meta, "under_load": result}, indent=2))
+    else:
+        render_under_load(result, Console())
     return 0

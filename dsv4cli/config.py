@@ -127,7 +127,8 @@ class Settings:
     max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)
     max_batch: int = _key("model", 8, "Most sequences decoded together", lo=1)
     prefill_budget: int = _key(
-        "model", 512, "Prompt tokens prefilled per engine step, between the running streams' decode steps", lo=1
+        "model", 128, "Prompt tokens prefilled per engine step (in the running streams' decode pass when eager)",
+        lo=1
     )
     threads: int | None = _key(
         "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1

@@ -22,3 +22,16 @@ def test_bench_bad_list_is_usage_error(tiny_model_dir):
     r = subprocess.run([sys.executable, "-m", "dsv4cli", "bench", "--model", str(tiny_model_dir), "--depths", "a"],
                        capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 2 and r.stderr.startswith("error: --depths")
+
+
+def test_bench_under_load_json(tiny_model_dir):
+    """A prompt arriving while streams decode: its TTFT against the idle engine's, the streams' gaps."""
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "bench", "--model", str(tiny_model_dir), "--under-load", "40",
+                        "--streams", "2", "--prefill-budget", "16", "--max-tokens", "3", "--json"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)["under_load"]
+    assert out["streams"] == 2 and out["prompt_tokens"] == 40 and out["prefill_budget"] == 16
+    assert out["prefill_steps"] == 3                                  # 40 tokens at 16 a step
+    assert out["ttft_s"] > 0 and out["idle_ttft_s"] > 0 and out["ttft_vs_idle"] == out["ttft_s"] / out["idle_ttft_s"]
+    assert 0 < out["gap_median_ms"] <= out["gap_max_ms"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny import tiny_config, write_checkpoint
 
-from dsv4cli.model import DecodeState, load_model
+from dsv4cli.model import DecodeState, Segment, load_model
 
 CFG = tiny_config(index_topk=4)   # window 16, blocks of 4 and 128
 
@@ -83,3 +83,32 @@ def test_reused_slot_starts_clean(model):
     ids = torch.randint(0, 256, (1, 3), generator=g)               # shorter than a ratio-4 block
     logits, _ = model.forward_chunk(ids, torch.tensor([0]), state)
     assert torch.allclose(logits, model(ids), atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prefill_first", [True, False])
+def test_a_prefill_chunk_and_decode_rows_in_one_pass(model, prefill_first):
+    """One pass over a prefill chunk of slot 0 (positions 30..149: across the window, ratio-4 edges and
+    position 128) and the decode rows of slots 0 and 1 gives each what it gets alone, the chunk first:
+    slot 0 is still prefilling, so its decode rows are garbage at 150..151 (past the chunk), and their
+    ring slots alias positions 19..20, which the chunk reads. Run before the chunk, they are read as the
+    prompt's (the wrong order: its logits change); after it, they fall out of every window."""
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randint(0, 256, (1, 160), generator=g), torch.randint(0, 256, (1, 50), generator=g)
+    full_a, full_b = model(a), model(b)
+    state = DecodeState(model, 2, 320, max_draft=2)
+    model.forward_chunk(a[:, :30], torch.tensor([0]), state.view(0))
+    model.forward_chunk(b[:, :40], torch.tensor([0]), state.view(1))
+    chunk = Segment(a[:, 30:150], torch.tensor([30]), state.view(0), 150, last_only=True)
+    rows = torch.cat([torch.randint(0, 256, (1, 2), generator=g), b[:, 40:42]])
+    decode = Segment(rows, torch.tensor([150, 40]), state, 320)
+    if prefill_first:
+        (chunk_logits, _), (logits, _) = model.forward_segments([chunk, decode])
+    else:
+        (logits, _), (chunk_logits, _) = model.forward_segments([decode, chunk])
+    assert torch.allclose(logits[1], full_b[0, 40:42], atol=1e-4, rtol=1e-4)
+    right = torch.allclose(chunk_logits[0], full_a[0, 149:150], atol=1e-4, rtol=1e-4)
+    assert right == prefill_first
+    if prefill_first:       # and the next chunk reads what the chunk wrote
+        logits, _ = model.forward_chunk(a[:, 150:160], torch.tensor([150]), state.view(0))
+        assert torch.allclose(logits[0], full_a[0, 150:160], atol=1e-4, rtol=1e-4)

@@ -166,6 +166,26 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
                 assert syncs == ["tolist"] * (1 + len(moe_calls)), syncs
 
 
+@torch.no_grad()
+def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
+    """A step running prefill chunks in the decode step's passes reads the host once too, the step whose
+    chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor)."""
+    eng = Engine(stacked_copy(model), tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
+    running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
+    eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+    eng.step()                                              # its prefill alone
+    new = eng.submit(prompt, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=2))
+    syncs = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), syncs, name))
+        for _ in range(3):                                  # chunks of 16, 16 and 8, with decode rows
+            syncs.clear()
+            eng.step()
+            assert syncs == ["tolist"], syncs
+    assert len(new.output_ids) == 1 and len(new.logprobs) == 1
+
+
 def spy(fn, log, name=None):
     def counted(*a, **kw):
         log.append(name or fn.__name__)

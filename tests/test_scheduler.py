@@ -1,5 +1,6 @@
-"""The token-budget scheduler: prefill chunks interleave with decode steps, and greedy outputs equal each
-request run alone, whatever the interleaving (chunk cuts at window 16, ratio 4 and ratio 128 edges)."""
+"""The token-budget scheduler: prefill chunks interleave with decode steps (in the same forward passes, or
+in passes of their own), and greedy outputs equal each request run alone, whatever the interleaving
+(chunk cuts at window 16, ratio 4 and ratio 128 edges)."""
 import pytest
 import torch
 from tiny import prompts
@@ -66,3 +67,64 @@ def test_free_slot_state_survives_decode_steps(model, tok):
     fresh = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=0).generate([first + turn.output_ids + more],
                                                                              GREEDY)[0]
     assert resumed.output_ids == fresh.output_ids
+
+
+def count_mixed_passes(model, monkeypatch) -> list[int]:
+    """Counts the trunk passes that run a decode step's rows and prefill chunks together."""
+    calls, forward = [0], model.forward_segments
+
+    def counted(segments):
+        calls[0] += len(segments) > 1
+        return forward(segments)
+
+    monkeypatch.setattr(model, "forward_segments", counted)
+    return calls
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_mixed_pass_below_a_running_stream_equals_alone(model, tok, k, monkeypatch):
+    """A prompt prefilling in slot 0 while slot 1 decodes shares slot 1's forward passes, and its decode
+    rows write garbage at its chunk's end. Chunks of 120: the garbage at 240.. aliases the ring slots of
+    positions 109.., which the chunk [120, 240) reads (run before the chunk, it would change it), then a
+    last chunk of 20; budget 16: a last chunk of 1, shorter than K+1, past the ratio-128 edge."""
+    short, other, long = prompts([9, 33, 260], tok.vocab_size, seed=20 + k)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    mixed = count_mixed_passes(model, monkeypatch)
+    for budget, prompt in ((120, long), (16, long[:129])):
+        alone = Engine(model, tok, max_batch=1, max_seq_len=320, mtp=k).generate([prompt], GREEDY)[0]
+        other_alone = Engine(model, tok, max_batch=1, max_seq_len=320, mtp=k).generate([other], params)[0]
+        eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=k, prefill_chunk=budget, prefill_budget=budget)
+        first = eng.submit(short, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        running = eng.submit(other, params)
+        while not first.finished or not running.output_ids:
+            eng.step()
+        before = mixed[0]
+        new = eng.submit(prompt, GREEDY)
+        while eng.has_work():
+            eng.step()
+        assert new.slot == 0 and mixed[0] - before == -(-len(prompt) // budget)
+        assert new.output_ids == alone.output_ids and running.output_ids == other_alone.output_ids
+
+
+@torch.no_grad()
+def test_mixed_pass_logprobs_equal_separate_passes(model, tok):
+    """Logprobs of the first token (packed with the decode rows' in the step's one host read) and of the
+    running stream's tokens are those of separate passes."""
+    runs = []
+    for mixed in (True, False):
+        eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=2, prefill_chunk=16, prefill_budget=16,
+                     mixed=mixed)
+        running = eng.submit(prompts([12], tok.vocab_size, seed=3)[0],
+                             SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2))
+        eng.step()
+        new = eng.submit(prompts([40], tok.vocab_size, seed=4)[0],
+                         SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True, logprobs=3))
+        while eng.has_work():
+            eng.step()
+        runs.append([(s.output_ids, [(lp.token, lp.logprob, lp.top) for lp in s.logprobs]) for s in (running, new)])
+    for (ids, lps), (ids_sep, lps_sep) in zip(*runs):
+        assert ids == ids_sep and len(lps) == len(ids)
+        for (t, lp, top), (t_sep, lp_sep, top_sep) in zip(lps, lps_sep):
+            assert t == t_sep and lp == pytest.approx(lp_sep, abs=1e-5)
+            assert [i for i, _ in top] == [i for i, _ in top_sep]

@@ -1,12 +1,15 @@
 """The engine: requests in, streamed tokens out, with continuous batching and fused MTP speculation.
 
-Admission (`_assign`, `_prefill`): a waiting request takes a free slot (with prefix reuse, the one whose
-state it resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the MTP
-layer, at most `prefill_budget` tokens per step, and the first token and first drafts come out of its
-last chunk. Each step then runs one fused decode step for the running slots, all on the device
+Admission (`_assign`, `_prefill_chunks`): a waiting request takes a free slot (with prefix reuse, the one
+whose state it resumes furthest: `prefix.py`), its prompt is prefilled in chunks through the trunk and the
+MTP layer, at most `prefill_budget` tokens per step, and the first token and first drafts come out of its
+last chunk. Each step runs one fused decode step for the running slots, all on the device
 (`_fused_decode`):
   trunk over [last token, K drafts] -> target distributions (`sampling.py`) -> verify (`verify.py`) ->
   MTP over the same rows with the committed tokens -> next K drafts (`mtp.py`).
+Eager (`mixed`), the step's prefill chunks join its forward passes (`Transformer.forward_segments`): the
+weights are read and the token-wise ops run once for both; compiled, they run in passes of their own first
+(`_prefill_chunk`).
 The host reads one packed tensor per step (committed tokens + counts, and their logprobs when a running
 request asked for them) and does the bookkeeping: metrics, detokenising and stop rules (`output.py`).
 Requests (`request.py`) join and leave between steps; every per-slot tensor lives in `slots.py`.
@@ -17,14 +20,15 @@ import random
 import time
 
 import torch
+import torch.nn.functional as F
 
-from dsv4cli.model import Transformer
+from dsv4cli.model import Segment, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .api import ModelInfo
 from .compiled import CompiledDecode, batch_bucket, context_bucket
 from .graphs import DecodeGraphs
-from .mtp import MTPDrafter
+from .mtp import MTPDrafter, PromptRows
 from .output import append_output
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .sampling import (
@@ -46,14 +50,17 @@ CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this m
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 512, graphs: bool = True,
-                 reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False):
+                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 128, graphs: bool = True,
+                 reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
+                 mixed: bool = True):
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok = model, tokenizer
         self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        # prefill chunks run in the decode step's forward pass (eager steps); else in passes of their own
+        self.mixed = mixed and not compile
         self.device = model.embed.weight.device
         # Prefix reuse: a new prompt starts where a free slot's state stops matching it (a chat turn
         # resumes the previous one). Off by default: batch output must not depend on slot history.
@@ -113,7 +120,7 @@ class Engine:
                       graphs=self.graphs is not None,
                       reuse_prefix=self.reuse_prefix,
                       compile=self.compiled is not None if compile is None else compile,
-                      compile_in_background=self.compiled is not None and self.compiled.background)
+                      compile_in_background=self.compiled is not None and self.compiled.background, mixed=self.mixed)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -124,13 +131,17 @@ class Engine:
 
     def step(self) -> list[Event]:
         """Prefill chunks of admitted requests within the token budget (a request whose last chunk runs
-        gives its first token and joins decoding), then one decode step for the running slots. With no
-        stream running before the step, it returns after the prefill, so a first token streams without
-        waiting for a decode step (nor for its compile)."""
+        gives its first token and joins decoding) and one decode step for the running slots: in one
+        forward pass (`mixed`), or the chunks first, each in its own. With no stream running before the
+        step, it returns after the prefill, so a first token streams without waiting for a decode step
+        (nor for its compile)."""
         while self.waiting and None in self.slots:
             self._assign(self.waiting.pop(0))
         running = any(s is not None and s not in self.prefilling for s in self.slots)
-        events = self._prefill(self.prefill_budget)
+        chunks = self._prefill_chunks(self.prefill_budget)
+        if running and chunks and self.mixed:
+            return self._decode(chunks)
+        events = [e for seq, a, b in chunks if (e := self._prefill_chunk(seq, a, b)) is not None]
         if running:
             events += self._decode()
         return events
@@ -159,71 +170,94 @@ class Engine:
         state.pos[slot] = reused     # where the decode steps write this inactive slot's rows (_fused_decode)
         self.prefilling.append(seq)
 
-    def _prefill(self, budget: int) -> list[Event]:
-        """Prefill chunks, oldest request first, up to `budget` tokens (a chunk is cut to fit)."""
-        events = []
-        while budget > 0 and self.prefilling:
-            seq = self.prefilling[0]
-            a = seq.prefilled
-            b = min(a + self.prefill_chunk, a + budget, len(seq.prompt_ids))
-            budget -= b - a
-            event = self._prefill_chunk(seq, a, b)
-            if event is not None:
-                self.prefilling.pop(0)
-                events.append(event)
-        return events
+    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """This step's prefill chunks (request, a, b), oldest request first, up to `budget` tokens (a
+        chunk is cut to fit)."""
+        chunks = []
+        for seq in self.prefilling:
+            a, n = seq.prefilled, len(seq.prompt_ids)
+            while budget > 0 and a < n:
+                b = min(a + self.prefill_chunk, a + budget, n)
+                chunks.append((seq, a, b))
+                budget, a = budget - (b - a), b
+        return chunks
+
+    def _chunk_inputs(self, seq: Sequence, a: int, b: int):
+        """Prompt tokens [a, b], the one after the chunk included where there is one ([1, <= b-a+1]), the
+        chunk's start [1] and its slot's cache view."""
+        ids = torch.tensor(seq.prompt_ids[a:b + 1], device=self.device)[None]
+        return ids, torch.tensor([a], device=self.device), self.state.cache.view(seq.slot)
 
     @torch.no_grad()
     def _prefill_chunk(self, seq: Sequence, a: int, b: int) -> Event | None:
-        """Prompt positions [a, b) through the trunk and the MTP layer; after the last chunk, the first
-        token and first drafts."""
-        state, sp, slot = self.state, self.state.sampling, seq.slot
-        view = state.cache.view(slot)
+        """Prompt positions [a, b) through the trunk and the MTP layer in passes of their own; after the
+        last chunk, the first token and first drafts."""
         n = len(seq.prompt_ids)
-        ids = torch.tensor(seq.prompt_ids[a:b + 1], device=self.device)[None]
-        start = torch.tensor([a], device=self.device)
+        ids, start, view = self._chunk_inputs(seq, a, b)
         logits, h = self.model.forward_chunk(ids[:, : b - a], start, view, last_only=True, context=b)
         if b < n:
             nxt = ids[:, 1:]
         else:
-            processed = processed_logits(logits, sp, slice(slot, slot + 1), sp.output_counts[slot:slot + 1, None])
-            probs = target_probs(processed, sp, slice(slot, slot + 1), needs_sort([seq.params]))
-            first = sample_from(probs[:, 0], uniform(sp.seed[slot:slot + 1], start + b - 1 - a, RNG_DRAW))
-            scored = token_logprobs(processed, first[:, None])[0, 0] if seq.params.logprobs is not None else None
+            first, scored = self._first_token(seq, logits, start + b - 1 - a, seq.params.logprobs is not None)
             nxt = torch.cat([ids[:, 1:], first[:, None]], 1)
+        drafts = None
         if self.drafter is not None:   # the MTP layer sees every prompt row so its window has no holes
             drafts = self.drafter.after_prompt_chunk(h, nxt, start, view, last=b == n)
         seq.prefilled = b
-        state.pos[slot] = b
+        self.state.pos[seq.slot] = b
         if b < n:
             return None
-        if self.drafter is not None:
+        self._start_decoding(seq, first, drafts)
+        return self._first_event(seq, int(first[0]), None if scored is None else scored.tolist())
+
+    def _first_token(self, seq: Sequence, logits, pos, scored: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first token [1] from the prompt's last logits [1,1,V] (pos [1]: the prompt's last
+        position), and with `scored` what token_logprobs gives for it."""
+        sp, rows = self.state.sampling, slice(seq.slot, seq.slot + 1)
+        processed = processed_logits(logits, sp, rows, sp.output_counts[rows, None])
+        probs = target_probs(processed, sp, rows, needs_sort([seq.params]))
+        first = sample_from(probs[:, 0], uniform(sp.seed[rows], pos, RNG_DRAW))
+        return first, token_logprobs(processed, first[:, None])[0, 0] if scored else None
+
+    def _start_decoding(self, seq: Sequence, first: torch.Tensor, drafts: torch.Tensor | None) -> None:
+        """The slot's device state after its prompt: the first token and drafts; it decodes from now."""
+        state, slot = self.state, seq.slot
+        if drafts is not None:
             state.drafts[slot, : self.mtp_depth] = drafts[0]
         state.last[slot] = first[0]
         state.active[slot] = True
-        sp.output_counts[slot, first[0]] += 1
-        self._record(slot, seq.prompt_ids + [int(first[0])])
-        logprobs = (None if scored is None
-                    else [TokenLogprob.from_scored(int(first[0]), scored.tolist(), seq.params.logprobs)])
+        state.sampling.output_counts[slot, first[0]] += 1
+
+    def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
+        self.prefilling.remove(seq)
+        self._record(seq.slot, seq.prompt_ids + [first])
+        logprobs = None if scored is None else [TokenLogprob.from_scored(first, scored, seq.params.logprobs)]
         seq.metrics.t_first = seq.metrics.t_last = time.perf_counter()
-        return self._emit(seq, [int(first[0])], logprobs)
+        return self._emit(seq, [first], logprobs)
 
     # ---- the fused decode step ---------------------------------------------------------------
 
-    def _fused_decode(self, nb: int, context: int, sort: bool = True, logprobs: bool = False) -> torch.Tensor:
+    def _fused_decode(self, nb: int, context: int, sort: bool = True, logprobs: bool = False,
+                      chunks: list[tuple[Sequence, int, int]] = ()) -> torch.Tensor:
         """One decode step on the device for slots [0, nb): verify the drafts, commit, draft again.
-        Reads and writes only preallocated tensors, so it can be captured as a graph. `sort`: some
-        row filters by top-k / top-p / min-p and needs the vocabulary sorted. `logprobs`: some row
-        asked for logprobs.
+        Without `chunks` it reads and writes only preallocated tensors, so it can be captured as a graph.
+        `sort`: some row filters by top-k / top-p / min-p and needs the vocabulary sorted. `logprobs`:
+        some row asked for logprobs. `chunks`: prefill chunks (request, a, b) that run in the same
+        forward passes, before the decode rows (see `_decode`).
         Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts; with `logprobs`
-        float64 [nb, K+2 + (K+1)(1+2W)]: those, then per candidate row what token_logprobs gives."""
+        float64 [nb, K+2 + (K+1)(1+2W)]: those, then per candidate row what token_logprobs gives. Then
+        a row per chunk that ends its prompt: its first token as candidate 0 of a row with no accepted
+        drafts."""
         state, sp, b = self.state, self.state.sampling, slice(0, nb)
         k = self.mtp_depth
         cache = state.cache      # the layers read and write rows [0, nb) of every cache
         pos, last, active = state.pos[b], state.last[b], state.active[b]
         drafts = state.drafts[b, :k]
         rows = torch.cat([last[:, None], drafts], 1)                          # [nb, K+1]
-        logits, h = self.model.forward_chunk(rows, pos, cache, context=context)
+        inputs = [self._chunk_inputs(*chunk) for chunk in chunks]
+        *chunk_out, (logits, h) = self.model.forward_segments(
+            [Segment(ids[:, : c - a], start, view, c, last_only=True) for (_, a, c), (ids, start, view)
+             in zip(chunks, inputs)] + [Segment(rows, pos, cache, context)])
         # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
         counts = sp.output_counts[b, None].expand(-1, k + 1, -1)
         if k:
@@ -235,44 +269,71 @@ class Engine:
         # Inactive rows (free slots, prompts still prefilling) keep their state and act as a slot whose
         # drafts were all rejected: they write only positions pos..pos+K (MTP chains included), which
         # is safe for the reason rejected rows are (design.md, position-addressed state). A prefilling
-        # slot's pos is its next prefill position, which its next chunk and first decode step rewrite
+        # slot's pos is the end of its chunks so far, which its next chunk and first decode step rewrite
         # before anything reads them; a free slot's is its last token's, under its `written_to`.
         n_acc = torch.where(active, n_acc, 0)
+        prompts, firsts = [], []       # the chunks' MTP rows; (request, first token, scored) per prompt ended
+        for (seq, a, c), (ids, start, view), (chunk_logits, chunk_h) in zip(chunks, inputs, chunk_out):
+            nxt = ids[:, 1:]
+            if c == len(seq.prompt_ids):
+                first, scored = self._first_token(seq, chunk_logits, start + c - 1 - a, logprobs)
+                firsts.append((seq, first, scored))
+                nxt = torch.cat([nxt, first[:, None]], 1)
+            prompts.append(PromptRows(chunk_h, nxt, start, view, c == len(seq.prompt_ids)))
+        first_drafts = [None] * len(firsts)
         if self.drafter is not None:
-            new = self.drafter.after_verify(h, drafts, tokens, n_acc, pos, cache)
+            new, first_drafts = self.drafter.after_verify(h, drafts, tokens, n_acc, pos, cache, prompts)
             state.drafts[b, :k] = torch.where(active[:, None], new, drafts)
         state.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), last)
         state.pos[b] = pos + torch.where(active, n_acc + 1, 0)
         sp.output_counts[b].scatter_add_(
             1, tokens, ((torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]).float())
+        for (seq, first, _), first_draft in zip(firsts, first_drafts):     # after the decode rows' updates
+            self._start_decoding(seq, first, first_draft)
         packed = torch.cat([tokens, n_acc[:, None]], 1)
+        packed = torch.cat([packed] + [F.pad(first[:, None], (0, k + 1)) for _, first, _ in firsts])
         if not logprobs:
             return packed
         # each candidate scored by its own row's processed distribution: a correction token reports
         # its probability under the model, not under the residual it was drawn from
-        return torch.cat([packed.double(), token_logprobs(processed, tokens).flatten(1)], 1)
+        scored = token_logprobs(processed, tokens).flatten(1)
+        scored = torch.cat([scored] + [F.pad(s[None], (0, scored.shape[1] - s.numel())) for _, _, s in firsts])
+        return torch.cat([packed.double(), scored], 1)
 
     @torch.no_grad()
-    def _decode(self) -> list[Event]:
+    def _decode(self, chunks: list[tuple[Sequence, int, int]] = ()) -> list[Event]:
+        """The decode step for the running slots, with this step's prefill `chunks` in its forward
+        passes when there are any (eager only: their lengths vary). A chunk runs before the decode rows
+        in every layer: the decode rows write garbage for its slot at the chunk's end b..b+K, which, run
+        first, would land in ring slots the chunk reads (design.md, the mixed step)."""
+        for seq, _, b in chunks:
+            seq.prefilled = b
+            self.state.pos[seq.slot] = b
         decoding = [s is not None and s not in self.prefilling for s in self.slots]
         nb = max(i for i, d in enumerate(decoding) if d) + 1
+        ending = [seq for seq, a, b in chunks if b == len(seq.prompt_ids)]
         running = [s.params for s, d in zip(self.slots[:nb], decoding) if d]
-        logprobs = any(p.logprobs is not None for p in running)
+        logprobs = any(p.logprobs is not None for p in running + [s.params for s in ending])
         context = self._context_bound(nb)
         if self.compiled is not None:    # fewer, coarser shapes: each one is a compile
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
         key = (nb, context, needs_sort(running), logprobs)
-        run = self._fused_decode if self.compiled is None else self.compiled
-        fused = lambda: run(*key)  # noqa: E731
-        # capture only the step that stays: compiled, with no compile running beside the capture
-        capture = self.graphs is not None and (self.compiled is None
-                                               or (self.compiled.is_ready(key) and not self.compiled.busy))
-        packed = (self.graphs.run(key, fused) if capture else fused()).tolist()   # the one host sync
+        if chunks:
+            packed = self._fused_decode(*key, chunks).tolist()       # the one host sync
+        else:
+            run = self._fused_decode if self.compiled is None else self.compiled
+            fused = lambda: run(*key)  # noqa: E731
+            # capture only the step that stays: compiled, with no compile running beside the capture
+            capture = self.graphs is not None and (self.compiled is None
+                                                   or (self.compiled.is_ready(key) and not self.compiled.busy))
+            packed = (self.graphs.run(key, fused) if capture else fused()).tolist()   # the one host sync
         k = self.mtp_depth
         width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on
+        events = [self._first_event(seq, int(row[0]), row[k + 2: k + 2 + width] if seq.params.logprobs is not None
+                                    else None)
+                  for seq, row in zip(ending, packed[nb:])]
         now = time.perf_counter()
-        events = []
-        for i, row in enumerate(packed):
+        for i, row in enumerate(packed[:nb]):
             seq = self.slots[i]
             if not decoding[i]:                 # free or prefilling
                 continue

@@ -5,9 +5,21 @@ p+1, so its window has no holes. The row of the last committed token gives draft
 layer runs again on its own streams and its latest draft, one position further per draft (the vLLM
 convention). Drafts are greedy (argmax), which keeps verification exact (`verify.py`).
 """
+from typing import NamedTuple
+
 import torch
 
-from dsv4cli.model import DecodeState, Transformer
+from dsv4cli.model import DecodeState, Segment, Transformer
+
+
+class PromptRows(NamedTuple):
+    """A prefill chunk's rows for the MTP layer: the trunk's streams [1,S,hc,D], next_ids [1,S] (token
+    p+1 per row), start [1], the slot's cache view, and whether the chunk ends the prompt."""
+    hidden: torch.Tensor
+    next_ids: torch.Tensor
+    start: torch.Tensor
+    cache: DecodeState
+    last: bool
 
 
 class MTPDrafter:
@@ -22,26 +34,38 @@ class MTPDrafter:
         logits, streams = self.model.mtp_forward_chunk(hidden, next_ids, start, cache)
         if not last:
             return None
-        return self._drafts_from(logits[:, -1], streams[:, -1:], start + next_ids.shape[1], cache)
+        return self._drafts_from([(logits[:, -1], streams[:, -1:], start + next_ids.shape[1], cache)])[0]
 
-    def after_verify(self, hidden, drafts, tokens, n_acc, pos, cache: DecodeState) -> torch.Tensor:
+    def after_verify(self, hidden, drafts, tokens, n_acc, pos, cache: DecodeState,
+                     prompts: list[PromptRows] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The next drafts [B, K] after a verified step (hidden: the trunk's streams over [last, drafts]
         at pos.., tokens/n_acc: what verify committed). Every verified row runs, with the committed token
-        where there is one; rejected rows leave position-addressed garbage the next step rewrites."""
+        where there is one; rejected rows leave position-addressed garbage the next step rewrites.
+        `prompts`: the step's prefill chunks, run in the same passes before the decode rows (as in the
+        trunk); the first drafts [1, K] of each one that ends its prompt come second."""
         nxt = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
-        logits, streams = self.model.mtp_forward_chunk(hidden, nxt, pos, cache)
+        segments = [Segment(p.next_ids, p.start, p.cache, last_only=True) for p in prompts]
+        outs = self.model.mtp_forward_segments([p.hidden for p in prompts] + [hidden],
+                                               segments + [Segment(nxt, pos, cache)])
+        logits, streams = outs[-1]
         sel = n_acc.view(-1, 1, 1)
         last_logits = logits.gather(1, sel.expand(-1, 1, logits.shape[-1]))[:, 0]
         last_streams = streams.gather(1, sel[..., None].expand(-1, 1, *streams.shape[2:]))
-        return self._drafts_from(last_logits, last_streams, pos + n_acc + 1, cache)
+        starts = [(lg[:, -1], st[:, -1:], p.start + p.next_ids.shape[1], p.cache)
+                  for (lg, st), p in zip(outs, prompts) if p.last]
+        *firsts, new = self._drafts_from(starts + [(last_logits, last_streams, pos + n_acc + 1, cache)])
+        return new, firsts
 
-    def _drafts_from(self, logits, streams, pos, cache: DecodeState) -> torch.Tensor:
-        """Greedy drafts [B, K] at positions pos..: the first from `logits` (the MTP row before pos),
-        each next one from the MTP layer run again on its own streams and the latest draft."""
-        draft = logits.argmax(-1)
-        drafts = [draft]
+    def _drafts_from(self, starts) -> list[torch.Tensor]:
+        """Greedy drafts [B, K] at positions pos.. for each (logits, streams, pos, cache): the first from
+        `logits` (the MTP row before pos), each next one from the MTP layer run again on its own streams
+        and the latest draft, one pass for all of them."""
+        drafts = [[logits.argmax(-1)] for logits, *_ in starts]
+        streams = [s for _, s, _, _ in starts]
         for i in range(1, self.depth):
-            lg, streams = self.model.mtp_forward_chunk(streams, draft[:, None], pos + i - 1, cache)
-            draft = lg[:, -1].argmax(-1)
-            drafts.append(draft)
-        return torch.stack(drafts, 1)
+            outs = self.model.mtp_forward_segments(
+                streams, [Segment(d[-1][:, None], pos + i - 1, cache) for d, (_, _, pos, cache) in zip(drafts, starts)])
+            for d, (lg, _) in zip(drafts, outs):
+                d.append(lg[:, -1].argmax(-1))
+            streams = [st for _, st in outs]
+        return [torch.stack(d, 1) for d in drafts]

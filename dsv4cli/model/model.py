@@ -15,6 +15,7 @@ are split across torch.distributed ranks.
 """
 import copy
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -265,10 +266,41 @@ class CallPlan:
             self.plans[r] = CompressPlan(r, start, self.pos, S, R, blocks, min(context // r, blocks - 1),
                                          state.rope["compress"])
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.B, self.S
+
     def write_ring(self, ring: torch.Tensor, rows: torch.Tensor):
         """Store this chunk's per-token rows in a position-addressed ring (after it has been read)."""
         idx = self.write_slot[..., None].expand(-1, -1, ring.shape[-1])
         ring[: self.B].scatter_(1, idx, rows[:, self.write_rows].to(ring.dtype))
+
+
+class Segment(NamedTuple):
+    """One part of a call: tokens [B,S] at positions start[b].. of `state` (a DecodeState or a view of
+    some of its slots). `context` bounds every position + 1 (see CallPlan); `last_only`: logits of the
+    last row only."""
+    tokens: torch.Tensor
+    start: torch.Tensor
+    state: "DecodeState"
+    context: int | None = None
+    last_only: bool = False
+
+
+def join(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Several segments' rows [B_i,S_i,...] as one [1,N,...], so token-wise work runs once over all of
+    them; a single segment stays as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat([p.reshape(1, -1, *p.shape[2:]) for p in parts], 1)
+
+
+def split(x: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """`join` undone: [1,N,...] back into [B_i,S_i,...] per segment."""
+    if len(shapes) == 1:
+        return [x]
+    parts = x.split([b * s for b, s in shapes], 1)
+    return [p.reshape(b, s, *x.shape[2:]) for p, (b, s) in zip(parts, shapes)]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,13 +324,16 @@ class Compressor(nn.Module):
         self.wgate = Linear(cfg.dim, self.span * head_dim)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
-    def forward(self, x, call: CallPlan, ring_kv, ring_gate, blocks):
+    def project(self, x) -> list[torch.Tensor]:
+        """The token-wise part: kv and gate rows (fp32), before the position's ape."""
+        return [kernels.linear_fp32(x, self.wkv.weight), kernels.linear_fp32(x, self.wgate.weight)]
+
+    def forward(self, kv, gate, call: CallPlan, ring_kv, ring_gate, blocks):
         plan: CompressPlan = call.plans[self.ratio]
         B, r, d = call.B, self.ratio, self.head_dim
-        kv = kernels.linear_fp32(x, self.wkv.weight)
-        gate = kernels.linear_fp32(x, self.wgate.weight) + self.ape[call.pos % r]
+        gate = gate + self.ape[call.pos % r]
         cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
-        pooled = kernels.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(x.dtype)      # [B,n,d]
+        pooled = kernels.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(blocks.dtype)  # [B,n,d]
         pooled = kernels.rope(self.norm(pooled), plan.cos, plan.sin)
         blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
         call.write_ring(ring_kv, kv)
@@ -317,17 +352,20 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.dim, self.n_heads)
         self.compressor = Compressor(cfg, 4, cfg.index_head_dim)
 
-    def forward(self, x, qr, call: CallPlan, cache: LayerCache) -> torch.Tensor:
+    def project(self, x, qr) -> list[torch.Tensor]:
+        """The token-wise part: query heads, head weights, the compressor's rows."""
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim))
+        return [q, self.weights_proj(x).float() * self.scale, *self.compressor.project(x)]
+
+    def forward(self, q, w, kv, gate, call: CallPlan, cache: LayerCache) -> torch.Tensor:
         """The blocks each query attends to: [B,S,k] block indices, k = min(index_topk, the blocks a
         call may read), best first; ties go to the lower block index. Where fewer blocks are closed
         than k, the surplus indices point at blocks the query must not see (the attention masks them)."""
-        B, S = call.B, call.S
-        self.compressor(x, call, cache.idx_kv, cache.idx_gate, cache.idx_compressed)
+        self.compressor(kv, gate, call, cache.idx_kv, cache.idx_gate, cache.idx_compressed)
         cos, sin = call.rope["compress"]
-        q = kernels.rope(self.wq_b(qr).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        q = kernels.rope(q, cos, sin)
         plan = call.plans[4]
-        w = self.weights_proj(x).float() * self.scale
-        scores = all_reduce(kernels.indexer_scores(q, cache.idx_compressed[:B, : plan.n_visible], w))   # [B,S,T]
+        scores = all_reduce(kernels.indexer_scores(q, cache.idx_compressed[:call.B, : plan.n_visible], w))   # [B,S,T]
         return kernels.topk_blocks(scores, plan.closed, min(self.topk, plan.n_visible))
 
 
@@ -354,13 +392,30 @@ class Attention(nn.Module):
         if self.ratio == 4:
             self.indexer = Indexer(cfg)
 
-    def forward(self, x, call: CallPlan, cache: LayerCache):
-        B, S = call.B, call.S
-        cos, sin = call.rope[self.rope_kind]
+    def forward(self, x, calls: list[CallPlan], caches: list[LayerCache]):
+        """x: the rows of every segment of the call (`join`); calls/caches: each segment's plan and cache.
+        The projections run once over all rows; attention, and its state writes, per segment in order."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).view(B, S, self.n_heads, self.head_dim)
-        q = kernels.rope(kernels.rms_norm(q, None, self.eps), cos, sin)
-        kv = kernels.rope(self.kv_norm(self.wkv(x)), cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
+        q = kernels.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.eps)
+        rows = [q, self.kv_norm(self.wkv(x))]
+        if self.ratio:
+            rows += self.compressor.project(x)
+        if self.ratio == 4:
+            rows += self.indexer.project(x, qr)
+        shapes = [call.shape for call in calls]
+        o = join([self.attend(call, cache, *seg) for call, cache, *seg
+                  in zip(calls, caches, *(split(t, shapes) for t in rows))])
+        z = kernels.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
+                                       self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1))
+        return all_reduce(self.wo_b(z.flatten(2)))
+
+    def attend(self, call: CallPlan, cache: LayerCache, q, kv, *compress_rows):
+        """One segment: RoPE, the compressors' and the window's state writes, attention. Returns the
+        heads' outputs [B,S,H,D] with RoPE undone at the query position."""
+        B = call.B
+        cos, sin = call.rope[self.rope_kind]
+        q = kernels.rope(q, cos, sin)
+        kv = kernels.rope(kv, cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
         # KV read in place: the window ring, this chunk's rows, and the compressed blocks (CSA: the
         # indexer's top-k, gathered by index; HCA: every closed block)
         ring = cache.win[:B]
@@ -368,19 +423,17 @@ class Attention(nn.Module):
             ring = ring.clone()          # overwritten below; inference reads it in place
         sources = [(ring, call.ring_mask, None), (kv, call.chunk_mask, None)]
         if self.ratio:
-            self.compressor(x, call, cache.compress_kv, cache.compress_gate, cache.compressed)
+            self.compressor(*compress_rows[:2], call, cache.compress_kv, cache.compress_gate, cache.compressed)
             plan = call.plans[self.ratio]
             if self.ratio == 4:
-                top = self.indexer(x, qr, call, cache)
+                top = self.indexer(*compress_rows[2:], call, cache)
                 sources.append((cache.compressed[:B], top < plan.closed[..., None], top))
             else:
-                visible = torch.arange(plan.n_visible, device=x.device) < plan.closed[..., None]
+                visible = torch.arange(plan.n_visible, device=q.device) < plan.closed[..., None]
                 sources.append((cache.compressed[:B, : plan.n_visible], visible, None))
         o = kernels.sparse_attention(q, sources, self.attn_sink, self.scale)
         call.write_ring(cache.win, kv)
-        o = kernels.rope(o, cos, -sin).reshape(B, S, self.n_groups, -1)      # undo RoPE at the query position
-        z = kernels.grouped_projection(o, self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1))
-        return all_reduce(self.wo_b(z.flatten(2)))
+        return kernels.rope(o, cos, -sin)       # undo RoPE at the query position
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,8 +569,9 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{part}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             self.register_parameter(f"hc_{part}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
-    def forward(self, h, call: CallPlan, cache: LayerCache, input_ids):
-        h = self.hyper_connection(h, "attn", lambda x: self.attn(self.attn_norm(x), call, cache))
+    def forward(self, h, calls: list[CallPlan], caches: list[LayerCache], input_ids):
+        """h, input_ids: every segment's rows (`join`); calls, caches: each segment's plan and cache."""
+        h = self.hyper_connection(h, "attn", lambda x: self.attn(self.attn_norm(x), calls, caches))
         return self.hyper_connection(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), input_ids))
 
     def hyper_connection(self, h, part: str, sublayer):
@@ -581,13 +635,17 @@ class MTPBlock(Block):
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
-    def forward(self, h_prev, next_ids, call: CallPlan, cache: LayerCache, embed, head):
+    def forward(self, h_prev, next_ids, calls: list[CallPlan], caches: list[LayerCache], embed):
+        """The block's streams (before its hc_head)."""
         e = self.enorm(embed(next_ids))
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(h_prev))
-        x = super().forward(x, call, cache, next_ids)
+        return super().forward(x, calls, caches, next_ids)
+
+    def logits(self, x, head):
+        """fp32 logits from the block's streams x, through the shared LM head."""
         y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
-        return head(self.norm(y)), x
+        return head(self.norm(y))
 
 
 class Transformer(nn.Module):
@@ -629,21 +687,47 @@ class Transformer(nn.Module):
         `context` optionally bounds every position + 1 in the call (host-known, so no sync), which
         limits the compressed blocks read. Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D]
         before hc_head)."""
-        call = CallPlan(tokens, start, state, self.cfg, context=context)
+        return self.forward_segments([Segment(tokens, start, state, context, last_only)])[0]
+
+    def forward_segments(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Several chunks in one pass (a decode step's rows and prefill chunks): the token-wise work
+        (embedding, mHC, norms, projections, MoE, hc_head, LM head) runs once over all their rows,
+        attention per segment, in the order given, so a later segment's state writes land after an
+        earlier one's. Returns forward_chunk's (logits, streams) per segment."""
+        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context) for s in segments]
+        tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
-        for layer, cache in zip(self.layers, state.layers):
-            h = layer(h, call, cache, tokens)
-        hh = h[:, -1:] if last_only else h
-        y = kernels.mhc_head(hh, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+        for i, layer in enumerate(self.layers):
+            h = layer(h, calls, [s.state.layers[i] for s in segments], tokens)
+        return self._outputs(h, calls, segments, self.logits)
+
+    def logits(self, h):
+        """fp32 logits from the trunk's streams h [..., hc, D]."""
+        y = kernels.mhc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
-        return self.head(self.norm(y)), h
+        return self.head(self.norm(y))
 
     def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState):
         """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
 
         Returns (logits [B,S,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
-        call = CallPlan(next_ids, start, state, self.cfg, compressed=False)
-        return self.mtp[0](hidden, next_ids, call, state.mtp[0], self.embed, self.head)
+        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state)])[0]
+
+    def mtp_forward_segments(self, hidden: list[torch.Tensor], segments: list[Segment]):
+        """mtp_forward_chunk over several segments in one pass (as forward_segments), a segment's tokens
+        being its next_ids."""
+        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, compressed=False) for s in segments]
+        mtp = self.mtp[0]
+        x = mtp(join(hidden), join([s.tokens for s in segments]), calls, [s.state.mtp[0] for s in segments],
+                self.embed)
+        return self._outputs(x, calls, segments, lambda y: mtp.logits(y, self.head))
+
+    @staticmethod
+    def _outputs(h, calls: list[CallPlan], segments: list[Segment], logits):
+        """(logits, streams) per segment from the joined streams: one head call over the rows kept."""
+        streams = split(h, [call.shape for call in calls])
+        kept = [x[:, -1:] if s.last_only else x for x, s in zip(streams, segments)]
+        return list(zip(split(logits(join(kept)), [x.shape[:2] for x in kept]), streams))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, return_hidden: bool = False):
