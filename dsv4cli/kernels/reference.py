@@ -241,10 +241,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: to
     """Rows x [A, in] sorted by group; rows offs[g-1]:offs[g] are multiplied by weight[g] ([G, out, in]).
     Rows past offs[-1] come out undefined. `group` [A] is each row's group (used by the gather fallback).
 
-    Float weights use torch's grouped GEMM, which reads each group's weight in place (on CUDA it
-    takes bf16 only). torch has no grouped int8 GEMM, so int8 rows (and other float dtypes on CUDA)
-    gather their weights: a copy per row, the fallback, exact while int8 sums stay below 2^24."""
-    if weight_scale is None and (x.device.type != "cuda" or x.dtype == torch.bfloat16):
+    Float weights use torch's grouped GEMM, which reads each group's weight in place (it takes bf16
+    only, but for eager calls on the CPU: its shape function, which compiling runs, refuses the rest).
+    torch has no grouped int8 GEMM, so int8 rows (and other float dtypes) gather their weights: a copy
+    per row, the fallback, exact while int8 sums stay below 2^24."""
+    eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+    if weight_scale is None and (x.dtype == torch.bfloat16 or eager_cpu):
         return torch._grouped_mm(x, weight.transpose(1, 2).to(x.dtype), offs=offs)
     g = group.clamp(max=weight.shape[0] - 1)
     if weight_scale is None:
