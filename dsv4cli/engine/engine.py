@@ -59,8 +59,8 @@ class Engine:
         self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
-        # prefill chunks run in the decode step's forward pass (eager steps); else in passes of their own
-        self.mixed = mixed and not compile
+        # prefill chunks run in the decode step's forward pass (eager steps only); else in passes of their own
+        self.mixed = mixed
         self.device = model.embed.weight.device
         # Prefix reuse: a new prompt starts where a free slot's state stops matching it (a chat turn
         # resumes the previous one). Off by default: batch output must not depend on slot history.
@@ -139,7 +139,7 @@ class Engine:
             self._assign(self.waiting.pop(0))
         running = any(s is not None and s not in self.prefilling for s in self.slots)
         chunks = self._prefill_chunks(self.prefill_budget)
-        if running and chunks and self.mixed:
+        if running and chunks and self.mixed and self.compiled is None:
             return self._decode(chunks)
         events = [e for seq, a, b in chunks if (e := self._prefill_chunk(seq, a, b)) is not None]
         if running:
