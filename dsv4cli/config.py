@@ -127,7 +127,7 @@ class Settings:
     max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)
     max_batch: int = _key("model", 8, "Most sequences decoded together", lo=1)
     prefill_budget: int = _key(
-        "model", 128, "Prompt tokens prefilled per engine step (in the running streams' decode pass when eager)",
+        "model", 160, "Prompt tokens prefilled per engine step (in the running streams' decode pass when eager)",
         lo=1
     )
     threads: int | None = _key(

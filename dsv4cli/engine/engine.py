@@ -50,7 +50,7 @@ CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this m
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 128, graphs: bool = True,
+                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
                  mixed: bool = True):
         if mtp and not model.cfg.n_mtp_layers:
