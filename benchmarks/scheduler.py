@@ -1,6 +1,7 @@
 """The token-budget scheduler under load: 8 streams decode while a ~3.5k-token prompt arrives.
 
-    python benchmarks/scheduler.py [--model PATH] [--budgets 128 256 512] [--repeat 3] [--modes mixed separate] [--out F]
+    python benchmarks/scheduler.py [--model PATH] [--budgets 128 256 512] [--repeat 3]
+        [--modes mixed separate] [--out F]
 
 Per budget, with prefill chunks in the decode step's forward pass (mixed) and, in the same process, in
 passes of their own (separate, as before the mixed pass and under compile): the running streams'
