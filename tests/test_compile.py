@@ -48,17 +48,31 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts, tmp_
         assert len(list(compiled.steps_dir().iterdir())) == 1
 
         # a later launch: the saved step loads on the worker thread while steps run eagerly
+        switch_interval = sys.getswitchinterval()
         later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True, compile_in_background=True)
         assert run(later) == want
         assert later.compiled.eager_steps > 0
         later.compiled.wait()
         assert later.compiled.built[(2, 512, False, False)][0] == "loaded"
+        assert sys.getswitchinterval() == switch_interval       # back once no compile runs
         eager_steps = later.compiled.eager_steps
         assert run(later) == want
         assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
     calls = engine.compiled.calls[(2, 512, False, False)]
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
+
+
+def test_background_compiles_shorten_the_switch_interval_while_any_runs():
+    """An eager step waits a whole switch interval for the GIL after each op while a compile traces."""
+    before = sys.getswitchinterval()
+    with compiled._short_switch_interval():
+        assert sys.getswitchinterval() == pytest.approx(compiled.BUILD_SWITCH_INTERVAL)
+        assert before > compiled.BUILD_SWITCH_INTERVAL
+        with compiled._short_switch_interval():                  # a second engine's compile
+            pass
+        assert sys.getswitchinterval() == pytest.approx(compiled.BUILD_SWITCH_INTERVAL)
+    assert sys.getswitchinterval() == before
 
 
 def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):

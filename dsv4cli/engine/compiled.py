@@ -9,6 +9,7 @@ later launch loads it in seconds instead of tracing the ~5,000-op step again. In
 (interactive verbs) the compile or load runs on a worker thread while steps of that key run eagerly,
 so streams keep flowing; otherwise the first step of a key waits for it. Prefill chunks run eagerly.
 """
+import contextlib
 import hashlib
 import inspect
 import os
@@ -26,6 +27,12 @@ from dsv4cli import platforms
 
 MIN_CONTEXT = 512           # the smallest context bucket
 KEY_LIMIT = 64              # keys one compiled step may hold; more is an error (shapes are not bucketed)
+# Python's thread switch interval while a background compile runs. Tracing holds the GIL in pure Python,
+# and an eager step gives it up at each of its ~7,000 ops (torch releases it around every op), then
+# waits a whole interval to get it back: at the default 5 ms a reply stalled 10-44 s a step. At 10 us a
+# step takes ~1 s and the compile ~2x longer (bundled model, 2 cores); a compile in a process of its own
+# would avoid both.
+BUILD_SWITCH_INTERVAL = 1e-5
 
 # a kernel call in generated wrapper code: inductor's C++ / Triton kernels, library (extern) kernels,
 # aten fallbacks and custom ops
@@ -160,7 +167,7 @@ class CompiledDecode:
         future = Future()
 
         def work():
-            with self._building:
+            with self._building, _short_switch_interval():
                 try:
                     future.set_result(self._build(key))
                 except BaseException as e:   # noqa: B036 (handed to the engine thread, which raises it)
@@ -221,5 +228,24 @@ class CompiledDecode:
         return fn
 
 
+@contextlib.contextmanager
+def _short_switch_interval():
+    """BUILD_SWITCH_INTERVAL while any background compile of this process runs."""
+    with _SWITCH_LOCK:
+        if not _SWITCH["builds"]:
+            _SWITCH["previous"] = sys.getswitchinterval()
+            sys.setswitchinterval(BUILD_SWITCH_INTERVAL)
+        _SWITCH["builds"] += 1
+    try:
+        yield
+    finally:
+        with _SWITCH_LOCK:
+            _SWITCH["builds"] -= 1
+            if not _SWITCH["builds"]:
+                sys.setswitchinterval(_SWITCH["previous"])
+
+
 _SOURCE = source_digest()
 _BUILDS: set[threading.Thread] = set()      # background compiles started in this process
+_SWITCH = {"builds": 0, "previous": sys.getswitchinterval()}
+_SWITCH_LOCK = threading.Lock()
