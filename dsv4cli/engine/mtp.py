@@ -31,9 +31,8 @@ class MTPDrafter:
     def after_prompt_chunk(self, hidden, next_ids, start, cache: DecodeState, last: bool) -> torch.Tensor | None:
         """MTP over a prefill chunk's rows (hidden: the trunk's streams, next_ids [1,S] token p+1 per row);
         after the prompt's last chunk, the first drafts [1, K]."""
-        # its logits only for the last row: the head over every prompt row would be most of the pass
-        (logits, streams), = self.model.mtp_forward_segments([hidden], [Segment(next_ids, start, cache,
-                                                                                 last_only=True)])
+        # logits of the last row only: the head over every prompt row would be most of the pass
+        logits, streams = self.model.mtp_forward_chunk(hidden, next_ids, start, cache, last_only=True)
         if not last:
             return None
         return self._drafts_from([(logits[:, -1], streams[:, -1:], start + next_ids.shape[1], cache)])[0]

@@ -707,11 +707,11 @@ class Transformer(nn.Module):
                              self.cfg.hc_eps)
         return self.head(self.norm(y))
 
-    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState):
+    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState, last_only: bool = False):
         """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
 
-        Returns (logits [B,S,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
-        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state)])[0]
+        Returns (logits [B,S or 1,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
+        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state, last_only=last_only)])[0]
 
     def mtp_forward_segments(self, hidden: list[torch.Tensor], segments: list[Segment]):
         """mtp_forward_chunk over several segments in one pass (as forward_segments), a segment's tokens
