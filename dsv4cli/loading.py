@@ -1,6 +1,7 @@
 """From resolved settings to a ready engine: device, dtype, threads, checks against the model and the free
 memory, model, tokenizer, sampling defaults."""
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -120,30 +121,45 @@ def check_tp(s: Settings, cfg: ModelConfig) -> None:
             raise UsageError(f"--tp {s.tp}: does not divide the {n} {what} of {path.parent}")
 
 
-def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False) -> Engine:
-    """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state."""
-    path = s.model_dir
+def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokenizer]:
+    """The model (its tensor-parallel slice when in a group) and tokenizer, with this process's threads."""
     if s.threads:
         torch.set_num_threads(s.threads)
     try:
-        tokenizer = Tokenizer.from_dir(path)
-        model = load_model(path, device=device, dtype=pick_dtype(s.dtype, device))
+        tokenizer = Tokenizer.from_dir(s.model_dir)
+        model = load_model(s.model_dir, device=device, dtype=pick_dtype(s.dtype, device))
     except (LoadError, ValueError) as e:
         raise UsageError(str(e)) from None
+    return model, tokenizer
+
+
+def compiles_apart(model: Transformer, device: torch.device) -> bool:
+    """Whether a background compile can run in a process of its own, which loads the model again: on the
+    CPU, with room for that second copy (an accelerator would need it in device memory)."""
+    weights = sum(t.nbytes for t in model.state_dict().values())
+    return device.type == "cpu" and 2 * weights <= platforms.for_device(device).free_memory(device)
+
+
+def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False) -> Engine:
+    """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state."""
+    model, tokenizer = load_weights(s, device)
     if s.mtp and not model.cfg.n_mtp_layers:
-        raise UsageError(f"{path}: the checkpoint has no MTP layer; use --mtp 0")
+        raise UsageError(f"{s.model_dir}: the checkpoint has no MTP layer; use --mtp 0")
+    apart = s.compile == "on" and compile_in_background and compiles_apart(model, device)
     # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
-                  compile_in_background=compile_in_background)
+                  compile_in_background=compile_in_background,
+                  reload=functools.partial(load_weights, s, device) if apart else None)
 
 
 def load_engine(s: Settings, compile_in_background: bool = True) -> EngineAPI:
     """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks.
 
-    `compile_in_background`: a step shape compiles on a worker thread while its steps run eagerly, so no
-    stream stalls on a compile (not under --tp, whose ranks must run the same step; bench times the
-    compiled step, so it waits)."""
+    `compile_in_background`: a step shape compiles beside the run (in a process of its own where
+    `compiles_apart`, else on a worker thread) while its steps run eagerly, so no stream stalls on a
+    compile (not under --tp, whose ranks must run the same step; bench times the compiled step, so it
+    waits)."""
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)

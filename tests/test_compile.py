@@ -1,34 +1,42 @@
 """The compiled decode step (torch.compile) against eager, its oracle: the same greedy tokens, no graph
 breaks (the step compiles as one graph or fails), no recompiles in steady state, few kernels per layer."""
+import dataclasses
 import os
+import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from tiny import random_model, tiny_config
+from tiny import random_model, tiny_config, write_checkpoint
+from torch._dynamo.utils import counters as dynamo_counters
 
+from dsv4cli.config import resolve
 from dsv4cli.engine import Engine, SamplingParams, compiled
+from dsv4cli.loading import load_engine
 from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
 
+COMPILER = pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
 
-@pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
-@pytest.mark.parametrize("experts", ["stacked", "host"])
-def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts, tmp_path, monkeypatch):
-    """Experts stacked (what `prepare` does with unpacked experts: grouped GEMMs in the graph) or
-    routed on the host (packed experts: one opaque op in the graph). The compiled step is saved, and a
-    new engine loads it in the background, stepping eagerly until it is ready."""
+
+@COMPILER
+def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, monkeypatch):
+    """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with
+    unpacked experts: grouped GEMMs in the graph), the others routed on the host (packed experts: one
+    opaque op in the graph). The compiled step is saved, and a new engine loads it on a worker thread,
+    stepping eagerly until it is ready."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
                       vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
     model = quantize_model(random_model(cfg, seed=3))                 # W8A8: the int8 GEMMs compile too
-    if experts == "stacked":
-        model.prepare()
-    else:
-        for layer in [*model.layers, *model.mtp]:
-            layer.ffn.routes_on_host = True
+    for i, layer in enumerate([*model.layers, *model.mtp]):
+        layer.ffn.routes_on_host = True
+        if i == 0:
+            layer.ffn.stack_experts()
     tok = Tokenizer.from_dir(small_tokenizer_dir)
     prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -63,6 +71,51 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, experts, tmp_
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
 
 
+def settings_for(model_dir, **flags):
+    settings = resolve(flags={"model": str(model_dir), "compile": "on", **flags}, env={})[0]
+    return dataclasses.replace(settings, mode="generate")
+
+
+@COMPILER
+def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, tmp_path, monkeypatch):
+    """Where the model can be loaded again, a process of its own compiles and saves the step: this one
+    only loads it, so its eager steps keep the GIL meanwhile. The tokens stay the eager ones."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    path = tmp_path / "model"       # one window-only layer and no MTP: a short compile
+    vocab = Tokenizer.from_dir(small_tokenizer_dir).vocab_size
+    write_checkpoint(path, tiny_config(num_hidden_layers=1, num_nextn_predict_layers=0, compress_ratios=[0],
+                                       hc_sinkhorn_iters=2, vocab_size=vocab))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(small_tokenizer_dir / name, path / name)
+    prompts = [[5 + i % 40 for i in range(n)] for n in (9, 30)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(engine):
+        return [s.output_ids for s in engine.generate(prompts, params)]
+
+    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512)))
+    graphs = dict(dynamo_counters["stats"])
+    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512))
+    assert engine.reload is not None and engine.compiled.remake is not None
+    assert run(engine) == want and engine.compiled.eager_steps > 0
+    engine.compiled.wait()
+    key = (2, 512, False, False)
+    assert engine.compiled.built[key][0] == "compiled apart"
+    assert dict(dynamo_counters["stats"]) == graphs           # this process traced nothing
+    steps = engine.compiled.eager_steps
+    assert run(engine) == want
+    assert engine.compiled.eager_steps == steps and engine.compiled.recompiles == 0
+    assert [p.name for p in compiled.steps_dir().iterdir()] == [engine.compiled._path(key).name]   # no part left
+
+    # a compiling process that fails (here: the model gone before it loads) fails the engine's next step
+    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512))
+    shutil.rmtree(path)
+    with pytest.raises(RuntimeError, match="compiling process failed"):
+        run(failing)
+        failing.compiled.wait()
+
+
 def test_background_compiles_shorten_the_switch_interval_while_any_runs():
     """An eager step waits a whole switch interval for the GIL after each op while a compile traces."""
     before = sys.getswitchinterval()
@@ -84,10 +137,22 @@ def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
     assert r.stderr.strip().splitlines() == ["compile: no C++ compiler found (install g++ or set CXX); running eager"]
 
 
-@pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
+def processes_with(env_entry: str) -> list[int]:
+    """Live processes (of this user) whose environment holds `env_entry` ("NAME=value")."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if env_entry.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+@COMPILER
 def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, tmp_path):
     """generate compiles in the background: its reply comes from eager steps and the process ends with its
-    own exit code while the compile still runs (the interpreter's shutdown under it would abort)."""
+    own exit code while the compile still runs, and the compiling process ends with it."""
     args = [sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir), "-p", "hi", "-n", "6",
             "--raw", "--temperature", "0"]
     eager = subprocess.run(args, capture_output=True, text=True, timeout=300, check=True)
@@ -96,3 +161,8 @@ def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, t
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, check=False)
     assert (r.returncode, r.stdout) == (0, eager.stdout), r.stderr
     assert not list((tmp_path / "dsv4cli" / "steps").glob("*.bin"))      # it ended before the step was saved
+    if Path("/proc/self/environ").exists():
+        deadline = time.monotonic() + 1       # SIGKILLed: gone at once
+        while (left := processes_with(f"XDG_CACHE_HOME={tmp_path}")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not left, "a compiling process outlived its run"

@@ -6,18 +6,23 @@ eager) with static shapes per key (batch bucket, context bucket, sort, logprobs)
 of two, so a run compiles a handful of keys and none in steady state. Each key is compiled ahead of
 time (`aot_compile`: traced and compiled, not run) and saved whole, Dynamo's trace included, so a
 later launch loads it in seconds instead of tracing the ~5,000-op step again. In the background
-(interactive verbs) the compile or load runs on a worker thread while steps of that key run eagerly,
-so streams keep flowing; otherwise the first step of a key waits for it. Prefill chunks run eagerly.
+(interactive verbs) steps of a new key run eagerly while a worker thread loads it, after a process of
+its own has compiled and saved it (where the engine can be loaded again: `remake`), so streams keep
+flowing; otherwise the first step of a key waits for it. Prefill chunks run eagerly.
 """
 import contextlib
 import hashlib
 import inspect
 import os
+import pickle
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -27,12 +32,13 @@ from dsv4cli import platforms
 
 MIN_CONTEXT = 512           # the smallest context bucket
 KEY_LIMIT = 64              # keys one compiled step may hold; more is an error (shapes are not bucketed)
-# Python's thread switch interval while a background compile runs. Tracing holds the GIL in pure Python,
-# and an eager step gives it up at each of its ~7,000 ops (torch releases it around every op), then
-# waits a whole interval to get it back: at the default 5 ms a reply stalled 10-44 s a step. At 10 us a
-# step takes ~1 s and the compile ~2x longer (bundled model, 2 cores); a compile in a process of its own
-# would avoid both.
+# Python's thread switch interval while a compile or load runs on a worker thread. Tracing holds the GIL
+# in pure Python, and an eager step gives it up at each of its ~7,000 ops (torch releases it around every
+# op), then waits a whole interval to get it back: at the default 5 ms a reply stalled 10-44 s a step. At
+# 10 us a step takes ~1 s and the compile ~2x longer (bundled model, 2 cores); a compile in a process of
+# its own avoids both, which leaves only the load to the thread.
 BUILD_SWITCH_INTERVAL = 1e-5
+PR_SET_PDEATHSIG = 1       # Linux prctl: a signal for this process when the thread that started it ends
 
 # a kernel call in generated wrapper code: inductor's C++ / Triton kernels, library (extern) kernels,
 # aten fallbacks and custom ops
@@ -102,8 +108,11 @@ def kernel_calls(source: str) -> int:
 
 
 def exit_if_building(code: int) -> None:
-    """End the process now, with `code`, if a background compile is still running: it can't be stopped,
-    and the interpreter's shutdown under it aborts (C++ threads torn down while it runs)."""
+    """End the process now, with `code`, if a background compile is still running: a compiling process is
+    killed (its step is not saved), a compiling thread can't be stopped, and the interpreter's shutdown
+    under it aborts (C++ threads torn down while it runs)."""
+    for proc in list(_CHILDREN):
+        proc.kill()
     if any(t.is_alive() for t in _BUILDS):
         sys.stdout.flush()
         sys.stderr.flush()
@@ -124,14 +133,20 @@ class CompiledDecode:
     """`step(*key)` (a bound method of `owner`) compiled once per key: static shapes, no graph
     breaks, saved to `steps_dir()` and loaded from there when a launch finds it.
 
-    `background`: a key's compile (or load) runs on a worker thread and its steps run eagerly until
-    it is ready (`eager_steps` counts them); otherwise a key's first step waits for it. Counts: the
-    kernel calls each key's generated code makes, where each key came from (`built`: "compiled" or
-    "loaded", with seconds), and `recompiles` (a ready key whose guards fail: must stay 0)."""
+    `background`: a key's steps run eagerly until it is ready (`eager_steps` counts them) while a worker
+    thread compiles (or loads) it; otherwise a key's first step waits for it. `remake` (background only):
+    a picklable call that makes this step's owner again, compiling in the foreground; given, a key
+    missing from `steps_dir()` is compiled and saved by a process of its own, which makes the owner
+    again from it, and the thread then loads the saved step: the thread's tracing would hold the GIL the
+    eager steps need. Counts: the kernel calls each key's generated code makes, where each key came from
+    (`built`: "compiled", "compiled apart" or "loaded", with seconds), and `recompiles` (a ready key
+    whose guards fail: must stay 0)."""
 
-    def __init__(self, step, device: torch.device, tag: tuple = (), background: bool = False):
+    def __init__(self, step, device: torch.device, tag: tuple = (), background: bool = False, remake=None):
         use_cache_dir()
         self.step, self.owner, self.tag, self.background = step, step.__self__, tag, background
+        self.remake = remake
+        platforms.for_device(device).kernels     # imported now: a trace can't enter cached_property's lock
         self.compiler = torch.compile(step, backend=platforms.for_device(device).compile_backend, fullgraph=True,
                                       dynamic=False)
         self.where = (torch.__version__, device.type, platforms.for_device(device).compile_backend, tag)
@@ -167,9 +182,17 @@ class CompiledDecode:
         future = Future()
 
         def work():
-            with self._building, _short_switch_interval():
+            with self._building:
                 try:
-                    future.set_result(self._build(key))
+                    t0 = time.perf_counter()
+                    apart = self.remake is not None and not self._path(key).exists()
+                    if apart:
+                        self._compile_apart(key)
+                    with _short_switch_interval():
+                        fn = self._build(key)
+                    if apart:
+                        self.built[key] = ("compiled apart", time.perf_counter() - t0)
+                    future.set_result(fn)
                 except BaseException as e:   # noqa: B036 (handed to the engine thread, which raises it)
                     future.set_exception(e)
 
@@ -177,6 +200,23 @@ class CompiledDecode:
         _BUILDS.add(thread)
         thread.start()
         return future
+
+    def _compile_apart(self, key: tuple) -> None:
+        """Compile and save `key`'s step in a process of its own, at a lower priority than this one."""
+        cmd = [sys.executable, "-c", "from dsv4cli.engine.compiled import compile_apart; compile_apart()"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _CHILDREN.add(proc)
+        try:
+            out, err = proc.communicate(pickle.dumps((os.getpid(), self.remake, key)))
+        finally:
+            _CHILDREN.discard(proc)
+        if proc.returncode:
+            last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+            raise RuntimeError(f"compile: the compiling process failed (exit code {proc.returncode}): {last}")
+        saved = (out.decode(errors="replace").strip().splitlines() or [""])[-1]
+        if saved != str(self._path(key)):     # it made an engine unlike this one
+            raise RuntimeError(f"compile: the compiling process saved {saved!r}, not this engine's step "
+                               f"{self._path(key)}")
 
     def is_ready(self, key: tuple) -> bool:
         return key in self.ready
@@ -215,9 +255,11 @@ class CompiledDecode:
             with torch.no_grad():
                 fn = self.compiler.aot_compile((key, {}))
             how = "compiled"
-            try:
+            try:         # whole or not at all: a run may end (or a compiling process be killed) meanwhile
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fn.save_compiled_function(str(path), external_data={"owner": self.owner})
+                part = path.with_name(f"{path.name}.{os.getpid()}.part")
+                fn.save_compiled_function(str(part), external_data={"owner": self.owner})
+                os.replace(part, path)
             except OSError:
                 pass              # an unwritable cache: the next launch compiles again
         new = [m for m in PyCodeCache.modules[modules:] if hasattr(m, "call")]
@@ -226,6 +268,28 @@ class CompiledDecode:
         self.built[key] = (how, time.perf_counter() - t0)
         self.ready[key] = fn
         return fn
+
+
+def compile_apart() -> None:
+    """A compiling process (`CompiledDecode._compile_apart`): from stdin (parent pid, remake, key), make
+    the engine again, compile and save the key's step; print where it is. Dies with the thread that
+    started it, and yields the cores to it (nice)."""
+    parent, remake, key = pickle.load(sys.stdin.buffer)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:          # it ended before the line above
+        sys.exit(1)
+    os.nice(10)
+    try:
+        compiled = remake().compiled
+        compiled._build(key)
+    except Exception as e:     # noqa: BLE001 - the traceback, then one line for the parent's error
+        traceback.print_exc()
+        print(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}", file=sys.stderr, flush=True)
+        os._exit(1)
+    print(compiled._path(key), flush=True)
+    os._exit(0)           # nothing left to tear down that matters
 
 
 @contextlib.contextmanager
@@ -247,5 +311,6 @@ def _short_switch_interval():
 
 _SOURCE = source_digest()
 _BUILDS: set[threading.Thread] = set()      # background compiles started in this process
+_CHILDREN: set[subprocess.Popen] = set()     # compiling processes running for this one
 _SWITCH = {"builds": 0, "previous": sys.getswitchinterval()}
 _SWITCH_LOCK = threading.Lock()

@@ -52,10 +52,15 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
-                 mixed: bool = True):
+                 mixed: bool = True, reload=None):
+        """`reload`: a picklable call that loads this model and tokenizer again (`loading.load_weights`);
+        given, a background compile runs in a process of its own (`compiled.py`)."""
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
-        self.model, self.tok = model, tokenizer
+        self.model, self.tok, self.reload = model, tokenizer, reload
+        # what shapes the engine, apart from the model (`resized`, and a compiling process's copy)
+        self.options = dict(max_batch=max_batch, max_seq_len=max_seq_len, mtp=mtp, prefill_chunk=prefill_chunk,
+                            prefill_budget=prefill_budget, graphs=graphs, reuse_prefix=reuse_prefix, mixed=mixed)
         self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
@@ -74,8 +79,10 @@ class Engine:
         self._ids = itertools.count()
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
         # the fused decode step compiled (torch.compile); captured graphs replay the compiled kernels
+        remake = (functools.partial(compiling_engine, reload, self.options)
+                  if compile and compile_in_background and reload is not None else None)
         self.compiled = (CompiledDecode(self._fused_decode, self.device, (mtp, max_batch, max_seq_len),
-                                        background=compile_in_background) if compile else None)
+                                        background=compile_in_background, remake=remake) if compile else None)
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the engine (its guards' view): what the fused step reads,
@@ -115,12 +122,10 @@ class Engine:
 
     def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
         """A new engine on the same loaded model with another batch size or MTP depth."""
-        return Engine(self.model, self.tok, max_batch=max_batch, max_seq_len=self.max_seq_len, mtp=mtp,
-                      prefill_chunk=self.prefill_chunk, prefill_budget=self.prefill_budget,
-                      graphs=self.graphs is not None,
-                      reuse_prefix=self.reuse_prefix,
+        return Engine(self.model, self.tok, **{**self.options, "max_batch": max_batch, "mtp": mtp},
                       compile=self.compiled is not None if compile is None else compile,
-                      compile_in_background=self.compiled is not None and self.compiled.background, mixed=self.mixed)
+                      compile_in_background=self.compiled is not None and self.compiled.background,
+                      reload=self.reload)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -373,3 +378,9 @@ class Engine:
     def _free(self, slot: int) -> None:
         self.slots[slot] = None
         self.state.active[slot] = False
+
+
+def compiling_engine(reload, options: dict) -> Engine:
+    """In a compiling process: this engine again, on a fresh load of its model, compiling in the foreground."""
+    model, tokenizer = reload()
+    return Engine(model, tokenizer, **options, compile=True)
