@@ -16,7 +16,7 @@ def dsv4(*args: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProces
     return subprocess.run(
         [str(DSV4), *args],
         cwd=cwd,
-        env={**base, "COLUMNS": "200", **env},
+        env={**base, "COLUMNS": "1000", **env},
         capture_output=True,
         text=True,
         check=False,
