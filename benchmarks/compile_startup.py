@@ -54,7 +54,7 @@ def takeover(reply_tokens: int) -> dict:
     from dsv4cli.engine import SamplingParams
     from dsv4cli.loading import load_engine
 
-    engine = load_engine(dataclasses.replace(resolve()[0], max_batch=1, mode="chat"))
+    engine = load_engine(dataclasses.replace(resolve()[0], max_batch=1, mode="chat"), "chat")
     loaded = time.perf_counter() - t0
     prompt = engine.tok.encode("Once upon a time, a little fox named Ben lived by the river.")
     params = SamplingParams(temperature=0, max_tokens=reply_tokens, ignore_eos=True)

@@ -270,7 +270,7 @@ def bench_command(
         settings = dataclasses.replace(settings, max_tokens=64)
     if load_prompt:
         return bench_command_under_load(settings, load_prompt, streams, as_json)
-    engine = load_engine(settings, compile_in_background=False)
+    engine = load_engine(settings, "bench", compile_in_background=False)
     # compile = auto or on: the compiled step against eager in the same run
     can_compile = settings.compile != "off" and not compiled.unavailable_reason(engine.device)
     compile_modes = (False, True) if can_compile else (False,)
@@ -292,7 +292,7 @@ def bench_command_under_load(settings, prompt_tokens: int, streams: int, as_json
     if prompt_tokens + settings.max_tokens + 1 >= settings.max_seq_len:
         raise UsageError(f"--under-load: {prompt_tokens} prompt tokens and {settings.max_tokens} steps don't fit "
                          f"max_seq_len {settings.max_seq_len}")
-    engine = load_engine(settings, compile_in_background=False)
+    engine = load_engine(settings, "bench", compile_in_background=False)
     with torch.no_grad():
         result = bench_under_load(engine, streams, prompt_tokens, settings.max_tokens)
     result.update(prefill_budget=settings.prefill_budget, compile=engine.compiled is not None)

@@ -89,7 +89,7 @@ def run_generate(s: Settings) -> int:
     if s.tools and s.raw:
         raise UsageError("--tools: a --raw prompt has no chat template to render tools into")
     tools = load_tools(s.tools, "--tools") if s.tools else []
-    engine = load_engine(s)
+    engine = load_engine(s, "generate")
     ids = prompt_ids(engine, s, prompt, tools)
     thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
     try:

@@ -153,8 +153,9 @@ def build_engine(s: Settings, device: torch.device, compile_in_background: bool 
                   reload=functools.partial(load_weights, s, device) if apart else None)
 
 
-def load_engine(s: Settings, compile_in_background: bool = True) -> EngineAPI:
-    """The engine the settings describe; with --tp N, rank 0's view of N cooperating ranks.
+def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> EngineAPI:
+    """The engine the settings describe for `verb` (chat, generate, batch, serve, bench: what
+    `compile = auto` decides by); with --tp N, rank 0's view of N cooperating ranks.
 
     `compile_in_background`: a step shape compiles beside the run (in a process of its own where
     `compiles_apart`, else on a worker thread) while its steps run eagerly, so no stream stalls on a
@@ -166,9 +167,9 @@ def load_engine(s: Settings, compile_in_background: bool = True) -> EngineAPI:
     parameters = check_limits(s, cfg, device)
     if device.type == "cpu":
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
-    compile_on, why = compiled.choose(s.compile, device)
-    if s.compile != "off" and compiled.unavailable_reason(device):
-        print(why, file=sys.stderr)
+    compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS)
+    if say:
+        print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
         return build_engine(s, device, compile_in_background)

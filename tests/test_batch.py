@@ -253,7 +253,7 @@ def test_large_input_keeps_a_bounded_window(tiny_model_dir, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = load_engine(s)
+        engine = load_engine(s, "batch")
         out = ResultFile(tmp_path / "out.jsonl")
         run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
                        set(), set())
@@ -276,7 +276,7 @@ def in_process_run(tiny_model_dir, tmp_path, rows, **settings):
     tmp_path.mkdir(exist_ok=True)
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     s, _ = resolve(None, {"model": str(tiny_model_dir), "temperature": 0.0, "max_batch": 3, **settings})
-    engine = load_engine(s)
+    engine = load_engine(s, "batch")
     out = ResultFile(tmp_path / "out.jsonl")
     run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
                    set(), set())

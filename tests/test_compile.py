@@ -1,6 +1,5 @@
 """The compiled decode step (torch.compile) against eager, its oracle: the same greedy tokens, no graph
 breaks (the step compiles as one graph or fails), no recompiles in steady state, few kernels per layer."""
-import dataclasses
 import os
 import shutil
 import subprocess
@@ -72,8 +71,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
 
 
 def settings_for(model_dir, **flags):
-    settings = resolve(flags={"model": str(model_dir), "compile": "on", **flags}, env={})[0]
-    return dataclasses.replace(settings, mode="generate")
+    return resolve(flags={"model": str(model_dir), "compile": "on", **flags}, env={})[0]
 
 
 @COMPILER
@@ -94,9 +92,9 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     def run(engine):
         return [s.output_ids for s in engine.generate(prompts, params)]
 
-    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512)))
+    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512), "chat"))
     graphs = dict(dynamo_counters["stats"])
-    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512))
+    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "chat")
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
     engine.compiled.wait()
@@ -109,7 +107,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert [p.name for p in compiled.steps_dir().iterdir()] == [engine.compiled._path(key).name]   # no part left
 
     # a compiling process that fails (here: the model gone before it loads) fails the engine's next step
-    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512))
+    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "chat")
     shutil.rmtree(path)
     with pytest.raises(RuntimeError, match="compiling process failed"):
         run(failing)
@@ -126,6 +124,20 @@ def test_background_compiles_shorten_the_switch_interval_while_any_runs():
             pass
         assert sys.getswitchinterval() == pytest.approx(compiled.BUILD_SWITCH_INTERVAL)
     assert sys.getswitchinterval() == before
+
+
+@COMPILER
+def test_auto_compiles_where_a_compile_pays_off():
+    """On the CPU: the verbs that run long with a small model; a one-shot generate or a large model runs eager."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for verb in compiled.LONG_RUNNING:
+        on, say = compiled.choose("auto", cpu, verb, small_model=True)
+        assert on and say.startswith(f"compile = auto: on ({verb}, small model on the CPU")
+    for verb, small in (("generate", True), ("bench", True), ("chat", False)):
+        assert compiled.choose("auto", cpu, verb, small) == (False, None)
+    assert compiled.choose("auto", cuda, "generate", small_model=False)[0]
+    assert compiled.choose("on", cpu, "generate", small_model=False) == (True, None)
+    assert compiled.choose("off", cpu, "chat", small_model=True) == (False, None)
 
 
 def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
@@ -166,3 +178,22 @@ def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, t
         while (left := processes_with(f"XDG_CACHE_HOME={tmp_path}")) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not left, "a compiling process outlived its run"
+
+
+@COMPILER
+def test_chat_compiles_by_default_on_the_cpu_and_says_so(tiny_model_dir, tmp_path):
+    """compile = auto: chat streams the eager reply while a process of its own compiles; quitting ends it."""
+    args = [sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "6"]
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    off = subprocess.run(args, input="Hello\n", capture_output=True, text=True, timeout=300, check=False,
+                         env={**env, "DSV4_COMPILE": "off"})
+    env.pop("DSV4_COMPILE", None)
+    auto = subprocess.run(args, input="Hello\n", capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert (auto.returncode, auto.stdout) == (0, off.stdout), auto.stderr
+    assert "compile = auto: on (chat, small model on the CPU" in auto.stderr and "compile" not in off.stderr
+    deadline = time.monotonic() + 1
+    while (left := processes_with(f"XDG_CACHE_HOME={tmp_path / 'cache'}")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "a compiling process outlived its run"

@@ -150,7 +150,7 @@ def run_batch(s: Settings) -> int:
             done |= answered
             errored |= failed_lines
     seed = run_seed(out_path, s.seed, s.resume)
-    engine = load_engine(s)
+    engine = load_engine(s, "batch")
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
     bar = progress_bar(count_lines(src)) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)

@@ -212,7 +212,7 @@ def run_chat(s: Settings) -> int:
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     try:
         # one conversation: one sequence's cache, which each turn resumes
-        engine = load_engine(dataclasses.replace(s, max_batch=1, mode="chat"))
+        engine = load_engine(dataclasses.replace(s, max_batch=1, mode="chat"), "chat")
     except KeyboardInterrupt:
         return 130
     if tty:

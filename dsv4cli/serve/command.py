@@ -36,7 +36,7 @@ def run_serve(s: Settings) -> int:
     from .metrics import ServerMetrics
 
     sock = bind(s.host, s.port)     # before loading: a taken port fails in a second, not after the model
-    engine = load_engine(s)
+    engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort)
     metrics = ServerMetrics()
     loop = EngineLoop(engine, s.max_waiting, metrics)
