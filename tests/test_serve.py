@@ -94,7 +94,7 @@ def reference():
     """What `dsv4 generate --temperature 0 -n 12` answers (its own prompt building and engine), each prompt
     run alone."""
     settings, _ = resolve(flags={"temperature": 0.0, "max_tokens": MAX_TOKENS, "max_batch": 1}, env={})
-    engine = load_engine(settings, "serve")
+    engine = load_engine(settings, "generate")
 
     def answer(prompt: str, tools: list | None = None) -> str:
         seq = engine.submit(prompt_ids(engine, settings, prompt, tools or []), sampling_params(settings))
