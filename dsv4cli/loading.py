@@ -167,7 +167,8 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> E
     parameters = check_limits(s, cfg, device)
     if device.type == "cpu":
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
-    compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS)
+    compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS,
+                                      beside=compile_in_background and s.tp == 1)
     if say:
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike

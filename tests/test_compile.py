@@ -128,16 +128,18 @@ def test_background_compiles_shorten_the_switch_interval_while_any_runs():
 
 @COMPILER
 def test_auto_compiles_where_a_compile_pays_off():
-    """On the CPU: the verbs that run long with a small model; a one-shot generate or a large model runs eager."""
+    """On the CPU: the verbs that run long with a small model, compiled beside the run; a one-shot generate, a
+    large model or a --tp run (whose ranks compile in the foreground) runs eager."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for verb in compiled.LONG_RUNNING:
-        on, say = compiled.choose("auto", cpu, verb, small_model=True)
+        on, say = compiled.choose("auto", cpu, verb, small_model=True, beside=True)
         assert on and say.startswith(f"compile = auto: on ({verb}, small model on the CPU")
-    for verb, small in (("generate", True), ("bench", True), ("chat", False)):
-        assert compiled.choose("auto", cpu, verb, small) == (False, None)
-    assert compiled.choose("auto", cuda, "generate", small_model=False)[0]
-    assert compiled.choose("on", cpu, "generate", small_model=False) == (True, None)
-    assert compiled.choose("off", cpu, "chat", small_model=True) == (False, None)
+    for verb, small, beside in (("generate", True, True), ("bench", True, False), ("chat", False, True),
+                                ("chat", True, False)):
+        assert compiled.choose("auto", cpu, verb, small, beside) == (False, None)
+    assert compiled.choose("auto", cuda, "generate", small_model=False, beside=False)[0]
+    assert compiled.choose("on", cpu, "generate", small_model=False, beside=False) == (True, None)
+    assert compiled.choose("off", cpu, "chat", small_model=True, beside=True) == (False, None)
 
 
 def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):

@@ -77,16 +77,18 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def choose(mode: str, device: torch.device, verb: str, small_model: bool) -> tuple[bool, str | None]:
+def choose(mode: str, device: torch.device, verb: str, small_model: bool, beside: bool) -> tuple[bool, str | None]:
     """Whether to compile the decode step for `verb`, and a line for the user or None: what `auto`
     picked when it turned compiling on, or why a compile can't run.
 
     auto: on for accelerators, where the compiled step is then captured as a graph. On the CPU, on for
     the verbs whose engine outlives a cold compile (`LONG_RUNNING`) with a small model, whose step is
-    mostly per-op overhead (the compiled one is 5-10x faster); a process of its own compiles it while the
-    run goes on eagerly. Off for a one-shot `generate`, which ends before a cold compile would (minutes),
-    and for large models, whose CPU step is the weights' bandwidth, which compiling doesn't change."""
-    if mode == "off" or (mode == "auto" and device.type == "cpu" and not (verb in LONG_RUNNING and small_model)):
+    mostly per-op overhead (the compiled one is 5-10x faster), when the compile can run `beside` the
+    run (not under --tp, whose ranks compile in the foreground) while it goes on eagerly. Off for a
+    one-shot `generate`, which ends before a cold compile would (minutes), and for large models, whose
+    CPU step is the weights' bandwidth, which compiling doesn't change."""
+    pays_off = verb in LONG_RUNNING and small_model and beside
+    if mode == "off" or (mode == "auto" and device.type == "cpu" and not pays_off):
         return False, None
     reason = unavailable_reason(device)
     if reason:
