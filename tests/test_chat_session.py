@@ -15,10 +15,13 @@ def test_status_bar_snapshot():
     console = Console(record=True, width=100, color_system=None)
     console.print(status_bar(m, 2, [0.030, 0.035, 0.050, 0.040, 0.080, 0.030]))
     console.print(status_bar(m, 0, []))
+    console.print(status_bar(m, 0, [0.030], "eager, compiling"))
     assert console.export_text() == (
         "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁▂▄▂█▁ 30.0 ms\n"
         "MTP 2 · accept 75.0% · per position 0.88 0.62 · mean acceptance length 2.50\n"
         "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms\n"
+        "MTP off\n"
+        "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁ 30.0 ms (eager, compiling)\n"
         "MTP off\n")
 
 

@@ -57,6 +57,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         # a later launch: the saved step loads on the worker thread while steps run eagerly
         switch_interval = sys.getswitchinterval()
         later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True, compile_in_background=True)
+        assert later.compiled.status == "eager"
         assert run(later) == want
         assert later.compiled.eager_steps > 0
         later.compiled.wait()
@@ -65,6 +66,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         eager_steps = later.compiled.eager_steps
         assert run(later) == want
         assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
+        assert later.compiled.status == "compiled"
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
     calls = engine.compiled.calls[(2, 512, False, False)]
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
@@ -97,6 +99,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "chat")
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
+    assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
     engine.compiled.wait()
     key = (2, 512, False, False)
     assert engine.compiled.built[key][0] == "compiled apart"

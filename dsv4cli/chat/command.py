@@ -144,7 +144,7 @@ class Chat:
             self.session.messages.pop()
             self.error(f"{e}; your message was dropped")
             return True
-        view = (LiveReply(self.console, seq, self.engine.mtp_depth, s.thinking) if self.tty
+        view = (LiveReply(self.console, seq, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
                 else PlainReply(seq, s.thinking))
         with sigint_flag() as stop, view:
             try:

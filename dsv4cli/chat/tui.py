@@ -43,8 +43,9 @@ def sparkline(values: list[float], width: int = 20) -> str:
     return "".join(SPARKS[round((v - lo) / (hi - lo) * 7) if hi > lo else 0] for v in values)
 
 
-def status_bar(m: Metrics, mtp_depth: int, step_s: list[float]) -> Text:
-    """Two lines under a streaming reply: speed and step latency, then MTP acceptance."""
+def status_bar(m: Metrics, mtp_depth: int, step_s: list[float], steps_run: str | None = None) -> Text:
+    """Two lines under a streaming reply: speed and step latency (with `steps_run`: how the steps run, e.g.
+    "eager, compiling", when compile is on), then MTP acceptance."""
     if not m.t_first:
         return Text(f"prefilling {m.prompt_tokens - m.cached_tokens} prompt tokens…", style="dim")
 
@@ -58,6 +59,8 @@ def status_bar(m: Metrics, mtp_depth: int, step_s: list[float]) -> Text:
              stat("TTFT", ms(m.ttft)), stat("TPOT", ms(m.tpot) if decoding else "-")]
     if step_s:
         speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
+        if steps_run:
+            speed[-1].append(f" ({steps_run})", style="dim")
     mtp = [stat("MTP", "off")]
     if mtp_depth:
         mtp = [stat("MTP", str(mtp_depth)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
@@ -116,8 +119,10 @@ class LiveReply:
     ten times a second. Closing it replaces the live view with the whole reply and a summary line.
     Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
 
-    def __init__(self, console: Console, seq, mtp_depth: int, thinking: bool):
+    def __init__(self, console: Console, seq, mtp_depth: int, thinking: bool, compiled=None):
+        """`compiled`: the engine's compiled step (its `status` shows in the bar), or None."""
         self.console, self.seq, self.mtp_depth, self.thinking = console, seq, mtp_depth, thinking
+        self.compiled = compiled
         self.step_s: list[float] = []
         self.drawn = 0.0
         self.live = Live(self, console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
@@ -130,7 +135,8 @@ class LiveReply:
         answer = answer[-keep:]
         reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
         yield Tail(reply_view(reasoning, answer, markdown=False), height)
-        yield status_bar(self.seq.metrics, self.mtp_depth, self.step_s)
+        yield status_bar(self.seq.metrics, self.mtp_depth, self.step_s,
+                         self.compiled.status if self.compiled is not None else None)
 
     def __enter__(self):
         self.tty.__enter__()

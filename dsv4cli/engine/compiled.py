@@ -163,6 +163,7 @@ class CompiledDecode:
         self.built: dict[tuple, tuple[str, float]] = {}
         self.recompiles = 0
         self.eager_steps = 0
+        self.last_compiled = False                 # whether the latest step ran compiled
         self._building = threading.Lock()          # one at a time: Dynamo's state is process-wide
 
     def __call__(self, *key) -> torch.Tensor:
@@ -174,6 +175,7 @@ class CompiledDecode:
                 self.pending[key] = self._start(key)
             elif self.pending[key].done():
                 self.pending[key].result()       # it failed: the error, not eager steps for ever
+        self.last_compiled = fn is not None
         if fn is None:
             self.eager_steps += 1
             return self.step(*key)
@@ -224,6 +226,12 @@ class CompiledDecode:
         if saved != str(self._path(key)):     # it made an engine unlike this one
             raise RuntimeError(f"compile: the compiling process saved {saved!r}, not this engine's step "
                                f"{self._path(key)}")
+
+    @property
+    def status(self) -> str:
+        """What steps run as, for a status line: "compiled" or "eager", and ", compiling" while a step
+        shape compiles (or loads) beside them."""
+        return ("compiled" if self.last_compiled else "eager") + (", compiling" if self.busy else "")
 
     def is_ready(self, key: tuple) -> bool:
         return key in self.ready
