@@ -21,7 +21,7 @@ def test_status_bar_snapshot():
         "MTP 2 · accept 75.0% · per position 0.88 0.62 · mean acceptance length 2.50\n"
         "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms\n"
         "MTP off\n"
-        "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁ 30.0 ms (eager, compiling)\n"
+        "eager, compiling · 41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁ 30.0 ms\n"
         "MTP off\n")
 
 

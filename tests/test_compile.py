@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import pexpect
 import pytest
 import torch
 from tiny import random_model, tiny_config, write_checkpoint
@@ -100,6 +101,8 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
+    (child,) = compiled._CHILDREN
+    assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
     engine.compiled.wait()
     key = (2, 512, False, False)
     assert engine.compiled.built[key][0] == "compiled apart"
@@ -186,19 +189,34 @@ def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, t
 
 
 @COMPILER
-def test_chat_compiles_by_default_on_the_cpu_and_says_so(tiny_model_dir, tmp_path):
-    """compile = auto: chat streams the eager reply while a process of its own compiles; quitting ends it."""
-    args = [sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
-            "--max-tokens", "6"]
-    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
-    off = subprocess.run(args, input="Hello\n", capture_output=True, text=True, timeout=300, check=False,
-                         env={**env, "DSV4_COMPILE": "off"})
-    env.pop("DSV4_COMPILE", None)
-    auto = subprocess.run(args, input="Hello\n", capture_output=True, text=True, timeout=300, check=False, env=env)
-    assert (auto.returncode, auto.stdout) == (0, off.stdout), auto.stderr
-    assert "compile = auto: on (chat, small model on the CPU" in auto.stderr and "compile" not in off.stderr
-    deadline = time.monotonic() + 1
+def test_chat_compiles_by_default_on_the_cpu_and_ctrl_c_stops_only_the_reply(tiny_model_dir, tmp_path):
+    """compile = auto in a terminal: chat says it compiles, streams eagerly meanwhile and says so; a Ctrl-C
+    stops the reply, not the compiling process (a session of its own), and quitting ends that process."""
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "TERM": "xterm-256color",
+           "COLUMNS": "120", "LINES": "40"}
+    for name in ("DSV4_COMPILE", "TORCHINDUCTOR_CACHE_DIR"):
+        env.pop(name, None)
+    child = pexpect.spawn(sys.executable, ["-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature",
+                                           "0", "--max-tokens", "2000", "--ignore-eos"], env=env, dimensions=(40, 120),
+                          encoding="utf-8", timeout=60)
+    child.expect(r"compile = auto: on \(chat, small model on the CPU")
+    child.expect(">>> ")
+    child.sendline("Tell me a long story")
+    child.expect("eager, compiling")
+    child.sendcontrol("c")
+    child.expect("interrupted")
+    child.expect(">>> ")
+    child.sendline("Hello again")         # the same engine and step shape: a compile that died fails its steps
+    child.expect("eager|compiled")     # a decode step ran (the bar shows it after one)
+    child.sendcontrol("c")
+    child.expect("interrupted")
+    child.expect(">>> ")
+    assert "error" not in child.before
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0
+    deadline = time.monotonic() + 1       # SIGKILLed: gone at once
     while (left := processes_with(f"XDG_CACHE_HOME={tmp_path / 'cache'}")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, "a compiling process outlived its run"

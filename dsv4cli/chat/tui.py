@@ -44,8 +44,8 @@ def sparkline(values: list[float], width: int = 20) -> str:
 
 
 def status_bar(m: Metrics, mtp_depth: int, step_s: list[float], steps_run: str | None = None) -> Text:
-    """Two lines under a streaming reply: speed and step latency (with `steps_run`: how the steps run, e.g.
-    "eager, compiling", when compile is on), then MTP acceptance."""
+    """Two lines under a streaming reply: speed and step latency (led by `steps_run`, how the decode steps
+    run, e.g. "eager, compiling", when compile is on), then MTP acceptance."""
     if not m.t_first:
         return Text(f"prefilling {m.prompt_tokens - m.cached_tokens} prompt tokens…", style="dim")
 
@@ -59,8 +59,8 @@ def status_bar(m: Metrics, mtp_depth: int, step_s: list[float], steps_run: str |
              stat("TTFT", ms(m.ttft)), stat("TPOT", ms(m.tpot) if decoding else "-")]
     if step_s:
         speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
-        if steps_run:
-            speed[-1].append(f" ({steps_run})", style="dim")
+    if steps_run and decoding:      # first: a narrow terminal cuts the line's end
+        speed.insert(0, stat("", steps_run))
     mtp = [stat("MTP", "off")]
     if mtp_depth:
         mtp = [stat("MTP", str(mtp_depth)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),

@@ -211,9 +211,11 @@ class CompiledDecode:
         return future
 
     def _compile_apart(self, key: tuple) -> None:
-        """Compile and save `key`'s step in a process of its own, at a lower priority than this one."""
+        """Compile and save `key`'s step in a process of its own, at a lower priority than this one, in a
+        session of its own: a Ctrl-C at the terminal (which chat takes to stop a reply) must not reach it."""
         cmd = [sys.executable, "-c", "from dsv4cli.engine.compiled import compile_apart; compile_apart()"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True)
         _CHILDREN.add(proc)
         try:
             out, err = proc.communicate(pickle.dumps((os.getpid(), self.remake, key)))
@@ -295,7 +297,8 @@ def compile_apart() -> None:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:          # it ended before the line above
         sys.exit(1)
-    os.nice(10)
+    if hasattr(os, "nice"):
+        os.nice(10)
     try:
         compiled = remake().compiled
         compiled._build(key)
