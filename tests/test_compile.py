@@ -148,6 +148,20 @@ def test_auto_compiles_where_a_compile_pays_off():
     assert compiled.choose("off", cpu, "chat", small_model=True, beside=True) == (False, None)
 
 
+def test_saved_steps_unused_for_a_while_are_pruned(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    steps = compiled.steps_dir()
+    steps.mkdir(parents=True)
+    old_step, old_part, recent = steps / "a.bin", steps / "b.bin.7.part", steps / "c.bin"
+    for path in (old_step, old_part, recent):
+        path.write_bytes(b"step")
+    stale = time.time() - (compiled.STEP_TTL_DAYS + 1) * 86400
+    for path in (old_step, old_part):
+        os.utime(path, (stale, stale))
+    assert sorted(compiled.prune_steps()) == [old_step, old_part]
+    assert [p.name for p in steps.iterdir()] == ["c.bin"]
+
+
 def test_compile_without_a_cpp_compiler_says_so_and_runs_eager(tiny_model_dir):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable), "DSV4_COMPILE": "on"}
     env.pop("CXX", None)

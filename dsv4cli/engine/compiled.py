@@ -39,6 +39,7 @@ KEY_LIMIT = 64              # keys one compiled step may hold; more is an error 
 # 10 us a step takes ~1 s and the compile ~2x longer (bundled model, 2 cores); a compile in a process of
 # its own avoids both, which leaves only the load to the thread.
 BUILD_SWITCH_INTERVAL = 1e-5
+STEP_TTL_DAYS = 30         # a saved step unused this long is deleted when another one is saved
 PR_SET_PDEATHSIG = 1       # Linux prctl: a signal for this process when the thread that started it ends
 
 # a kernel call in generated wrapper code: inductor's C++ / Triton kernels, library (extern) kernels,
@@ -268,6 +269,8 @@ class CompiledDecode:
                 how = "loaded"
             except Exception:      # written by another torch or platform: compile it afresh
                 fn = None
+            with contextlib.suppress(OSError):
+                os.utime(path)           # used now: `prune_steps` keeps it
         if fn is None:
             with torch.no_grad():
                 fn = self.compiler.aot_compile((key, {}))
@@ -277,6 +280,7 @@ class CompiledDecode:
                 part = path.with_name(f"{path.name}.{os.getpid()}.part")
                 fn.save_compiled_function(str(part), external_data={"owner": self.owner})
                 os.replace(part, path)
+                prune_steps()
             except OSError:
                 pass              # an unwritable cache: the next launch compiles again
         new = [m for m in PyCodeCache.modules[modules:] if hasattr(m, "call")]
@@ -285,6 +289,21 @@ class CompiledDecode:
         self.built[key] = (how, time.perf_counter() - t0)
         self.ready[key] = fn
         return fn
+
+
+def prune_steps() -> list[Path]:
+    """Delete the saved steps (and parts of killed saves) unused for `STEP_TTL_DAYS`: every code version
+    saves its own, and nothing else would ever remove the old ones. Returns what it deleted."""
+    old = time.time() - STEP_TTL_DAYS * 86400
+    gone = []
+    for path in [*steps_dir().glob("*.bin"), *steps_dir().glob("*.part")]:
+        try:
+            if path.stat().st_mtime < old:
+                path.unlink()
+                gone.append(path)
+        except OSError:         # another run's prune got there first
+            pass
+    return gone
 
 
 def compile_apart() -> None:
