@@ -89,7 +89,7 @@ def model_config(s: Settings) -> ModelConfig:
 
 def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
     """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory);
-    returns the model's parameter count."""
+    returns the model's parameter count and weight bytes (a card's, under --tp)."""
     if s.max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--max-seq-len {s.max_seq_len}: above the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
@@ -108,7 +108,7 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
         raise UsageError(f"not enough memory on {device.type}: the model needs about {human_bytes(weights + state)}"
                          f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
                          f"{s.max_batch} x --max-seq-len {s.max_seq_len}); {human_bytes(free)} is free")
-    return info["parameters"]
+    return info["parameters"], weights
 
 
 def check_tp(s: Settings, cfg: ModelConfig) -> None:
@@ -133,24 +133,25 @@ def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokeni
     return model, tokenizer
 
 
-def compiles_apart(model: Transformer, device: torch.device) -> bool:
-    """Whether a background compile can run in a process of its own, which loads the model again: on the
-    CPU, with room for that second copy (an accelerator would need it in device memory)."""
-    weights = sum(t.nbytes for t in model.state_dict().values())
+def compiles_apart(weights: int, device: torch.device) -> bool:
+    """Whether a background compile can run in a process of its own, which loads the model again (before
+    this one loads it: `weights` bytes): on the CPU, with room for both copies (an accelerator would need
+    the second in device memory)."""
     return device.type == "cpu" and 2 * weights <= platforms.for_device(device).free_memory(device)
 
 
-def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False) -> Engine:
-    """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state."""
+def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False,
+                 compile_apart: bool = False) -> Engine:
+    """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state.
+    `compile_apart`: a background compile runs in a process of its own (`compiles_apart`)."""
     model, tokenizer = load_weights(s, device)
     if s.mtp and not model.cfg.n_mtp_layers:
         raise UsageError(f"{s.model_dir}: the checkpoint has no MTP layer; use --mtp 0")
-    apart = s.compile == "on" and compile_in_background and compiles_apart(model, device)
     # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
                   compile_in_background=compile_in_background,
-                  reload=functools.partial(load_weights, s, device) if apart else None)
+                  reload=functools.partial(load_weights, s, device) if compile_apart else None)
 
 
 def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> EngineAPI:
@@ -164,7 +165,7 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> E
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)
-    parameters = check_limits(s, cfg, device)
+    parameters, weights = check_limits(s, cfg, device)
     if device.type == "cpu":
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
     compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS,
@@ -173,6 +174,7 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> E
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
-        return build_engine(s, device, compile_in_background)
+        apart = compile_on and compile_in_background and compiles_apart(weights, device)
+        return build_engine(s, device, compile_in_background, apart)
     from dsv4cli import parallel
     return parallel.launch_leader(s, device, lambda dev: build_engine(s, dev))

@@ -194,10 +194,10 @@ class CompiledDecode:
         def work():
             with self._building:
                 try:
-                    t0 = time.perf_counter()
-                    apart = self.remake is not None and not self._path(key).exists()
+                    t0, path = time.perf_counter(), self._path(key)
+                    apart = self.remake is not None and not path.exists()
                     if apart:
-                        self._compile_apart(key)
+                        self._compile_apart(key, path)
                     with _short_switch_interval():
                         fn = self._build(key)
                     if apart:
@@ -211,8 +211,8 @@ class CompiledDecode:
         thread.start()
         return future
 
-    def _compile_apart(self, key: tuple) -> None:
-        """Compile and save `key`'s step in a process of its own, at a lower priority than this one, in a
+    def _compile_apart(self, key: tuple, path: Path) -> None:
+        """Compile and save `key`'s step (to `path`) in a process of its own, at a lower priority than this one, in a
         session of its own: a Ctrl-C at the terminal (which chat takes to stop a reply) must not reach it."""
         cmd = [sys.executable, "-c", "from dsv4cli.engine.compiled import compile_apart; compile_apart()"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -226,9 +226,8 @@ class CompiledDecode:
             last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
             raise RuntimeError(f"compile: the compiling process failed (exit code {proc.returncode}): {last}")
         saved = (out.decode(errors="replace").strip().splitlines() or [""])[-1]
-        if saved != str(self._path(key)):     # it made an engine unlike this one
-            raise RuntimeError(f"compile: the compiling process saved {saved!r}, not this engine's step "
-                               f"{self._path(key)}")
+        if saved != str(path):     # it made an engine unlike this one
+            raise RuntimeError(f"compile: the compiling process saved {saved!r}, not this engine's step {path}")
 
     @property
     def status(self) -> str:

@@ -58,9 +58,6 @@ class Engine:
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok, self.reload = model, tokenizer, reload
-        # what shapes the engine, apart from the model (`resized`, and a compiling process's copy)
-        self.options = dict(max_batch=max_batch, max_seq_len=max_seq_len, mtp=mtp, prefill_chunk=prefill_chunk,
-                            prefill_budget=prefill_budget, graphs=graphs, reuse_prefix=reuse_prefix, mixed=mixed)
         self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
@@ -83,6 +80,13 @@ class Engine:
                   if compile and compile_in_background and reload is not None else None)
         self.compiled = (CompiledDecode(self._fused_decode, self.device, (mtp, max_batch, max_seq_len),
                                         background=compile_in_background, remake=remake) if compile else None)
+
+    @property
+    def options(self) -> dict:
+        """What shapes the engine apart from the model: `resized` and a compiling process's copy use it."""
+        return dict(max_batch=self.max_batch, max_seq_len=self.max_seq_len, mtp=self.mtp_depth,
+                    prefill_chunk=self.prefill_chunk, prefill_budget=self.prefill_budget,
+                    graphs=self.graphs is not None, reuse_prefix=self.reuse_prefix, mixed=self.mixed)
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the engine (its guards' view): what the fused step reads,
