@@ -15,7 +15,9 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 from dsv4cli.config import resolve
 from dsv4cli.engine import Engine, SamplingParams, compiled
+from dsv4cli.kernels import native, reference
 from dsv4cli.loading import load_engine
+from dsv4cli.model.model import PackedWeight
 from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
 
@@ -26,8 +28,9 @@ COMPILER = pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) i
 def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, monkeypatch):
     """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with
     unpacked experts: grouped GEMMs in the graph), the others routed on the host (packed experts: one
-    opaque op in the graph). The compiled step is saved, and a new engine loads it on a worker thread,
-    stepping eagerly until it is ready."""
+    opaque op in the graph), the second layer's linears packed for the native GEMMs (their custom ops).
+    The compiled step is saved, and a new engine loads it on a worker thread, stepping eagerly until
+    it is ready."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
@@ -37,6 +40,11 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         layer.ffn.routes_on_host = True
         if i == 0:
             layer.ffn.stack_experts()
+    if native.available():       # the second layer's linears in the native GEMMs' layouts: their ops in the graph
+        monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+        packed = [m for m in model.layers[1].modules() if isinstance(m, PackedWeight)
+                  and native.packable(m.weight) and (m.pack() or m.packed is not None)]
+        assert {m.packed.dtype for m in packed} == {torch.uint8, torch.float32}
     tok = Tokenizer.from_dir(small_tokenizer_dir)
     prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

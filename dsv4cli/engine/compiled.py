@@ -282,6 +282,8 @@ class CompiledDecode:
                 prune_steps()
             except OSError:
                 pass              # an unwritable cache: the next launch compiles again
+            except NotImplementedError:   # oneDNN's packed int8 weights (where the native GEMMs aren't
+                part.unlink(missing_ok=True)   # built) can't be pickled: this run keeps its step unsaved
         new = [m for m in PyCodeCache.modules[modules:] if hasattr(m, "call")]
         self.calls[key] = sum(kernel_calls(inspect.getsource(m.call)) for m in new)
         fn.disable_guard_check()         # __call__ checks them once, itself

@@ -45,12 +45,20 @@ def linear(x, weight):
     return backend(x.device.type).linear(x, weight)
 
 
-def linear_fp32(x, weight):
-    return backend(x.device.type).linear_fp32(x, weight)
+def linear_fp32(x, weight, packed=None):
+    return backend(x.device.type).linear_fp32(x, weight, packed)
 
 
-def grouped_projection(x, weight):
-    return backend(x.device.type).grouped_projection(x, weight)
+def pack_linear_fp32(weight, groups=1):
+    return backend(weight.device.type).pack_linear_fp32(weight, groups)
+
+
+def unpack_linear_fp32(packed):
+    return reference.unpack_linear_fp32(packed)
+
+
+def grouped_projection(x, weight, packed=None):
+    return backend(x.device.type).grouped_projection(x, weight, packed)
 
 
 def compress_pool(kv, gate, valid, ratio):
@@ -116,10 +124,11 @@ def mhc_head(h, fn, scale, base, norm_eps, hc_eps):
 # ---- composites: seam ops put together, the same on every platform ---------------------------
 
 def projection(x, weight, scale, xq=None):
-    """A float linear (scale None), or W8A8 with the int8 weight plain or packed (`pack_w8a8`)."""
+    """A float linear (scale None), or W8A8; the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
+    packed = weight if reference.is_packed(weight) else None
     if scale is None:
-        return linear(x, weight)
-    return w8a8_linear(x, weight, scale, xq, weight if weight.is_mkldnn else None)
+        return linear(x, weight) if packed is None else linear_fp32(x, weight, packed).to(x.dtype)
+    return w8a8_linear(x, weight, scale, xq, packed)
 
 
 def expert_ffn(x, w1, w3, w2, limit, routing_weight=None, xq=None):

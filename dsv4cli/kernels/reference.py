@@ -7,6 +7,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
 AMAX_FLOOR = 1e-4
 
@@ -43,14 +45,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight.to(x.dtype))
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head)."""
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
+    """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head);
+    `packed` = pack_linear_fp32(weight), which is then read instead of `weight`."""
+    if packed is not None:
+        return packed_float_mm(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
     return F.linear(x.float(), weight.float())
 
 
-def grouped_projection(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a)."""
-    return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
+@torch.library.custom_op("dsv4::packed_float_mm", mutates_args=())
+def packed_float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [m, in] times a `pack_linear_fp32` weight, fp32 (a custom op: inductor can't lower the layout)."""
+    return native.float_mm(x, packed)
+
+
+@packed_float_mm.register_fake
+def _(x, packed):
+    return x.new_empty(x.shape[0], packed.shape[0] * native.BLOCK, dtype=torch.float32)
+
+
+def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
+    """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a);
+    `packed` = pack_linear_fp32(weight as [G*r, d], G), read instead of weight: group g's rows are
+    its blocks g*r/32 .. (g+1)*r/32."""
+    if packed is None:
+        return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
+    G, r = weight.shape[:2]
+    rows, blocks = x.reshape(-1, G, x.shape[-1]), packed.chunk(G)
+    y = torch.stack([packed_float_mm(rows[:, g], blocks[g]) for g in range(G)], 1)
+    return y.view(*x.shape[:-1], r).to(x.dtype)
 
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -66,21 +89,29 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, rat
     return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
-# Smaller int8 weights stay plain: they sit in cache, where oneDNN's per-call cost (up to ~1 ms for
-# a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
+# Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
+# for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
 PACK_MIN_BYTES = 2 << 20
 
 
 def pack_w8a8(weight: torch.Tensor):
-    """The int8 weight [out, in] in oneDNN's blocked layout, or None where that isn't available or
-    the weight is small.
+    """The int8 weight [out, in] in a packed CPU kernel's layout, or None where none is available or the
+    weight is small: the native few-row GEMM's (`native.py`, uint8), else oneDNN's blocked layout (an
+    mkldnn tensor). Both give `torch._int_mm`'s int32 sums, so the same results, bit for bit.
 
     On the CPU `torch._int_mm` streams a weight at about half the memory bandwidth and slows further
-    with more than one row; oneDNN's prepacked int8 GEMM reads it near the bandwidth for 1 to 256
-    rows and gives the same int32 sums (so the same results, bit for bit)."""
-    if weight.device.type != "cpu" or weight.numel() < PACK_MIN_BYTES or not _onednn_int8():
+    with more than one row; oneDNN's prepacked GEMM reads it at 0.5-0.8 of the bandwidth for any row
+    count (bimodal from run to run), the native one at 0.8-0.95 for 1 to 8 rows."""
+    if weight.device.type != "cpu" or weight.numel() < PACK_MIN_BYTES:
         return None
-    return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]])
+    if native.packable(weight):
+        return native.pack_int8(weight)
+    return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]]) if _onednn_int8() else None
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D)."""
+    return weight.is_mkldnn or weight.dim() > 2
 
 
 @functools.cache
@@ -96,7 +127,9 @@ def _onednn_int8() -> bool:
 @torch.library.custom_op("dsv4::packed_int_mm", mutates_args=())
 def packed_int_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """Exact int32 sums of q [m, in] int8 times a packed weight, as fp32 (unit scales, no zero points).
-    A custom op: the compiler keeps oneDNN's call as it is (inductor can't lower it with a prepacked weight)."""
+    A custom op: the compiler keeps the call as it is (inductor can't lower either packed weight)."""
+    if packed.dtype == torch.uint8:
+        return native.int8_mm(q, packed)
     n = packed.shape[1]
     return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, _ones(n), _zeros(n), None, 1.0, 0,
                                               torch.float32, "none", [None], "")
@@ -104,7 +137,8 @@ def packed_int_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 @packed_int_mm.register_fake
 def _(q, packed):
-    return q.new_empty(q.shape[0], packed.shape[1], dtype=torch.float32)
+    n = packed.shape[0] * native.BLOCK if packed.dtype == torch.uint8 else packed.shape[1]
+    return q.new_empty(q.shape[0], n, dtype=torch.float32)
 
 
 @functools.cache
@@ -119,7 +153,24 @@ def _zeros(n: int) -> torch.Tensor:
 
 def unpack_w8a8(packed) -> torch.Tensor:
     """The plain int8 weight [out, in] back from `pack_w8a8`."""
+    if packed.dtype == torch.uint8:
+        return native.unpack_int8(packed)
     return packed.to_dense().t().contiguous()
+
+
+def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
+    """An fp32 weight [out, in] packed for the native few-row GEMM, or None (not the CPU, no native
+    kernels, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM streams
+    a weight at 2-5 GB/s with 8 rows against 8-9 with one; the native one keeps 1 to 8 rows at 0.8-1.0
+    of the streaming read."""
+    if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
+            or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
+        return None
+    return native.pack_float(weight)
+
+
+def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
+    return native.unpack_float(packed)
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None,

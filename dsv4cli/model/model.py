@@ -39,42 +39,56 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-class Linear(nn.Module):
+class PackedWeight:
+    """A module whose `weight` the CPU kernels may hold in a layout of their own (`pack`): the packed copy
+    is then the only one held (the parameter moves to the meta device, keeping shape and dtype), and
+    state_dict() unpacks it."""
+    packed = None
+
+    def pack(self) -> None:
+        if self.packed is None and (packed := self._pack(self.weight)) is not None:
+            self.packed = packed
+            self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.packed is not None:
+            destination[prefix + "weight"] = self._unpack(self.packed)
+
+
+class Linear(PackedWeight, nn.Module):
     """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic).
 
-    An int8 weight may be packed into the kernel backend's own layout (`pack`); the packed copy is
-    then the only one held, and state_dict() unpacks it."""
+    int8 weights may be packed for the backend's int8 GEMM, fp32 ones for its few-row fp32 GEMM.
+    `groups`: the rows are that many projections of their own (attention's wo_a), packed apart."""
 
-    def __init__(self, in_features: int, out_features: int, dtype=None):
+    def __init__(self, in_features: int, out_features: int, dtype=None, groups: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_parameter("weight_scale", None)
-        self.packed = None
+        self.groups = groups
 
     @property
     def quantized(self) -> bool:
         return self.weight.dtype == torch.int8
 
-    def pack(self) -> None:
-        if self.quantized and self.packed is None:
-            self.packed = kernels.pack_w8a8(self.weight)
-            if self.packed is not None:     # keep shape and dtype, free the plain copy
-                self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
+    def _pack(self, weight):
+        return kernels.pack_w8a8(weight) if self.quantized else kernels.pack_linear_fp32(weight, self.groups)
+
+    def _unpack(self, packed):
+        return kernels.unpack_w8a8(packed) if self.quantized else kernels.unpack_linear_fp32(packed)
 
     @property
     def kernel_weight(self) -> torch.Tensor:
         """The weight as the kernels read it: the packed copy where there is one."""
         return self.packed if self.packed is not None else self.weight
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.packed is not None:
-            destination[prefix + "weight"] = kernels.unpack_w8a8(self.packed)
-
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """`xq`: x already quantised per token (several W8A8 linears reading the same x)."""
         if self.quantized:
             return kernels.w8a8_linear(x, self.weight, self.weight_scale, xq, self.packed)
+        if self.packed is not None:
+            return kernels.linear_fp32(x, self.weight, self.packed).to(x.dtype)
         return kernels.linear(x, self.weight)
 
 
@@ -326,7 +340,7 @@ class Compressor(nn.Module):
 
     def project(self, x) -> list[torch.Tensor]:
         """The token-wise part: kv and gate rows (fp32), before the position's ape."""
-        return [kernels.linear_fp32(x, self.wkv.weight), kernels.linear_fp32(x, self.wgate.weight)]
+        return [kernels.linear_fp32(x, lin.weight, lin.packed) for lin in (self.wkv, self.wgate)]
 
     def forward(self, kv, gate, call: CallPlan, ring_kv, ring_gate, blocks):
         plan: CompressPlan = call.plans[self.ratio]
@@ -384,7 +398,8 @@ class Attention(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * cfg.head_dim)
         self.wkv = Linear(cfg.dim, cfg.head_dim)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, self.n_groups * cfg.o_lora_rank)
+        self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, self.n_groups * cfg.o_lora_rank,
+                           groups=self.n_groups)
         self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         if self.ratio:
@@ -406,7 +421,7 @@ class Attention(nn.Module):
         o = join([self.attend(call, cache, *seg) for call, cache, *seg
                   in zip(calls, caches, *(split(t, shapes) for t in rows))])
         z = kernels.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
-                                       self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1))
+                                       self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1), self.wo_a.packed)
         return all_reduce(self.wo_b(z.flatten(2)))
 
     def attend(self, call: CallPlan, cache: LayerCache, q, kv, *compress_rows):
@@ -603,15 +618,17 @@ class ParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelHead(nn.Module):
+class ParallelHead(PackedWeight, nn.Module):
     """Untied LM head, vocabulary split across ranks, run in fp32."""
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab // world()[1], dim))
 
+    _pack, _unpack = staticmethod(kernels.pack_linear_fp32), staticmethod(kernels.unpack_linear_fp32)
+
     def forward(self, y):
-        logits = kernels.linear_fp32(y, self.weight)
+        logits = kernels.linear_fp32(y, self.weight, self.packed)
         ws = world()[1]
         if ws > 1:
             parts = [torch.empty_like(logits) for _ in range(ws)]
@@ -672,7 +689,7 @@ class Transformer(nn.Module):
         stacked too: eager steps still route on the host, a compiled one runs them grouped."""
         on_host = platforms.for_device(self.embed.weight.device).routes_on_host
         for module in self.modules():
-            if on_host and isinstance(module, Linear):
+            if on_host and isinstance(module, PackedWeight):
                 module.pack()
         for moe in (m for m in self.modules() if isinstance(m, MoE)):
             moe.routes_on_host = on_host

@@ -1,0 +1,142 @@
+"""The CPU's few-row GEMMs (`cpu_gemm.c`), built with the machine's C compiler on first use.
+
+On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
+cost is one read of the weight. torch's kernels read it well for one row only (MKL's fp32 GEMM streams
+a weight at 2-6 GB/s with 8 rows against 16-19 with one; oneDNN's prepacked int8 swings between 4 and
+11 GB/s for any row count on a core that streams 12-18), so weights of 2 MiB and more are packed into
+this kernel's layout at load: VNNI keeps 1-4 int8 rows and 1-2 fp32 rows at the streaming read, AMX
+(where the CPU has it) takes int8 GEMMs of 8 rows and more, prefill's included. docs/design.md has the
+numbers (`benchmarks/cpu_gemm.py`).
+
+Built once per source, compiler and flags into the user cache (`kernels/`), loaded with ctypes (a
+call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
+compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
+False and the callers keep torch's kernels.
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
+AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+BLOCK = 32         # output channels per packed block (cpu_gemm.c)
+# int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
+# faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
+AMX_MIN_ROWS = 8
+
+
+def user_cache_dir() -> Path:
+    """dsv4cli's persistent cache (XDG): compiled kernels and decode steps live under it."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4cli"
+
+
+def _cpu_flags() -> set[str]:
+    if platform.system() != "Linux" or platform.machine() != "x86_64":
+        return set()
+    try:
+        return set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                        if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return set()
+
+
+def _compiler() -> str | None:
+    return next((shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)),
+                None)
+
+
+def _build(cc: str, flags: list[str]) -> Path | None:
+    """The library built from SOURCE with these flags, in the user cache (once per source, compiler
+    and flags), or None if the compiler fails."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    path = user_cache_dir() / "kernels" / f"cpu_gemm-{digest}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:    # built whole, then renamed in place
+                part = Path(tmp) / path.name
+                subprocess.run([cc, *flags, str(SOURCE), "-o", str(part)], check=True, capture_output=True)
+                os.replace(part, path)
+        except (OSError, subprocess.CalledProcessError):
+            return None
+    return path
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None where they can't be built or run here. `library().amx`: whether
+    int8 GEMMs may use AMX tiles in this process."""
+    cpu = _cpu_flags()
+    if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or not cpu.issuperset(CPU_FLAGS) or not (cc := _compiler()):
+        return None
+    path = _build(cc, FLAGS + AMX_FLAGS) or _build(cc, FLAGS)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+            ctypes.c_int]
+    lib.dsv4_int8_mm.argtypes, lib.dsv4_float_mm.argtypes = args + [ctypes.c_int], args
+    lib.dsv4_int8_mm.restype = lib.dsv4_float_mm.restype = None
+    lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
+    return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def packable(weight: torch.Tensor) -> bool:
+    out, k = weight.shape
+    return weight.device.type == "cpu" and out % BLOCK == 0 and k % 4 == 0 and available()
+
+
+def pack_int8(weight: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> uint8 [N/32, K/4, 32, 4] holding w + 128."""
+    n, k = weight.shape
+    blocks = weight.view(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3)
+    return (blocks.to(torch.int16) + 128).to(torch.uint8).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    nb, k4, _, _ = packed.shape
+    return (packed.permute(0, 2, 1, 3).reshape(nb * BLOCK, k4 * 4).to(torch.int16) - 128).to(torch.int8)
+
+
+def pack_float(weight: torch.Tensor) -> torch.Tensor:
+    """float [N, K] -> fp32 [N/32, K, 32]."""
+    n, k = weight.shape
+    return weight.float().view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def unpack_float(packed: torch.Tensor) -> torch.Tensor:
+    nb, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nb * BLOCK, k)
+
+
+def int8_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Exact int32 sums of q [M, K] int8 times a `pack_int8` weight, as fp32 [M, N]."""
+    q = q.contiguous()
+    (m, k), lib = q.shape, library()
+    y = torch.empty(m, packed.shape[0] * BLOCK)
+    amx = lib.amx and m >= AMX_MIN_ROWS and k % 64 == 0
+    lib.dsv4_int8_mm(q.data_ptr(), m, k, packed.data_ptr(), y.shape[1], y.data_ptr(), torch.get_num_threads(), amx)
+    return y
+
+
+def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (as fp32) times a `pack_float` weight: fp32 [M, N]."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], packed.shape[0] * BLOCK)
+    library().dsv4_float_mm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.shape[1], y.data_ptr(),
+                            torch.get_num_threads())
+    return y

@@ -1,0 +1,150 @@
+"""The CPU's native few-row GEMMs (`kernels/native.py`): exact int8 sums, fp32 sums as accurate as
+MKL's, a row's result independent of the rows beside it, packed modules that unpack to their weights,
+and a model with every linear packed that gives the plain model's tokens."""
+import copy
+
+import pytest
+import torch
+from tiny import prompts, random_model, tiny_config
+
+from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.kernels import native, reference
+from dsv4cli.model import DecodeState
+from dsv4cli.model.model import Linear, PackedWeight, ParallelHead
+from dsv4cli.model.quant import quantize_model, quantize_weight
+
+NATIVE = pytest.mark.skipif(not native.available(), reason="no x86-64 CPU with AVX-512 VNNI, or no C compiler")
+
+# 7 blocks of 32 channels: whole groups of 4 and 2 blocks read side by side, and the blocks left over
+CHANNELS = 7 * native.BLOCK
+
+
+@NATIVE
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 16, 37])
+@pytest.mark.parametrize("k", [132, 192])
+def test_int8_sums_are_exact(rows, k):
+    """VNNI for every shape; with k a multiple of 64 and 8 rows or more, AMX where the CPU has it (16-row
+    tiles in pairs: 37 rows fill a pair and part of another)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randint(-128, 128, (CHANNELS, k), generator=g, dtype=torch.int8)
+    q = torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8)
+    packed = native.pack_int8(weight)
+    assert torch.equal(native.unpack_int8(packed), weight)
+    assert torch.equal(native.int8_mm(q, packed), (q.long() @ weight.long().t()).float())
+
+
+@NATIVE
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 11, 16])
+def test_float_sums_are_as_accurate_as_mkl_and_each_row_is_its_own(rows):
+    """K = 600 spans 19 of the kernel's 32-step partial sums. Every channel sums in the same order
+    whatever the row count, so a row's result is the same bits alone or beside others."""
+    g = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(CHANNELS, 600, generator=g), torch.randn(rows, 600, generator=g)
+    packed = native.pack_float(weight)
+    assert torch.equal(native.unpack_float(packed), weight)
+    y = native.float_mm(x, packed)
+    exact = x.double() @ weight.double().t()
+
+    def rms_error(got):
+        return (got.double() - exact).square().mean().sqrt()
+
+    assert rms_error(y) <= 1.5 * rms_error(x @ weight.t())       # measured: 1.13x MKL's with one row
+    for i in range(rows):
+        assert torch.equal(native.float_mm(x[i:i + 1], packed), y[i:i + 1])
+
+
+@NATIVE
+def test_threads_split_the_blocks_and_give_the_same_bits():
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(-128, 128, (CHANNELS, 192), generator=g, dtype=torch.int8)
+    q = torch.randint(-128, 128, (37, 192), generator=g, dtype=torch.int8)
+    fweight, x = torch.randn(CHANNELS, 600, generator=g), torch.randn(11, 600, generator=g)
+    packed, fpacked = native.pack_int8(weight), native.pack_float(fweight)
+    one = [native.int8_mm(q[:m], packed) for m in (1, 8, 37)] + [native.float_mm(x, fpacked)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two = [native.int8_mm(q[:m], packed) for m in (1, 8, 37)] + [native.float_mm(x, fpacked)]
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+@NATIVE
+def test_packed_modules_compute_the_same_and_unpack_to_their_weights(monkeypatch):
+    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)       # small weights stay plain by default
+    g = torch.Generator().manual_seed(0)
+    int8 = Linear(96, CHANNELS)
+    weight, scale = quantize_weight(torch.randn(CHANNELS, 96, generator=g))
+    int8.weight = torch.nn.Parameter(weight, requires_grad=False)
+    int8.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    fp32 = Linear(96, CHANNELS)
+    grouped = Linear(96, 4 * 64, groups=4)                    # attention's wo_a: 4 groups of 64 rows
+    head = ParallelHead(CHANNELS, 96)
+    for module in (fp32, grouped, head):
+        module.weight = torch.nn.Parameter(torch.randn(module.weight.shape, generator=g), requires_grad=False)
+    x = torch.randn(3, 5, 96, generator=g)
+    xg = torch.randn(3, 5, 4, 96, generator=g)
+
+    def outputs():
+        return [int8(x), fp32(x), head(x),
+                reference.grouped_projection(xg, grouped.weight.view(4, 64, 96), grouped.packed)]
+
+    before, weights = outputs(), [m.state_dict()["weight"].clone() for m in (int8, fp32, grouped, head)]
+    for module in (int8, fp32, grouped, head):
+        module.pack()
+        assert module.packed is not None and module.weight.is_meta
+    after = outputs()
+    assert torch.equal(after[0], before[0])                    # int8 sums are exact
+    for got, want in zip(after[1:], before[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for module, weight in zip((int8, fp32, grouped, head), weights):
+        assert torch.equal(module.state_dict()["weight"], weight)
+    assert Linear(96, 4 * 24, groups=4)._pack(torch.randn(96, 96)) is None   # 24-row groups: not whole blocks
+
+
+@NATIVE
+def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, monkeypatch):
+    """W8A8 tiny model whose widths are multiples of 32, so the linears and the head pack: its logits
+    against the same model held plain, and its speculative greedy output against its plain greedy."""
+    cfg = tiny_config(vocab_size=320, q_lora_rank=64, o_lora_rank=32)
+    plain = quantize_model(random_model(cfg, seed=1))
+    model = copy.deepcopy(plain)
+    plain.prepare()
+    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    model.prepare()
+    held = [m for m in model.modules() if isinstance(m, PackedWeight)]
+    # all but the indexer's 4-head weights_proj (4 rows: not a whole block)
+    assert [tuple(m.weight.shape) for m in held if m.packed is None] == [(4, 64), (4, 64)]
+    kinds = [m.packed.dtype for m in held if m.packed is not None]
+    assert kinds.count(torch.uint8) > kinds.count(torch.float32) > 0
+    ids = torch.tensor(prompts([60], 320, seed=2))
+    with torch.no_grad():
+        logits = [m.forward_chunk(ids, torch.tensor([0]), DecodeState(m, 1, 128))[0] for m in (plain, model)]
+    # fp32 sums in another order move an activation across an int8 rounding step now and then (test_w8a8)
+    assert ((logits[1] - logits[0]).norm() / logits[0].norm()) < 5e-3
+    assert (logits[1].argmax(-1) == logits[0].argmax(-1)).float().mean() > 0.95
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = prompts([5, 31, 12], 320, seed=4)
+    with torch.no_grad():
+        want = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=0).generate(runs, params)]
+        got = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=2).generate(runs, params)]
+    assert got == want
+
+
+def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
+    """Switched off, or the compiler fails: nothing packs for them, int8 weights pack for oneDNN."""
+    weight = torch.randint(-127, 128, (CHANNELS, 132), dtype=torch.int8)
+    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    try:
+        for env, value in (("DSV4_NATIVE_KERNELS", "0"), ("CC", "false")):
+            native.library.cache_clear()
+            with monkeypatch.context() as m:
+                m.setenv(env, value)
+                assert not native.available()
+                assert reference.pack_linear_fp32(weight.float()) is None
+                packed = reference.pack_w8a8(weight)
+                assert packed is None or packed.is_mkldnn
+    finally:
+        native.library.cache_clear()
