@@ -31,6 +31,7 @@ def test_int8_sums_are_exact(rows, k):
     packed = native.pack_int8(weight)
     assert torch.equal(native.unpack_int8(packed), weight)
     assert torch.equal(native.int8_mm(q, packed), (q.long() @ weight.long().t()).float())
+    assert native.int8_mm(q[:0], packed).shape == (0, CHANNELS)
 
 
 @NATIVE
@@ -51,6 +52,7 @@ def test_float_sums_are_as_accurate_as_mkl_and_each_row_is_its_own(rows):
     assert rms_error(y) <= 1.5 * rms_error(x @ weight.t())       # measured: 1.13x MKL's with one row
     for i in range(rows):
         assert torch.equal(native.float_mm(x[i:i + 1], packed), y[i:i + 1])
+    assert native.float_mm(x[:0], packed).shape == (0, CHANNELS)
 
 
 @NATIVE

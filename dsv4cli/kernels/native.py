@@ -128,6 +128,8 @@ def int8_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     q = q.contiguous()
     (m, k), lib = q.shape, library()
     y = torch.empty(m, packed.shape[0] * BLOCK)
+    if m == 0:
+        return y
     amx = lib.amx and m >= AMX_MIN_ROWS and k % 64 == 0
     lib.dsv4_int8_mm(q.data_ptr(), m, k, packed.data_ptr(), y.shape[1], y.data_ptr(), torch.get_num_threads(), amx)
     return y
@@ -137,6 +139,8 @@ def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """x [M, K] (as fp32) times a `pack_float` weight: fp32 [M, N]."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], packed.shape[0] * BLOCK)
+    if x.shape[0] == 0:
+        return y
     library().dsv4_float_mm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.shape[1], y.data_ptr(),
                             torch.get_num_threads())
     return y

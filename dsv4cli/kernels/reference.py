@@ -99,9 +99,9 @@ def pack_w8a8(weight: torch.Tensor):
     weight is small: the native few-row GEMM's (`native.py`, uint8), else oneDNN's blocked layout (an
     mkldnn tensor). Both give `torch._int_mm`'s int32 sums, so the same results, bit for bit.
 
-    On the CPU `torch._int_mm` streams a weight at about half the memory bandwidth and slows further
-    with more than one row; oneDNN's prepacked GEMM reads it at 0.5-0.8 of the bandwidth for any row
-    count (bimodal from run to run), the native one at 0.8-0.95 for 1 to 8 rows."""
+    On the CPU `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count,
+    oneDNN's prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to
+    16 rows (`benchmarks/cpu_gemm.py`)."""
     if weight.device.type != "cpu" or weight.numel() < PACK_MIN_BYTES:
         return None
     if native.packable(weight):
@@ -160,9 +160,9 @@ def unpack_w8a8(packed) -> torch.Tensor:
 
 def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
     """An fp32 weight [out, in] packed for the native few-row GEMM, or None (not the CPU, no native
-    kernels, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM streams
-    a weight at 2-5 GB/s with 8 rows against 8-9 with one; the native one keeps 1 to 8 rows at 0.8-1.0
-    of the streaming read."""
+    kernels, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a
+    weight at 0.9 of the memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16; the native one at
+    0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`)."""
     if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
             or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
         return None
