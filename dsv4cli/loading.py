@@ -154,9 +154,10 @@ def build_engine(s: Settings, device: torch.device, compile_in_background: bool 
                   reload=functools.partial(load_weights, s, device) if compile_apart else None)
 
 
-def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> EngineAPI:
+def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_tokens: int | None = None) -> EngineAPI:
     """The engine the settings describe for `verb` (chat, generate, batch, serve, bench: what
-    `compile = auto` decides by); with --tp N, rank 0's view of N cooperating ranks.
+    `compile = auto` decides by, with a batch job's `job_tokens`); with --tp N, rank 0's view of N
+    cooperating ranks.
 
     `compile_in_background`: a step shape compiles beside the run (in a process of its own where
     `compiles_apart`, else on a worker thread) while its steps run eagerly, so no stream stalls on a
@@ -169,7 +170,7 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True) -> E
     if device.type == "cpu":
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
     compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS,
-                                      beside=compile_in_background and s.tp == 1)
+                                      beside=compile_in_background and s.tp == 1, job_tokens=job_tokens)
     if say:
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike

@@ -143,7 +143,7 @@ def test_background_compiles_shorten_the_switch_interval_while_any_runs():
 @COMPILER
 def test_auto_compiles_where_a_compile_pays_off():
     """On the CPU: the verbs that run long with a small model, compiled beside the run; a one-shot generate, a
-    large model or a --tp run (whose ranks compile in the foreground) runs eager."""
+    short batch job, a large model or a --tp run (whose ranks compile in the foreground) runs eager."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for verb in compiled.LONG_RUNNING:
         on, say = compiled.choose("auto", cpu, verb, small_model=True, beside=True)
@@ -151,6 +151,10 @@ def test_auto_compiles_where_a_compile_pays_off():
     for verb, small, beside in (("generate", True, True), ("bench", True, False), ("chat", False, True),
                                 ("chat", True, False)):
         assert compiled.choose("auto", cpu, verb, small, beside) == (False, None)
+    # a batch job: on once it is long enough to gain from a compile (requests x max_tokens)
+    assert not compiled.choose("auto", cpu, "batch", True, True, job_tokens=compiled.BATCH_COMPILE_TOKENS - 1)[0]
+    assert compiled.choose("auto", cpu, "batch", True, True, job_tokens=compiled.BATCH_COMPILE_TOKENS)[0]
+    assert compiled.choose("on", cpu, "batch", True, True, job_tokens=1) == (True, None)
     assert compiled.choose("auto", cuda, "generate", small_model=False, beside=False)[0]
     assert compiled.choose("on", cpu, "generate", small_model=False, beside=False) == (True, None)
     assert compiled.choose("off", cpu, "chat", small_model=True, beside=True) == (False, None)

@@ -150,9 +150,12 @@ def run_batch(s: Settings) -> int:
             done |= answered
             errored |= failed_lines
     seed = run_seed(out_path, s.seed, s.resume)
-    engine = load_engine(s, "batch")
+    total = count_lines(src)
+    # the job's size at most (a line's own max_tokens may ask for fewer): `compile = auto` compiles only
+    # a job long enough to gain from it
+    engine = load_engine(s, "batch", job_tokens=max(total - len(done), 0) * s.max_tokens)
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
-    bar = progress_bar(count_lines(src)) if sys.stderr.isatty() else None
+    bar = progress_bar(total) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
     interrupted = False
     try:
