@@ -3,12 +3,12 @@
     python benchmarks/cpu_gemm.py [--rows 1,2,4,8,16] [--reps 7] [--threads 1] [--out results.json]
 
 A decode step's GEMMs multiply 1-16 rows (batch x (K+1)) by weights far larger than the caches, so
-each should cost one read of its weight. For an int8 weight [8192 x 32768] (256 MiB) and an fp32 one
+each should cost one read of its weight. For an int8 weight [32768 x 8192] (256 MiB) and an fp32 one
 [65536 x 4096] (1 GiB), both over 4x the last-level cache, this times, in one process and interleaved
-rep by rep: the native kernels (`dsv4cli/kernels/native.py`), oneDNN's prepacked int8 GEMM,
-`torch._int_mm` and MKL's fp32 GEMM (`F.linear`), and the streaming read `real_width.py` measures (the
-best of four plain reads of 1 GiB). Reported: GB/s of weight read (median and best of the reps) and
-its fraction of the streaming read (the median of the reps' readings).
+rep by rep: the native kernels (`dsv4cli/kernels/native.py`; fp32 sums over fp32 or bf16-held weights),
+oneDNN's prepacked int8 GEMM, `torch._int_mm` and MKL's fp32 GEMM (`F.linear`), and the streaming read
+`real_width.py` measures (the best of four plain reads of 1 GiB). Reported: GB/s of weight read (median
+and best of the reps) and its fraction of the streaming read (the median of the reps' readings).
 """
 import argparse
 import json
@@ -44,7 +44,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     w8 = torch.randint(-127, 128, (32768, 8192), generator=g, dtype=torch.int8)
     w32 = torch.randn(65536, 4096, generator=g)
-    packed8, packed32 = native.pack_int8(w8), native.pack_float(w32)
+    packed8, packed32, packed16 = native.pack_int8(w8), native.pack_float(w32), native.pack_float(w32, torch.bfloat16)
     onednn = torch.ops.onednn.qlinear_prepack(w8, [1, w8.shape[1]]) if reference._onednn_int8() else None
     q = torch.randint(-127, 128, (max(rows), w8.shape[1]), generator=g, dtype=torch.int8)
     x = torch.randn(max(rows), w32.shape[1], generator=g)
@@ -54,6 +54,7 @@ def main() -> None:
         "int8 torch._int_mm": (w8.numel(), lambda m: torch._int_mm(q[:m], w8.t())),
         "fp32 native": (w32.numel() * 4, lambda m: native.float_mm(x[:m], packed32)),
         "fp32 mkl": (w32.numel() * 4, lambda m: F.linear(x[:m], w32)),
+        "bf16-held native": (w32.numel() * 2, lambda m: native.float_mm(x[:m], packed16)),
     }
     kernels = {k: v for k, v in kernels.items() if v is not None}
     speeds = {(k, m): [] for k in kernels for m in rows}

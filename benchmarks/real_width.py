@@ -90,6 +90,8 @@ def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
                 t.zero_()
             else:
                 t.normal_(0, 1 / math.sqrt(p.shape[-1]) if p.dim() > 1 else 1.0, generator=g)
+                if not keep_fp32(full):
+                    t.copy_(t.bfloat16())      # the checkpoint stores these in bf16: their values are bf16
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
     model.eval()
     return model.prepare() if hasattr(model, "prepare") else model    # (an older checkout, for before/after)
@@ -107,10 +109,12 @@ def stored_bytes(name: str, t: torch.Tensor) -> int:
 
 
 def weight_bytes(module: nn.Module, skip: tuple[nn.Module, ...] = ()) -> tuple[int, int]:
-    """(held, stored) bytes of a module's parameters, leaving out those of the `skip` submodules."""
+    """(held, stored) bytes of a module's parameters, leaving out those of the `skip` submodules; a weight
+    packed for the CPU kernels counts as its packed copy is held (a bf16-held float weight: 2 bytes)."""
     skipped = {id(p) for m in skip if m is not None for p in m.parameters()}
     params = [(n, p) for n, p in module.named_parameters() if id(p) not in skipped]
-    return sum(held_bytes(p) for _, p in params), sum(stored_bytes(n, p) for n, p in params)
+    packed = {id(m.weight): m.packed for m in module.modules() if getattr(m, "packed", None) is not None}
+    return sum(held_bytes(packed.get(id(p), p)) for _, p in params), sum(stored_bytes(n, p) for n, p in params)
 
 
 class StreamRead:

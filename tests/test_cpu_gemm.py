@@ -56,6 +56,21 @@ def test_float_sums_are_as_accurate_as_mkl_and_each_row_is_its_own(rows):
 
 
 @NATIVE
+def test_a_weight_whose_values_are_bf16_is_held_in_bf16_and_gives_the_fp32_bits(monkeypatch):
+    """The W8A8 checkpoints store the float linears in bf16: held so, the kernel reads half the bytes and
+    widens them exactly, so every row count gives the bits of the fp32 copy. Other weights stay fp32."""
+    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(CHANNELS, 600, generator=g).bfloat16().float(), torch.randn(16, 600, generator=g)
+    held = reference.pack_linear_fp32(weight)
+    assert held.dtype == torch.bfloat16 and torch.equal(native.unpack_float(held), weight)
+    fp32 = native.pack_float(weight)
+    for rows in (1, 2, 3, 5, 8, 16):
+        assert torch.equal(native.float_mm(x[:rows], held), native.float_mm(x[:rows], fp32))
+    assert reference.pack_linear_fp32(weight + 1e-3).dtype == torch.float32
+
+
+@NATIVE
 def test_threads_split_the_blocks_and_give_the_same_bits():
     g = torch.Generator().manual_seed(0)
     weight = torch.randint(-128, 128, (CHANNELS, 192), generator=g, dtype=torch.int8)

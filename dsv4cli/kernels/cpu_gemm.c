@@ -11,7 +11,8 @@
    int8:  wp [N/32][K/4][32][4] uint8 = w + 128 (VNNI and AMX's TDPBSUD multiply signed x bytes by
           unsigned w bytes); the sums of (w+128) x are exact int32, less 128 sum(x) per row, returned
           as float (unit scales). A 16-channel half of a block over 64 k is an AMX B tile as it lies.
-   float: wp [N/32][K][32] float. */
+   float: wp [N/32][K][32] fp32, or bf16 (a weight whose values are bf16, as the checkpoints store
+          them: half the bytes to read, widened exactly in registers, the same sums). */
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -56,20 +57,37 @@ INLINE void int8_tile(const int8_t *x, int64_t K, const uint8_t *w, int64_t stri
    (K = 4096 and 600) at the same speed as longer ones. */
 #define FLOAT_CHUNK 32
 
-INLINE void float_tile(const float *x, int64_t K, const float *w, int64_t stride, float *y, int64_t N,
-                       const int rows, const int streams) {
+/* The 32 weights of one k step of a block, as fp32: read as they are, or bf16 widened (exactly). */
+INLINE void block_weights(const void *w, int64_t i, const int bf16, __m512 *lo, __m512 *hi) {
+    if (bf16) {
+        __m512i v = _mm512_loadu_si512((const uint16_t *)w + i);
+        *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)), 16));
+        *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
+    } else {
+        *lo = _mm512_loadu_ps((const float *)w + i);
+        *hi = _mm512_loadu_ps((const float *)w + i + 16);
+    }
+}
+
+/* `w` (fp32, or bf16 with `bf16`): the first block, element `stride` the next; sums in fp32 either way,
+   so a bf16-held weight gives the bits its fp32 copy gives. */
+INLINE void float_tile(const float *x, int64_t K, const void *w, int64_t stride, float *y, int64_t N,
+                       const int rows, const int streams, const int bf16) {
     __m512 acc[2 * TILE_ROWS];
+    const int size = bf16 ? 2 : 4;
     for (int64_t k0 = 0; k0 < K; k0 += FLOAT_CHUNK) {
         int64_t k1 = k0 + FLOAT_CHUNK < K ? k0 + FLOAT_CHUNK : K;
         for (int i = 0; i < 2 * rows * streams; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t k = k0; k < k1; k++, w += BLOCK) {
+        for (int64_t k = k0; k < k1; k++) {
             __m512 xk[TILE_ROWS];
             for (int m = 0; m < rows; m++) xk[m] = _mm512_set1_ps(x[m * K + k]);
             for (int s = 0; s < streams; s++) {
-                const float *ws = w + s * stride;
-                _mm_prefetch((const char *)ws + PREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)ws + PREFETCH + 64, _MM_HINT_T0);
-                __m512 w0 = _mm512_loadu_ps(ws), w1 = _mm512_loadu_ps(ws + 16);
+                int64_t i = s * stride + k * BLOCK;
+                const char *next = (const char *)w + i * size + PREFETCH;
+                _mm_prefetch(next, _MM_HINT_T0);
+                if (!bf16) _mm_prefetch(next + 64, _MM_HINT_T0);
+                __m512 w0, w1;
+                block_weights(w, i, bf16, &w0, &w1);
                 for (int m = 0; m < rows; m++) {
                     acc[2 * (s * rows + m)] = _mm512_fmadd_ps(w0, xk[m], acc[2 * (s * rows + m)]);
                     acc[2 * (s * rows + m) + 1] = _mm512_fmadd_ps(w1, xk[m], acc[2 * (s * rows + m) + 1]);
@@ -240,8 +258,14 @@ void dsv4_int8_mm(const int8_t *x, int64_t M, int64_t K, const uint8_t *wp, int6
 }
 
 void dsv4_float_mm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y, int threads) {
-#define FLOAT_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s)
+#define FLOAT_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s, 0)
     GEMM_BLOCKS(FLOAT_TILE)
+}
+
+/* dsv4_float_mm with the weight held in bf16 (`wp` [N/32][K][32] bf16 bits). */
+void dsv4_bf16_mm(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N, float *y, int threads) {
+#define BF16_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s, 1)
+    GEMM_BLOCKS(BF16_TILE)
 }
 
 #ifdef __cplusplus

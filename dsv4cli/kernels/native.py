@@ -85,8 +85,9 @@ def library() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
             ctypes.c_int]
-    lib.dsv4_int8_mm.argtypes, lib.dsv4_float_mm.argtypes = args + [ctypes.c_int], args
-    lib.dsv4_int8_mm.restype = lib.dsv4_float_mm.restype = None
+    lib.dsv4_int8_mm.argtypes = args + [ctypes.c_int]
+    lib.dsv4_float_mm.argtypes = lib.dsv4_bf16_mm.argtypes = args
+    lib.dsv4_int8_mm.restype = lib.dsv4_float_mm.restype = lib.dsv4_bf16_mm.restype = None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -112,15 +113,16 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return (packed.permute(0, 2, 1, 3).reshape(nb * BLOCK, k4 * 4).to(torch.int16) - 128).to(torch.int8)
 
 
-def pack_float(weight: torch.Tensor) -> torch.Tensor:
-    """float [N, K] -> fp32 [N/32, K, 32]."""
+def pack_float(weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """float [N, K] -> [N/32, K, 32] in `dtype`: fp32, or bf16 for a weight whose values are bf16."""
     n, k = weight.shape
-    return weight.float().view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    return weight.to(dtype).view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def unpack_float(packed: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] back."""
     nb, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(nb * BLOCK, k)
+    return packed.transpose(1, 2).reshape(nb * BLOCK, k).float()
 
 
 def int8_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -136,11 +138,12 @@ def int8_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (as fp32) times a `pack_float` weight: fp32 [M, N]."""
+    """x [M, K] (as fp32) times a `pack_float` weight, summed in fp32: [M, N]."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], packed.shape[0] * BLOCK)
     if x.shape[0] == 0:
         return y
-    library().dsv4_float_mm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.shape[1], y.data_ptr(),
-                            torch.get_num_threads())
+    lib = library()
+    gemm = lib.dsv4_bf16_mm if packed.dtype == torch.bfloat16 else lib.dsv4_float_mm
+    gemm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.shape[1], y.data_ptr(), torch.get_num_threads())
     return y

@@ -166,7 +166,10 @@ def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
     if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
             or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
         return None
-    return native.pack_float(weight)
+    # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
+    # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
+    exact_bf16 = torch.equal(weight.bfloat16().float(), weight)
+    return native.pack_float(weight, torch.bfloat16 if exact_bf16 else torch.float32)
 
 
 def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
