@@ -104,8 +104,11 @@ def packable(weight: torch.Tensor) -> bool:
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> uint8 [N/32, K/4, 32, 4] holding w + 128."""
     n, k = weight.shape
-    blocks = weight.view(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3)
-    return (blocks.to(torch.int16) + 128).to(torch.uint8).contiguous()
+    # one pass into the new layout, then w + 128 as a flip of the sign bit in place: no full-size
+    # temporaries at load (they stayed in the process's heap and raised its peak)
+    out = torch.empty(n // BLOCK, k // 4, BLOCK, 4, dtype=torch.uint8)
+    out.copy_(weight.view(torch.uint8).view(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
+    return out.bitwise_xor_(0x80)
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
@@ -116,7 +119,8 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 def pack_float(weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """float [N, K] -> [N/32, K, 32] in `dtype`: fp32, or bf16 for a weight whose values are bf16."""
     n, k = weight.shape
-    return weight.to(dtype).view(n // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    out = torch.empty(n // BLOCK, k, BLOCK, dtype=dtype)
+    return out.copy_(weight.view(n // BLOCK, BLOCK, k).transpose(1, 2))       # converted and laid out in one pass
 
 
 def unpack_float(packed: torch.Tensor) -> torch.Tensor:

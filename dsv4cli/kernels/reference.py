@@ -92,6 +92,7 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, rat
 # Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
 # for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
 PACK_MIN_BYTES = 2 << 20
+CHECK_ROWS = 256      # rows per slice of pack_linear_fp32's bf16 check: no full-size temporaries at load
 
 
 def pack_w8a8(weight: torch.Tensor):
@@ -168,7 +169,7 @@ def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
         return None
     # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
     # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
-    exact_bf16 = torch.equal(weight.bfloat16().float(), weight)
+    exact_bf16 = all(torch.equal(rows.bfloat16().float(), rows) for rows in weight.split(CHECK_ROWS))
     return native.pack_float(weight, torch.bfloat16 if exact_bf16 else torch.float32)
 
 
