@@ -49,7 +49,7 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Ten
     """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head);
     `packed` = pack_linear_fp32(weight), which is then read instead of `weight`."""
     if packed is not None:
-        return packed_float_mm(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
+        return float_packed(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
     return F.linear(x.float(), weight.float())
 
 
@@ -64,6 +64,12 @@ def _(x, packed):
     return x.new_empty(x.shape[0], packed.shape[0] * native.BLOCK, dtype=torch.float32)
 
 
+def float_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`packed_float_mm`: the custom op in a graph being compiled, the kernel itself in eager, where the
+    op's dispatch cost ~20 us a call (a third of a small expert's GEMM)."""
+    return packed_float_mm(x, packed) if torch.compiler.is_compiling() else native.float_mm(x, packed)
+
+
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
     """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a);
     `packed` = pack_linear_fp32(weight as [G*r, d], G), read instead of weight: group g's rows are
@@ -72,7 +78,7 @@ def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> to
         return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
     G, r = weight.shape[:2]
     rows, blocks = x.reshape(-1, G, x.shape[-1]), packed.chunk(G)
-    y = torch.stack([packed_float_mm(rows[:, g], blocks[g]) for g in range(G)], 1)
+    y = torch.stack([float_packed(rows[:, g], blocks[g]) for g in range(G)], 1)
     return y.view(*x.shape[:-1], r).to(x.dtype)
 
 
@@ -142,6 +148,13 @@ def _(q, packed):
     return q.new_empty(q.shape[0], n, dtype=torch.float32)
 
 
+def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`packed_int_mm`, the native kernel called directly in eager (as `float_packed`)."""
+    if packed.dtype == torch.uint8 and not torch.compiler.is_compiling():
+        return native.int8_mm(q, packed)
+    return packed_int_mm(q, packed)
+
+
 @functools.cache
 def _ones(n: int) -> torch.Tensor:
     return torch.ones(n)
@@ -186,7 +199,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     shape = x.shape
     q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
     if packed is not None:
-        acc = packed_int_mm(q, packed)
+        acc = int8_packed(q, packed)
     else:
         rows = q.shape[0]
         if q.is_cuda and rows <= 16:   # the cuBLAS int8 GEMM behind torch._int_mm needs more than 16 rows
