@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from dsv4cli import platforms
+from dsv4cli.kernels.native import user_cache_dir
 
 MIN_CONTEXT = 512           # the smallest context bucket
 LONG_RUNNING = ("chat", "serve", "batch")    # verbs whose engine outlives a cold compile (auto on the CPU)
@@ -50,12 +51,12 @@ _CALL = re.compile(r"^\s*(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kern
 
 def cache_dir() -> Path:
     """Where compiled kernels persist between runs (XDG cache)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4cli" / "inductor"
+    return user_cache_dir() / "inductor"
 
 
 def steps_dir() -> Path:
     """Where whole compiled steps (graph, guards and generated code) persist between runs."""
-    return cache_dir().parent / "steps"
+    return user_cache_dir() / "steps"
 
 
 def use_cache_dir() -> None:

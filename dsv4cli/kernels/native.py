@@ -1,12 +1,12 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`), built with the machine's C compiler on first use.
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
-cost is one read of the weight. torch's kernels read it well for one row only (MKL's fp32 GEMM streams
-a weight at 2-6 GB/s with 8 rows against 16-19 with one; oneDNN's prepacked int8 swings between 4 and
-11 GB/s for any row count on a core that streams 12-18), so weights of 2 MiB and more are packed into
-this kernel's layout at load: VNNI keeps 1-4 int8 rows and 1-2 fp32 rows at the streaming read, AMX
-(where the CPU has it) takes int8 GEMMs of 8 rows and more, prefill's included. docs/design.md has the
-numbers (`benchmarks/cpu_gemm.py`).
+cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
+reads a weight at 0.3 of the streaming read with 8 rows, 0.9-1.0 with one; oneDNN's prepacked int8 at
+0.3-0.8, swinging from run to run), so weights of 2 MiB and more are packed into these kernels' layouts
+at load: 1-4 rows read at 0.8-1.0 of the streaming read, AMX (where the CPU has it) takes int8 GEMMs of
+8 rows and more, prefill's included, and float weights whose values are bf16 are held in bf16 (half the
+bytes, the same fp32 sums). docs/design.md has the numbers (`benchmarks/cpu_gemm.py`).
 
 Built once per source, compiler and flags into the user cache (`kernels/`), loaded with ctypes (a
 call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
