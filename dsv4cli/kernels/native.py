@@ -51,8 +51,8 @@ def _cpu_flags() -> set[str]:
 
 
 def _compiler() -> str | None:
-    return next((shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)),
-                None)
+    found = (shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c)
+    return next((path for path in found if path), None)
 
 
 def _build(cc: str, flags: list[str]) -> Path | None:

@@ -117,7 +117,8 @@ def pack_w8a8(weight: torch.Tensor):
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D)."""
+    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D).
+    Real tensors only: traced, an mkldnn tensor reads as a plain one (modules pass `packed` themselves)."""
     return weight.is_mkldnn or weight.dim() > 2
 
 
