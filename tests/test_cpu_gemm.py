@@ -1,12 +1,14 @@
 """The CPU's native few-row GEMMs (`kernels/native.py`): exact int8 sums, fp32 sums as accurate as
 MKL's, a row's result independent of the rows beside it, packed modules that unpack to their weights,
-and a model with every linear packed that gives the plain model's tokens."""
+a model with every linear packed that gives the plain model's tokens, and the fused routed experts
+that give the torch experts' sums."""
 import copy
 
 import pytest
 import torch
 from tiny import prompts, random_model, tiny_config
 
+from dsv4cli import kernels
 from dsv4cli.engine import Engine, SamplingParams
 from dsv4cli.kernels import native, reference
 from dsv4cli.model import DecodeState
@@ -147,6 +149,63 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
         want = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=0).generate(runs, params)]
         got = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=2).generate(runs, params)]
     assert got == want
+
+
+def packed_and_plain_moes(dtype, limit):
+    """The MoE layers of a W8A8 model prepared for the CPU (experts packed, so each layer runs them in one
+    native call) and of the same model held plain (experts one by one in torch, torch._int_mm)."""
+    cfg = tiny_config(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=64, swiglu_limit=limit)
+    plain = quantize_model(random_model(cfg, seed=4)).to(dtype)
+    model = copy.deepcopy(plain)
+    reference.PACK_MIN_BYTES, before = 0, reference.PACK_MIN_BYTES
+    try:
+        model.prepare()
+    finally:
+        reference.PACK_MIN_BYTES = before
+    return [(a.ffn, b.ffn) for a, b in zip([*model.layers, *model.mtp], [*plain.layers, *plain.mtp])]
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("limit", [10.0, 0.3])            # 0.3: the SwiGLU clamps bite
+@torch.no_grad()
+def test_the_fused_experts_give_the_torch_experts_sums(dtype, limit):
+    """One native call per MoE layer (routed experts, then the shared one) against each expert in torch:
+    the same arithmetic in the same order, so bf16 activations give the same bits; fp32 ones differ only
+    where libm's exp and torch's differ in SwiGLU (an ulp). 40 rows: experts with 8+ rows take AMX."""
+    for tokens in (1, 3, 8, 40):
+        g = torch.Generator().manual_seed(tokens)
+        x = (torch.randn(2, tokens, 64, generator=g) * 3).to(dtype)
+        ids = torch.randint(0, 256, (2, tokens), generator=g)
+        for fused, plain in packed_and_plain_moes(dtype, limit):   # layer 0 routes by hash, the others by top-k
+            assert fused.table is not None and fused.table.shared and plain.table is None
+            got, want = fused(x, ids), plain(x, ids)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@NATIVE
+@torch.no_grad()
+def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones():
+    """Pairs outside this rank's experts add nothing; an expert no row is routed to is never used
+    (its scales poisoned with NaN leave every output finite and unchanged)."""
+    fused, plain = packed_and_plain_moes(torch.float32, 10.0)[1]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g)
+    xq = kernels.quantize_per_token(x)
+    weights = torch.rand(5, 3, generator=g)
+    local = torch.tensor([[0, -3, 15], [16, 2, 2], [-1, -2, 20], [7, 15, 0], [3, 4, 5]])
+    want = kernels.experts_on_host(x, weights, local, plain.local_experts(), xq)
+    got = kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for e in set(range(16)) - set(local.flatten().tolist()):
+        for linear in (fused.experts[e].w1, fused.experts[e].w2, fused.experts[e].w3):
+            linear.weight_scale.fill_(float("nan"))      # the table reads these very tensors
+    assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
+    with_shared = kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype, shared=True)
+    torch.testing.assert_close(with_shared, got + plain.shared_experts(x, xq=xq).float(), rtol=1e-6, atol=1e-6)
 
 
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):

@@ -93,6 +93,19 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None):
     return backend(x.device.type).grouped_experts(x, weights, local, experts, xq)
 
 
+def expert_table(experts, shared=None):
+    """The experts (and the shared one, if given) as this backend's fused host-expert kernel takes
+    them (`routed_experts`), or None where it has none or they aren't laid out for it. experts: Expert
+    modules or TensorExperts (read through their `kernel_tensors()`)."""
+    return backend(experts[0].kernel_tensors()[0][0].device.type).expert_table(experts, shared)
+
+
+def routed_experts(xq, weights, local, table, limit, dtype, shared=False):
+    """The routed experts (then the shared one, with `shared`: the table must hold it) of rows
+    quantised per token, in one call over an `expert_table`: `experts_on_host`'s sums. fp32 [T, dim]."""
+    return backend(xq[0].device.type).routed_experts(xq, weights, local, table, limit, dtype, shared)
+
+
 def sparse_attention(q, sources, sink, scale):
     return backend(q.device.type).sparse_attention(q, sources, sink, scale)
 
@@ -145,7 +158,11 @@ class TensorExpert:
 
     def __init__(self, weights, scales, limit: float):
         self.projections = [lambda x, xq=None, w=w, s=s: projection(x, w, s, xq) for w, s in zip(weights, scales)]
+        self.tensors = (list(weights), list(scales))
         self.limit = limit
+
+    def kernel_tensors(self) -> tuple[list, list]:
+        return self.tensors
 
     def __call__(self, x, routing_weight=None, xq=None):
         return expert_ffn(x, *self.projections, self.limit, routing_weight, xq)
@@ -158,12 +175,15 @@ def experts_on_host(x, weights, local, experts, xq=None):
     x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
     first expert; experts: this rank's experts, callables expert(rows, routing_weight [n,1], rows_q)
     (a compiled graph takes their `kernel_tensors()` and `limit`). Pairs routed to another rank's
-    experts add nothing. Returns fp32 [T, dim]."""
+    experts add nothing. Experts laid out for the backend's fused kernel run in one call of it
+    (`routed_experts`: the same sums), the others one by one. Returns fp32 [T, dim]."""
     if torch.compiler.is_compiling():    # a graph can't read the routing: one opaque op in it
         tensors = [e.kernel_tensors() for e in experts]
         q, sx = xq if xq is not None else (None, None)
         return experts_on_host_op(x, weights, local, q, sx, [w for ws, _ in tensors for w in ws],
                                   [s for _, ss in tensors for s in ss], experts[0].limit)
+    if xq is not None and (table := expert_table(experts)) is not None:
+        return routed_experts(xq, weights, local, table, experts[0].limit, x.dtype)
     n_local, k = len(experts), local.shape[1]
     key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
     order = key.argsort(stable=True)

@@ -14,7 +14,9 @@
    float: wp [N/32][K][32] fp32, or bf16 (a weight whose values are bf16, as the checkpoints store
           them: half the bytes to read, widened exactly in registers, the same sums). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define BLOCK 32
 #define TILE_ROWS 8
@@ -266,6 +268,115 @@ void dsv4_float_mm(const float *x, int64_t M, int64_t K, const float *wp, int64_
 void dsv4_bf16_mm(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N, float *y, int threads) {
 #define BF16_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s, 1)
     GEMM_BLOCKS(BF16_TILE)
+}
+
+/* ---- routed W8A8 experts, whole ---------------------------------------------------------------
+   A decode step runs each routed expert on a few rows. In torch that is some thirty small ops per
+   expert around its three GEMMs (gathers, scales, SwiGLU, the per-token quantisation of its
+   intermediate, index_add_), a third of the MoE's time at V4 Flash's widths. Here one call runs them
+   all, with the reference's arithmetic in the reference's order (kernels/__init__.py `expert_ffn`,
+   `reference.w8a8_linear`, `reference.quantize_per_token`), so the sums are its sums; only SwiGLU's
+   exp is libm's rather than torch's (both within an ulp). */
+
+/* fp32 -> bf16 -> fp32, rounding to nearest even (torch's conversion; NaN stays NaN). */
+static inline float round_bf16(float v) {
+    uint32_t u;
+    __builtin_memcpy(&u, &v, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return v;
+    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
+    __builtin_memcpy(&v, &u, 4);
+    return v;
+}
+
+#define AMAX_FLOOR 1e-4f    /* reference.AMAX_FLOOR */
+
+/* One row's int8 sums back to values: (acc * token scale) * channel scale, in the activations' dtype. */
+static inline void scale_row(const float *acc, float sx, const float *sw, int64_t N, int bf16, float *out) {
+    for (int64_t c = 0; c < N; c++) {
+        float v = acc[c] * sx * sw[c];
+        out[c] = bf16 ? round_bf16(v) : v;
+    }
+}
+
+/* Symmetric int8 per row: scale = max(amax, floor) / 127, q = round half-even (x / scale). */
+static inline float quantize_row(const float *x, int64_t K, int8_t *q) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
+    float scale = (amax > AMAX_FLOOR ? amax : AMAX_FLOOR) / 127.0f;
+    for (int64_t k = 0; k < K; k++) {
+        float r = nearbyintf(x[k] / scale);
+        q[k] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    return scale;
+}
+
+/* q [T,D] int8 and xs [T]: the tokens quantised per token. local, rw [T,topk]: each pair's expert,
+   relative to this rank's first (pairs outside [0,E) add nothing), and routing weight. w1/w3 [E]
+   (packed [I/32][D/4][32][4]), w2 [E] (packed [D/32][I/4][32][4]), s1/s3 [E][I], s2 [E][D]: the
+   experts' packed weights and channel scales. With `shared`, entry E is the shared expert, run on
+   every row after the routed ones with no routing weight. bf16: the activations are bf16, so each
+   projection's output and the weighted intermediate are rounded to it, as the reference's casts do.
+   y [T,D] (zeroed by the caller) gets the experts' outputs added in expert order, as index_add_
+   adds them. amx_rows: the row count from which a GEMM takes AMX (0: never). */
+void dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, const int64_t *local,
+                         const float *rw, int64_t topk, int64_t E, int shared, const uint8_t *const *w1,
+                         const uint8_t *const *w3, const uint8_t *const *w2, const float *const *s1,
+                         const float *const *s3, const float *const *s2, int64_t I, float limit, int bf16,
+                         float *y, int threads, int64_t amx_rows) {
+    int64_t P = T * topk, *start = calloc(E + 2, sizeof *start), *order = malloc((P + T) * sizeof *order);
+    for (int64_t p = 0; p < P; p++)
+        if (local[p] >= 0 && local[p] < E) start[local[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *fill = malloc((E + 1) * sizeof *fill), most = shared ? T : 0;
+    for (int64_t e = 0; e < E; e++) {
+        fill[e] = start[e];
+        most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+    }
+    for (int64_t p = 0; p < P; p++)                    /* a stable counting sort: rows ascend per expert */
+        if (local[p] >= 0 && local[p] < E) order[fill[local[p]]++] = p;
+    start[E + 1] = start[E] + (shared ? T : 0);
+    for (int64_t t = 0; t < T && shared; t++) order[start[E] + t] = t * topk;     /* every row, once */
+    int64_t wide = D > I ? D : I;
+    int8_t *xq = malloc(most * wide);
+    float *sx = malloc(most * sizeof *sx), *gate = malloc(most * I * sizeof *gate),
+          *up = malloc(most * I * sizeof *up), *out = malloc(most * D * sizeof *out), *row = malloc(D * sizeof *row);
+    for (int64_t e = 0; e < E + (shared != 0); e++) {
+        int64_t n = start[e + 1] - start[e];
+        const int64_t *pairs = order + start[e];
+        if (!n) continue;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t t = pairs[i] / topk;
+            __builtin_memcpy(xq + i * D, q + t * D, D);
+            sx[i] = xs[t];
+        }
+        int amx = amx_rows && n >= amx_rows && D % 64 == 0;
+        dsv4_int8_mm(xq, n, D, w1[e], I, gate, threads, amx);
+        dsv4_int8_mm(xq, n, D, w3[e], I, up, threads, amx);
+        for (int64_t i = 0; i < n; i++) {               /* SwiGLU, the routing weight, quantised for w2 */
+            float *g = gate + i * I, *u = up + i * I;
+            scale_row(g, sx[i], s1[e], I, bf16, g);
+            scale_row(u, sx[i], s3[e], I, bf16, u);
+            for (int64_t c = 0; c < I; c++) {
+                float a = g[c], b = u[c];
+                if (limit > 0) {
+                    a = a > limit ? limit : a;
+                    b = b > limit ? limit : b < -limit ? -limit : b;
+                }
+                float h = a / (1.0f + expf(-a)) * b;
+                if (e < E) h *= rw[pairs[i]];
+                g[c] = bf16 ? round_bf16(h) : h;
+            }
+            sx[i] = quantize_row(g, I, xq + i * I);
+        }
+        amx = amx_rows && n >= amx_rows && I % 64 == 0;
+        dsv4_int8_mm(xq, n, I, w2[e], D, out, threads, amx);
+        for (int64_t i = 0; i < n; i++) {
+            float *dst = y + pairs[i] / topk * D;
+            scale_row(out + i * D, sx[i], s2[e], D, bf16, row);
+            for (int64_t c = 0; c < D; c++) dst[c] += row[c];
+        }
+    }
+    free(start), free(order), free(fill), free(xq), free(sx), free(gate), free(up), free(out), free(row);
 }
 
 #ifdef __cplusplus

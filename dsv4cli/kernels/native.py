@@ -21,12 +21,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_gemm.c")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-fopenmp", "-shared", "-fPIC"]
+# -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
@@ -88,6 +90,10 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_int8_mm.argtypes = args + [ctypes.c_int]
     lib.dsv4_float_mm.argtypes = lib.dsv4_bf16_mm.argtypes = args
     lib.dsv4_int8_mm.restype = lib.dsv4_float_mm.restype = lib.dsv4_bf16_mm.restype = None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.dsv4_routed_experts.argtypes = [p, p, i64, i64, p, p, i64, i64, ctypes.c_int, p, p, p, p, p, p, i64,
+                                        ctypes.c_float, ctypes.c_int, p, ctypes.c_int, i64]
+    lib.dsv4_routed_experts.restype = None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -150,4 +156,57 @@ def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     lib = library()
     gemm = lib.dsv4_bf16_mm if packed.dtype == torch.bfloat16 else lib.dsv4_float_mm
     gemm(x.data_ptr(), x.shape[0], x.shape[1], packed.data_ptr(), y.shape[1], y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+class ExpertTable:
+    """A MoE layer's W8A8 experts for `routed_experts`: their packed weights' and scales' addresses, held
+    with the tensors (which it keeps alive). weights, scales: (w1, w3, w2) `pack_int8` weights and
+    their channel scales per routed expert, then the shared expert's with `shared`.
+
+    A table is found again by its first weight (`find`) while it lives: a compiled graph's host-experts
+    op gets the experts' tensors, not the table, and building one costs ~1 ms per 64 experts."""
+    _live: "weakref.WeakValueDictionary[tuple[int, int], ExpertTable]" = weakref.WeakValueDictionary()
+
+    def __init__(self, weights: list[tuple], scales: list[tuple], shared: bool):
+        weights = [[t.contiguous() for t in ws] for ws in weights]
+        scales = [[t.float().contiguous() for t in ss] for ss in scales]
+        self.tensors = (weights, scales)
+        array = ctypes.c_void_p * len(weights)
+        self.w1, self.w3, self.w2 = (array(*(ws[j].data_ptr() for ws in weights)) for j in range(3))
+        self.s1, self.s3, self.s2 = (array(*(ss[j].data_ptr() for ss in scales)) for j in range(3))
+        self.routed = len(weights) - shared
+        self.shared = shared
+        self.inter, self.dim = weights[0][0].shape[0] * BLOCK, weights[0][0].shape[1] * 4
+        ExpertTable._live[(self.w1[0], self.routed)] = self
+
+    @staticmethod
+    def find(first: torch.Tensor, routed: int) -> "ExpertTable | None":
+        """The live table whose first expert's w1 is `first`, with `routed` routed experts (a live table
+        holds its tensors, so no other tensor can have that address meanwhile)."""
+        return ExpertTable._live.get((first.data_ptr(), routed))
+
+    @staticmethod
+    def usable(weights: list[tuple], scales: list[tuple]) -> bool:
+        """Whether these experts can be run by `routed_experts`: every weight `pack_int8`-packed, one
+        shape per projection, float scales (read as fp32, as the reference reads them)."""
+        return (available() and all(w.dtype == torch.uint8 for ws in weights for w in ws)
+                and len({tuple(t.shape for t in ws) for ws in weights}) == 1
+                and all(s is not None and s.is_floating_point() for ss in scales for s in ss))
+
+
+def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
+                   table: ExpertTable, limit: float, dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """The routed experts' outputs summed per row, then the shared expert's with `shared` (the table
+    must hold it), fp32 [T, dim]. q, xs: the rows quantised per token; weights, local [T, k]: routing
+    weights and local expert indices; dtype: the activations' (fp32 or bf16), whose roundings the
+    reference's casts make."""
+    q, xs = q.contiguous(), xs.float().contiguous()
+    weights, local = weights.float().contiguous(), local.to(torch.int64).contiguous()
+    y = torch.zeros(q.shape[0], table.dim)
+    lib = library()
+    lib.dsv4_routed_experts(q.data_ptr(), xs.data_ptr(), q.shape[0], table.dim, local.data_ptr(), weights.data_ptr(),
+                            local.shape[1], table.routed, shared and table.shared, table.w1, table.w3, table.w2,
+                            table.s1, table.s3, table.s2, table.inter, limit, dtype == torch.bfloat16, y.data_ptr(),
+                            torch.get_num_threads(), AMX_MIN_ROWS if lib.amx else 0)
     return y

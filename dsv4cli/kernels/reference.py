@@ -309,6 +309,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_table(experts, shared=None):
+    """A MoE layer's experts (then the shared one, if given: objects with `kernel_tensors()`) as
+    `routed_experts` runs them: the native kernel's table where they are W8A8 packed for it (a live
+    one is found again), else None (the experts then run one by one in torch)."""
+    first = experts[0].kernel_tensors()[0][0]
+    if not (native.available() and first.dtype == torch.uint8):     # not packed for the native kernels
+        return None
+    found = native.ExpertTable.find(first, len(experts))
+    if found is not None and found.shared >= (shared is not None):
+        return found
+    tensors = [e.kernel_tensors() for e in [*experts, *([shared] if shared is not None else [])]]
+    weights, scales = [ws for ws, _ in tensors], [ss for _, ss in tensors]
+    if not native.ExpertTable.usable(weights, scales):
+        return None
+    return native.ExpertTable(weights, scales, shared is not None)
+
+
+def routed_experts(xq, weights, local, table, limit: float, dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """`experts_on_host`'s sums (then the shared expert's, with `shared`) from one native call: the ~30
+    small torch ops each expert costs around its GEMMs were a third of the MoE's time at V4 Flash's
+    widths. xq: the rows quantised per token; dtype: the activations'. fp32 [T, dim]."""
+    return native.routed_experts(xq[0], xq[1], weights, local, table, limit, dtype, shared)
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,
                    xq=None) -> torch.Tensor:
     """Rows x [A, in] sorted by group; rows offs[g-1]:offs[g] are multiplied by weight[g] ([G, out, in]).

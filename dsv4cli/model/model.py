@@ -515,6 +515,9 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if cfg.n_shared_experts else None
         self.stack: kernels.ExpertStack | None = None
         self.routes_on_host = False
+        # the experts as one fused host kernel runs them (`Transformer.prepare`); with one world rank it
+        # holds the shared expert too (with more, the shared expert's output joins after the all-reduce)
+        self.table = None
 
     def local_experts(self) -> list[Expert]:
         return list(self.experts[self.first: self.first + self.n_local])
@@ -556,12 +559,16 @@ class MoE(nn.Module):
         # every routed expert's w1/w3 reads x: quantise it once (the quantisation is per token)
         quantized = self.experts[self.first].w1.quantized
         xq = kernels.quantize_per_token(x) if quantized else None
-        if self.stack is not None and not (self.routes_on_host and not torch.compiler.is_compiling()):
+        compiling = torch.compiler.is_compiling()
+        fused = self.table is not None and not compiling      # a graph takes the host experts as one op
+        if self.stack is not None and not (self.routes_on_host and not compiling):
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
+        elif fused:
+            y = kernels.routed_experts(xq, weights, local, self.table, self.limit, x.dtype, self.table.shared)
         else:
             y = kernels.experts_on_host(x, weights, local, self.local_experts(), xq)
         y = all_reduce(y)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not (fused and self.table.shared):
             y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
         return y.to(x.dtype).view(shape)
 
@@ -696,6 +703,10 @@ class Transformer(nn.Module):
             packed = any(lin.packed is not None for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3))
             if moe.stack is None and not packed:
                 moe.stack_experts()
+            if on_host and moe.experts[moe.first].w1.quantized:
+                experts, shared = moe.local_experts(), moe.shared_experts if world()[1] == 1 else None
+                with_shared = kernels.expert_table(experts, shared) if shared is not None else None
+                moe.table = with_shared or kernels.expert_table(experts)
         return self
 
     def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
