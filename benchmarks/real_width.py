@@ -22,6 +22,7 @@ estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others
 layers counted as HCA, slightly over) and keeps the rest of the step (head, MTP, sampling) once.
 """
 import argparse
+import inspect
 import json
 import math
 import os
@@ -56,6 +57,8 @@ V4_FLASH = {
 }
 V4_FLASH_CSA, V4_FLASH_OTHER = 21, 22     # of its 43 layers: ratio 4, and ratio 128 or window-only
 DEVICE = torch.device("cpu")
+# greedy rows with no penalties take the logits' argmax (`plain_greedy`); an older checkout has no such step
+GREEDY = {"greedy": True} if "greedy" in inspect.signature(Engine._fused_decode).parameters else {}
 
 
 def clock() -> float:
@@ -299,9 +302,9 @@ def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float,
     for _ in range(reps + 1):                          # the first compiles
         t = clock()
         with torch.no_grad():
-            step(batch, bound, False, False)
+            step(batch, bound, False, False, *GREEDY.values())
         times.append(clock() - t)
-    return times[1:], times[0], step.calls[(batch, bound, False, False)]
+    return times[1:], times[0], step.calls[(batch, bound, False, False, *GREEDY.values())]
 
 
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compile_too=False) -> dict:
@@ -326,7 +329,7 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
             prof.reset()
             t = clock()
             with torch.no_grad():
-                engine._fused_decode(batch, bound, sort=False)   # greedy rows, as the engine runs them
+                engine._fused_decode(batch, bound, sort=False, **GREEDY)   # greedy rows, as the engine runs them
             dt = clock() - t
             if rep:
                 steps.append(dt)

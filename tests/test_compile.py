@@ -57,10 +57,10 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         want = run(eager)
         engine = eager.resized(2, 2, compile=True)
         assert run(engine) == want
-        assert list(engine.compiled.calls) == [(2, 512, False, False)]
+        assert list(engine.compiled.calls) == [(2, 512, False, False, True)]
         assert run(engine) == want                       # steady state: the same graph, no recompile
         assert engine.compiled.recompiles == 0
-        assert engine.compiled.built[(2, 512, False, False)][0] == "compiled"
+        assert engine.compiled.built[(2, 512, False, False, True)][0] == "compiled"
         assert len(list(compiled.steps_dir().iterdir())) == 1
 
         # a later launch: the saved step loads on the worker thread while steps run eagerly
@@ -70,14 +70,14 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         assert run(later) == want
         assert later.compiled.eager_steps > 0
         later.compiled.wait()
-        assert later.compiled.built[(2, 512, False, False)][0] == "loaded"
+        assert later.compiled.built[(2, 512, False, False, True)][0] == "loaded"
         assert sys.getswitchinterval() == switch_interval       # back once no compile runs
         eager_steps = later.compiled.eager_steps
         assert run(later) == want
         assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
         assert later.compiled.status == "compiled"
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
-    calls = engine.compiled.calls[(2, 512, False, False)]
+    calls = engine.compiled.calls[(2, 512, False, False, True)]
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
 
 
@@ -112,7 +112,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     (child,) = compiled._CHILDREN
     assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
     engine.compiled.wait()
-    key = (2, 512, False, False)
+    key = (2, 512, False, False, True)
     assert engine.compiled.built[key][0] == "compiled apart"
     assert dict(dynamo_counters["stats"]) == graphs           # this process traced nothing
     steps = engine.compiled.eager_steps

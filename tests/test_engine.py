@@ -10,7 +10,7 @@ from tiny import prompts
 from dsv4cli import kernels, parallel
 from dsv4cli.engine import Engine, EngineAPI, ModelInfo
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
-from dsv4cli.engine.verify import verify
+from dsv4cli.engine.verify import verify, verify_greedy
 from dsv4cli.model.quant import quantize_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -221,6 +221,48 @@ def test_rows_without_filters_skip_the_vocabulary_sort(model, tok, monkeypatch):
         sorts.clear()
         Engine(model, tok, max_batch=2, max_seq_len=128, mtp=1).generate(prompts([5, 9], tok.vocab_size), params)
         assert (tok.vocab_size in sorts or model.cfg.vocab_size in sorts) == sorted_vocab
+
+
+def test_verify_greedy_is_verify_on_one_hot_rows():
+    g = torch.Generator().manual_seed(0)
+    for k in (0, 1, 3):
+        targets = torch.randint(0, 5, (64, k + 1), generator=g)
+        # drafts that match their targets often, so every count of accepted drafts turns up
+        other = torch.randint(0, 5, (64, k), generator=g)
+        drafts = torch.where(torch.rand(64, k, generator=g) < 0.7, targets[:, :k], other)
+        one_hot = torch.zeros(64, k + 1, 5).scatter_(-1, targets[..., None], 1.0)
+        want = verify(one_hot, drafts, torch.arange(64), torch.zeros(64, dtype=torch.long))
+        got = verify_greedy(targets, drafts)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert k == 0 or set(got[1].tolist()) == set(range(k + 1))
+
+
+@torch.no_grad()
+def test_plain_greedy_steps_take_the_argmax_and_give_the_distributions_tokens(model, tok, monkeypatch):
+    """A step whose rows are all greedy with no penalty or bias takes the logits' argmax (no softmax,
+    no draw). Its tokens equal the distributions' ones: the same requests beside a sampled one, which
+    makes every step compute the distributions, give the same output."""
+    ps = prompts([6, 40], tok.vocab_size, seed=3)
+    steps = []
+    fused_decode = Engine._fused_decode
+    monkeypatch.setattr(Engine, "_fused_decode",
+                        lambda self, *args: steps.append(args[4]) or fused_decode(self, *args))   # args[4]: greedy
+    sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)   # 20+ steps
+    for k in (0, 2):
+        steps.clear()
+        alone = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)]
+        assert steps and all(steps)
+        steps.clear()
+        eng = Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k)
+        beside = [eng.submit(p, GREEDY) for p in ps] + [eng.submit(ps[0], sampled)]
+        while eng.has_work():
+            eng.step()
+        assert steps and not any(steps[:8])          # a greedy request takes 8+ steps
+        assert [s.output_ids for s in beside[:2]] == alone
+        penalised = Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k).generate(
+            ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.0001))
+        assert not any(steps[-5:])                     # a penalty needs the processed logits
+        assert len(penalised[0].output_ids) == 24
 
 
 def test_penalties():

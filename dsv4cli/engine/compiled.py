@@ -2,7 +2,7 @@
 don't stall the streams, and counts that make any fallback visible.
 
 The fused step is compiled whole (`fullgraph`: a graph break is an error, never a silent switch to
-eager) with static shapes per key (batch bucket, context bucket, sort, logprobs). Buckets are powers
+eager) with static shapes per key (batch bucket, context bucket, sort, logprobs, greedy). Buckets are powers
 of two, so a run compiles a handful of keys and none in steady state. Each key is compiled ahead of
 time (`aot_compile`: traced and compiled, not run) and saved whole, Dynamo's trace included, so a
 later launch loads it in seconds instead of tracing the ~5,000-op step again. In the background

@@ -36,6 +36,7 @@ from .sampling import (
     TOP_LOGPROBS,
     SamplingParams,
     needs_sort,
+    plain_greedy,
     processed_logits,
     sample_from,
     target_probs,
@@ -43,7 +44,7 @@ from .sampling import (
     uniform,
 )
 from .slots import SlotState
-from .verify import verify
+from .verify import verify, verify_greedy
 
 CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this many tokens
 
@@ -246,13 +247,14 @@ class Engine:
 
     # ---- the fused decode step ---------------------------------------------------------------
 
-    def _fused_decode(self, nb: int, context: int, sort: bool = True, logprobs: bool = False,
+    def _fused_decode(self, nb: int, context: int, sort: bool = True, logprobs: bool = False, greedy: bool = False,
                       chunks: list[tuple[Sequence, int, int]] = ()) -> torch.Tensor:
         """One decode step on the device for slots [0, nb): verify the drafts, commit, draft again.
         Without `chunks` it reads and writes only preallocated tensors, so it can be captured as a graph.
         `sort`: some row filters by top-k / top-p / min-p and needs the vocabulary sorted. `logprobs`:
-        some row asked for logprobs. `chunks`: prefill chunks (request, a, b) that run in the same
-        forward passes, before the decode rows (see `_decode`).
+        some row asked for logprobs. `greedy`: every row is `plain_greedy`, so its tokens are the logits'
+        argmax (the same tokens the distributions give). `chunks`: prefill chunks (request, a, b) that
+        run in the same forward passes, before the decode rows (see `_decode`).
         Returns [nb, K+2]: the K+1 candidate tokens and the number of accepted drafts; with `logprobs`
         float64 [nb, K+2 + (K+1)(1+2W)]: those, then per candidate row what token_logprobs gives. Then
         a row per chunk that ends its prompt: its first token as candidate 0 of a row with no accepted
@@ -267,14 +269,17 @@ class Engine:
         *chunk_out, (logits, h) = self.model.forward_segments(
             [Segment(ids[:, : c - a], start, view, c, last_only=True) for (_, a, c), (ids, start, view)
              in zip(chunks, inputs)] + [Segment(rows, pos, cache, context)])
-        # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
-        counts = sp.output_counts[b, None].expand(-1, k + 1, -1)
-        if k:
-            onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
-            counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
-        processed = processed_logits(logits, sp, b, counts)
-        probs = target_probs(processed, sp, b, sort)
-        tokens, n_acc = verify(probs, drafts, sp.seed[b], pos)
+        if greedy:
+            tokens, n_acc = verify_greedy(logits.argmax(-1), drafts)
+        else:
+            # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
+            counts = sp.output_counts[b, None].expand(-1, k + 1, -1)
+            if k:
+                onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
+                counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
+            processed = processed_logits(logits, sp, b, counts)
+            probs = target_probs(processed, sp, b, sort)
+            tokens, n_acc = verify(probs, drafts, sp.seed[b], pos)
         # Inactive rows (free slots, prompts still prefilling) keep their state and act as a slot whose
         # drafts were all rejected: they write only positions pos..pos+K (MTP chains included), which
         # is safe for the reason rejected rows are (design.md, position-addressed state). A prefilling
@@ -326,7 +331,7 @@ class Engine:
         context = self._context_bound(nb)
         if self.compiled is not None:    # fewer, coarser shapes: each one is a compile
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        key = (nb, context, needs_sort(running), logprobs)
+        key = (nb, context, needs_sort(running), logprobs, plain_greedy(running) and not logprobs)
         if chunks:
             packed = self._fused_decode(*key, chunks).tolist()       # the one host sync
         else:

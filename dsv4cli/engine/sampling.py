@@ -85,6 +85,15 @@ def needs_sort(params: list[SamplingParams]) -> bool:
     return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
 
+def plain_greedy(params: list[SamplingParams]) -> bool:
+    """Whether every request is greedy with nothing that changes its logits (penalties, logit bias) and
+    no logprobs: its token is then the raw logits' argmax, and a step needs no distribution at all (at
+    V4 Flash's vocabulary the penalties, softmax and draw were ~10 passes over 129k logits per row).
+    Decided on the host for a step's requests, as `needs_sort` is."""
+    return all(p.temperature == 0 and p.repetition_penalty == 1 and p.presence_penalty == 0
+               and p.frequency_penalty == 0 and not p.logit_bias and p.logprobs is None for p in params)
+
+
 def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:
     """logits [B,R,V] fp32 with logit_bias, penalties and temperature applied (temperature 0 as 1);
     counts [B,R,V] output-token counts."""

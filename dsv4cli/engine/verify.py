@@ -36,3 +36,18 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
     tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
     return tokens, n_acc
+
+
+def verify_greedy(targets: torch.Tensor, drafts: torch.Tensor):
+    """`verify` for rows whose target distributions are one-hot at `targets` [B,K+1] (the argmax of
+    each row's logits): a draft is accepted when it equals its row's argmax, and the correction or bonus
+    is the argmax of the first row not accepted. Returns what `verify` returns for them."""
+    B, R = targets.shape
+    K = R - 1
+    if K:
+        n_acc = (drafts == targets[:, :K]).long().cumprod(-1).sum(-1)
+    else:
+        n_acc = torch.zeros(B, dtype=torch.long, device=targets.device)
+    last = targets.gather(1, n_acc[:, None])
+    tokens = torch.cat([drafts, last], 1) if K else last
+    return tokens.scatter(1, n_acc[:, None], last), n_acc
