@@ -206,6 +206,9 @@ def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones(
     assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
     with_shared = kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype, shared=True)
     torch.testing.assert_close(with_shared, got + plain.shared_experts(x, xq=xq).float(), rtol=1e-6, atol=1e-6)
+    elsewhere = torch.full_like(local, 16)          # every pair on another rank's experts
+    assert torch.equal(kernels.routed_experts(xq, weights, elsewhere, fused.table, fused.limit, x.dtype),
+                       torch.zeros(5, 64))
 
 
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):

@@ -317,17 +317,23 @@ static inline float quantize_row(const float *x, int64_t K, int8_t *q) {
    every row after the routed ones with no routing weight. bf16: the activations are bf16, so each
    projection's output and the weighted intermediate are rounded to it, as the reference's casts do.
    y [T,D] (zeroed by the caller) gets the experts' outputs added in expert order, as index_add_
-   adds them. amx_rows: the row count from which a GEMM takes AMX (0: never). */
-void dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, const int64_t *local,
+   adds them. amx_rows: the row count from which a GEMM takes AMX (0: never). Returns 0, or -1 where
+   its scratch memory could not be had (y then untouched). */
+int dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, const int64_t *local,
                          const float *rw, int64_t topk, int64_t E, int shared, const uint8_t *const *w1,
                          const uint8_t *const *w3, const uint8_t *const *w2, const float *const *s1,
                          const float *const *s3, const float *const *s2, int64_t I, float limit, int bf16,
                          float *y, int threads, int64_t amx_rows) {
     int64_t P = T * topk, *start = calloc(E + 2, sizeof *start), *order = malloc((P + T) * sizeof *order);
+    int64_t *fill = malloc((E + 1) * sizeof *fill);
+    if (!start || !order || !fill) {
+        free(start), free(order), free(fill);
+        return -1;
+    }
     for (int64_t p = 0; p < P; p++)
         if (local[p] >= 0 && local[p] < E) start[local[p] + 1]++;
     for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
-    int64_t *fill = malloc((E + 1) * sizeof *fill), most = shared ? T : 0;
+    int64_t most = shared ? T : 1;                   /* at least a row, so no allocation asks for 0 bytes */
     for (int64_t e = 0; e < E; e++) {
         fill[e] = start[e];
         most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
@@ -340,7 +346,8 @@ void dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D,
     int8_t *xq = malloc(most * wide);
     float *sx = malloc(most * sizeof *sx), *gate = malloc(most * I * sizeof *gate),
           *up = malloc(most * I * sizeof *up), *out = malloc(most * D * sizeof *out), *row = malloc(D * sizeof *row);
-    for (int64_t e = 0; e < E + (shared != 0); e++) {
+    int failed = !xq || !sx || !gate || !up || !out || !row;
+    for (int64_t e = 0; e < (failed ? 0 : E + (shared != 0)); e++) {
         int64_t n = start[e + 1] - start[e];
         const int64_t *pairs = order + start[e];
         if (!n) continue;
@@ -377,6 +384,7 @@ void dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D,
         }
     }
     free(start), free(order), free(fill), free(xq), free(sx), free(gate), free(up), free(out), free(row);
+    return failed ? -1 : 0;
 }
 
 #ifdef __cplusplus

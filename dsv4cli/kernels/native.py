@@ -93,7 +93,7 @@ def library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.dsv4_routed_experts.argtypes = [p, p, i64, i64, p, p, i64, i64, ctypes.c_int, p, p, p, p, p, p, i64,
                                         ctypes.c_float, ctypes.c_int, p, ctypes.c_int, i64]
-    lib.dsv4_routed_experts.restype = None
+    lib.dsv4_routed_experts.restype = ctypes.c_int
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -204,9 +204,14 @@ def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, loc
     q, xs = q.contiguous(), xs.float().contiguous()
     weights, local = weights.float().contiguous(), local.to(torch.int64).contiguous()
     y = torch.zeros(q.shape[0], table.dim)
+    if q.shape[0] == 0:
+        return y
     lib = library()
-    lib.dsv4_routed_experts(q.data_ptr(), xs.data_ptr(), q.shape[0], table.dim, local.data_ptr(), weights.data_ptr(),
-                            local.shape[1], table.routed, shared and table.shared, table.w1, table.w3, table.w2,
-                            table.s1, table.s3, table.s2, table.inter, limit, dtype == torch.bfloat16, y.data_ptr(),
-                            torch.get_num_threads(), AMX_MIN_ROWS if lib.amx else 0)
+    failed = lib.dsv4_routed_experts(
+        q.data_ptr(), xs.data_ptr(), q.shape[0], table.dim, local.data_ptr(), weights.data_ptr(), local.shape[1],
+        table.routed, shared and table.shared, table.w1, table.w3, table.w2, table.s1, table.s3, table.s2,
+        table.inter, limit, dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads(),
+        AMX_MIN_ROWS if lib.amx else 0)
+    if failed:
+        raise MemoryError(f"no memory for the routed experts' scratch ({q.shape[0]} rows)")
     return y
