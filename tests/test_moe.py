@@ -8,7 +8,7 @@ import torch
 from tiny import random_model, tiny_config
 
 from dsv4cli import kernels
-from dsv4cli.kernels import reference
+from dsv4cli.kernels import native, reference
 from dsv4cli.model import DecodeState
 from dsv4cli.model.model import MoE
 from dsv4cli.model.quant import quantize_model
@@ -71,17 +71,27 @@ def test_grouped_experts_skip_other_ranks_experts():
     torch.testing.assert_close(kernels.grouped_experts(x, weights, local, moe.stack), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["host", "grouped"])
+@pytest.mark.parametrize("path", ["host", "grouped", "fused"])
 @pytest.mark.parametrize("batch", [1, 8])
 @torch.no_grad()
 def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkeypatch):
-    """A spy on the expert GEMMs' weight arguments: the expert-weight bytes a step reads are those of
-    the experts its tokens are routed to, on both paths."""
+    """A spy on the expert GEMMs' weight arguments (the fused CPU kernel: on its call, which returns the
+    experts it ran): the expert-weight bytes a step reads are those of the experts its tokens are routed
+    to, on every path."""
     model = quantize_model(random_model(tiny_config(n_routed_experts=16, num_experts_per_tok=2), seed=5))
     moes = [layer.ffn for layer in [*model.layers, *model.mtp]]
     if path == "grouped":
         for moe in moes:
             moe.stack_experts()
+    ran = []
+    if path == "fused":
+        if not native.available():
+            pytest.skip("no native kernels on this machine")
+        monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)        # the tiny experts pack, as real ones do
+        model.prepare()
+        assert all(moe.table is not None and moe.table.shared for moe in moes)
+        lib, kernel = native.library(), native.library().dsv4_routed_experts
+        monkeypatch.setattr(lib, "dsv4_routed_experts", lambda *args: ran.append(kernel(*args)) or ran[-1])
     expert_bytes = {lin.weight.data_ptr(): lin.weight.numel()
                     for moe in moes for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3)}
     routed, read = [], []
@@ -110,7 +120,10 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
     model.mtp_forward_chunk(hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
     per_expert = 3 * 32 * 64                    # w1, w3 [32, 64] and w2 [64, 32] int8
     assert len(routed) == len(moes)
-    assert sum(read) == sum(len(r) for r in routed) * per_expert
+    if path == "fused":                         # each call ran its routed experts, then the shared one
+        assert ran == [len(r) + 1 for r in routed]
+    else:
+        assert sum(read) == sum(len(r) for r in routed) * per_expert
     assert sum(len(r) for r in routed) < len(moes) * 16     # fewer than all experts
 
 

@@ -317,8 +317,9 @@ static inline float quantize_row(const float *x, int64_t K, int8_t *q) {
    every row after the routed ones with no routing weight. bf16: the activations are bf16, so each
    projection's output and the weighted intermediate are rounded to it, as the reference's casts do.
    y [T,D] (zeroed by the caller) gets the experts' outputs added in expert order, as index_add_
-   adds them. amx_rows: the row count from which a GEMM takes AMX (0: never). Returns 0, or -1 where
-   its scratch memory could not be had (y then untouched). */
+   adds them. amx_rows: the row count from which a GEMM takes AMX (0: never). Returns how many experts
+   it ran (the ones whose weights it read), or -1 where its scratch memory could not be had (y then
+   untouched). */
 int dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, const int64_t *local,
                          const float *rw, int64_t topk, int64_t E, int shared, const uint8_t *const *w1,
                          const uint8_t *const *w3, const uint8_t *const *w2, const float *const *s1,
@@ -346,11 +347,12 @@ int dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, 
     int8_t *xq = malloc(most * wide);
     float *sx = malloc(most * sizeof *sx), *gate = malloc(most * I * sizeof *gate),
           *up = malloc(most * I * sizeof *up), *out = malloc(most * D * sizeof *out), *row = malloc(D * sizeof *row);
-    int failed = !xq || !sx || !gate || !up || !out || !row;
+    int failed = !xq || !sx || !gate || !up || !out || !row, ran = 0;
     for (int64_t e = 0; e < (failed ? 0 : E + (shared != 0)); e++) {
         int64_t n = start[e + 1] - start[e];
         const int64_t *pairs = order + start[e];
         if (!n) continue;
+        ran++;
         for (int64_t i = 0; i < n; i++) {
             int64_t t = pairs[i] / topk;
             __builtin_memcpy(xq + i * D, q + t * D, D);
@@ -384,7 +386,7 @@ int dsv4_routed_experts(const int8_t *q, const float *xs, int64_t T, int64_t D, 
         }
     }
     free(start), free(order), free(fill), free(xq), free(sx), free(gate), free(up), free(out), free(row);
-    return failed ? -1 : 0;
+    return failed ? -1 : ran;
 }
 
 #ifdef __cplusplus

@@ -207,11 +207,11 @@ def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, loc
     if q.shape[0] == 0:
         return y
     lib = library()
-    failed = lib.dsv4_routed_experts(
+    ran = lib.dsv4_routed_experts(
         q.data_ptr(), xs.data_ptr(), q.shape[0], table.dim, local.data_ptr(), weights.data_ptr(), local.shape[1],
         table.routed, shared and table.shared, table.w1, table.w3, table.w2, table.s1, table.s3, table.s2,
         table.inter, limit, dtype == torch.bfloat16, y.data_ptr(), torch.get_num_threads(),
         AMX_MIN_ROWS if lib.amx else 0)
-    if failed:
+    if ran < 0:
         raise MemoryError(f"no memory for the routed experts' scratch ({q.shape[0]} rows)")
     return y
