@@ -190,7 +190,7 @@ def test_the_fused_experts_give_the_torch_experts_sums(dtype, limit):
 @torch.no_grad()
 def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones():
     """Pairs outside this rank's experts add nothing; an expert no row is routed to is never used
-    (its scales poisoned with NaN leave every output finite and unchanged)."""
+    (its scales poisoned with NaN leave every output finite and unchanged); 2 threads give 1's bits."""
     fused, plain = packed_and_plain_moes(torch.float32, 10.0)[1]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g)
@@ -209,6 +209,12 @@ def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones(
     elsewhere = torch.full_like(local, 16)          # every pair on another rank's experts
     assert torch.equal(kernels.routed_experts(xq, weights, elsewhere, fused.table, fused.limit, x.dtype),
                        torch.zeros(5, 64))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)                        # the GEMMs split their blocks: the same bits
+    try:
+        assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
