@@ -13,6 +13,7 @@ import torch
 from tiny import random_model, tiny_config, write_checkpoint
 from torch._dynamo.utils import counters as dynamo_counters
 
+from dsv4cli import kernels
 from dsv4cli.config import resolve
 from dsv4cli.engine import Engine, SamplingParams, compiled
 from dsv4cli.kernels import native, reference
@@ -28,8 +29,9 @@ COMPILER = pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) i
 def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, monkeypatch):
     """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with
     unpacked experts: grouped GEMMs in the graph), the others routed on the host (packed experts: one
-    opaque op in the graph), the second layer's linears packed for the native GEMMs (their custom ops).
-    The compiled step is saved, and a new engine loads it on a worker thread, stepping eagerly until
+    opaque op in the graph), the second layer's linears packed for the native GEMMs (their custom ops)
+    and its experts in a fused-kernel table, as `prepare` leaves them. The compiled step is saved
+    without unpacking a weight, and a new engine loads it on a worker thread, stepping eagerly until
     it is ready."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
@@ -40,11 +42,17 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         layer.ffn.routes_on_host = True
         if i == 0:
             layer.ffn.stack_experts()
+    unpacked = []      # `state_dict()` unpacks: a full extra copy of every packed weight
     if native.available():       # the second layer's linears in the native GEMMs' layouts: their ops in the graph
         monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
         packed = [m for m in model.layers[1].modules() if isinstance(m, PackedWeight)
                   and native.packable(m.weight) and (m.pack() or m.packed is not None)]
         assert {m.packed.dtype for m in packed} == {torch.uint8, torch.float32}
+        moe = model.layers[1].ffn
+        moe.table = kernels.expert_table(moe.local_experts(), moe.shared_experts)
+        assert moe.table is not None and moe.table.shared
+        for unpack in (native.unpack_int8, native.unpack_float):
+            monkeypatch.setattr(native, unpack.__name__, lambda packed, f=unpack: unpacked.append(f) or f(packed))
     tok = Tokenizer.from_dir(small_tokenizer_dir)
     prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -76,6 +84,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         assert run(later) == want
         assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
         assert later.compiled.status == "compiled"
+    assert not unpacked
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
     calls = engine.compiled.calls[(2, 512, False, False, True)]
     assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)

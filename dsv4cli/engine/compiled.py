@@ -260,7 +260,10 @@ class CompiledDecode:
 
     def _path(self, key: tuple) -> Path:
         model = self.owner.model
-        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in model.state_dict(keep_vars=True).items()]
+        # the tensors as held (not `state_dict()`, which unpacks every packed weight: a full extra copy)
+        packed = [(f"{n}.packed", m.packed) for n, m in model.named_modules() if getattr(m, "packed", None) is not None]
+        held = [*model.named_parameters(), *model.named_buffers(), *packed]
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in held]
         ident = repr((self.where, key, _SOURCE, model.cfg, shapes)).encode()
         return steps_dir() / f"{hashlib.sha256(ident).hexdigest()[:32]}.bin"
 

@@ -560,7 +560,9 @@ class MoE(nn.Module):
         quantized = self.experts[self.first].w1.quantized
         xq = kernels.quantize_per_token(x) if quantized else None
         compiling = torch.compiler.is_compiling()
-        fused = self.table is not None and not compiling      # a graph takes the host experts as one op
+        # a graph takes the host experts as one op; it must not read the table either: its guards are
+        # saved with the step, and the table's ctypes pointers can't be pickled
+        fused = not compiling and self.table is not None
         if self.stack is not None and not (self.routes_on_host and not compiling):
             y = kernels.grouped_experts(x, weights, local, self.stack, xq)
         elif fused:
