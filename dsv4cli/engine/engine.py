@@ -223,6 +223,8 @@ class Engine:
     def _first_token(self, seq: Sequence, logits, pos, scored: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first token [1] from the prompt's last logits [1,1,V] (pos [1]: the prompt's last
         position), and with `scored` what token_logprobs gives for it."""
+        if not scored and plain_greedy([seq.params]):      # no distribution needed, as in a greedy step
+            return logits[:, 0].argmax(-1), None
         sp, rows = self.state.sampling, slice(seq.slot, seq.slot + 1)
         processed = processed_logits(logits, sp, rows, sp.output_counts[rows, None])
         probs = target_probs(processed, sp, rows, needs_sort([seq.params]))
