@@ -157,7 +157,6 @@ class TensorExpert:
     """An expert made of its tensors: weights [w1, w3, w2] (float, int8 or packed) and their scales."""
 
     def __init__(self, weights, scales, limit: float):
-        self.projections = [lambda x, xq=None, w=w, s=s: projection(x, w, s, xq) for w, s in zip(weights, scales)]
         self.tensors = (list(weights), list(scales))
         self.limit = limit
 
@@ -165,7 +164,10 @@ class TensorExpert:
         return self.tensors
 
     def __call__(self, x, routing_weight=None, xq=None):
-        return expert_ffn(x, *self.projections, self.limit, routing_weight, xq)
+        # the projections made per call: a compiled step's host-experts op makes every local expert each
+        # step, and with a fused-kernel table none of them is called
+        projections = [lambda x, xq=None, w=w, s=s: projection(x, w, s, xq) for w, s in zip(*self.tensors)]
+        return expert_ffn(x, *projections, self.limit, routing_weight, xq)
 
 
 def experts_on_host(x, weights, local, experts, xq=None):

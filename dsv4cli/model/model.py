@@ -707,8 +707,7 @@ class Transformer(nn.Module):
                 moe.stack_experts()
             if on_host and moe.experts[moe.first].w1.quantized:
                 experts, shared = moe.local_experts(), moe.shared_experts if world()[1] == 1 else None
-                with_shared = kernels.expert_table(experts, shared) if shared is not None else None
-                moe.table = with_shared or kernels.expert_table(experts)
+                moe.table = kernels.expert_table(experts, shared) or kernels.expert_table(experts)
         return self
 
     def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
