@@ -296,15 +296,16 @@ class StepProfile:
 def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float, int]:
     """The same step compiled (torch.compile, as `--compile on` runs it): rep times, compile time and
     kernel calls. Parts are not timed: the compiled graph has no module boundaries left."""
-    from dsv4cli.engine.compiled import CompiledDecode
-    step = CompiledDecode(engine._fused_decode, DEVICE)
+    from dsv4cli.engine.compiled import CompiledSteps
+    step = CompiledSteps(engine, ("_fused_decode",), DEVICE)
+    key = ("_fused_decode", batch, bound, False, False, *GREEDY.values())
     times = []
     for _ in range(reps + 1):                          # the first compiles
         t = clock()
         with torch.no_grad():
-            step(batch, bound, False, False, *GREEDY.values())
+            step(key)
         times.append(clock() - t)
-    return times[1:], times[0], step.calls[(batch, bound, False, False, *GREEDY.values())]
+    return times[1:], times[0], step.calls[key]
 
 
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compile_too=False) -> dict:

@@ -172,7 +172,7 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
         n = eager_launches(engine)
     else:
         engine.step()
-        n = max(engine.compiled.calls.values())
+        n = max(engine.compiled.calls[k] for k in engine.compiled.keys("_fused_decode"))
     engine.cancel(seq)
     return n
 
@@ -188,7 +188,7 @@ def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: b
                 for depth in depths:
                     eng = engine.resized(batch, depth, compile_on)
                     t0 = time.perf_counter()
-                    run_config(eng, prompts[:1], 2)                       # warm-up (and compile)
+                    run_config(eng, prompts, 2)       # warm-up: compiles the batch's step and chunk shapes
                     warmup_s = time.perf_counter() - t0
                     r = run_config(eng, prompts, max_tokens)
                     base = r["tokens_per_s"] if depth == 0 and not compile_on else base
@@ -209,7 +209,7 @@ def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: b
 
 
 def render(rows: list[dict], console: Console) -> None:
-    table = Table("impl", "compile", "prompt", "batch", "MTP K", "tok/s", "step ms", "accept", "mean len",
+    table = Table("impl", "compile", "prompt", "batch", "MTP K", "tok/s", "step ms", "TTFT ms", "accept", "mean len",
                   "launches/layer", "vs K=0")
     def fmt(r, key, spec):
         return "-" if r.get(key) is None else format(r[key], spec)
@@ -217,8 +217,9 @@ def render(rows: list[dict], console: Console) -> None:
     for r in rows:
         table.add_row(r["impl"], "on" if r["compile"] else "off", f"{r['prompt']} ({r['prompt_tokens']})",
                       str(r["batch"]), str(r["mtp"]), fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"),
-                      fmt(r, "acceptance_rate", ".2f"), fmt(r, "mean_acceptance_length", ".2f"),
-                      fmt(r, "launches_per_layer", ".0f"), fmt(r, "speedup", ".2f") + "x")
+                      fmt(r, "ttft_ms", ".1f"), fmt(r, "acceptance_rate", ".2f"),
+                      fmt(r, "mean_acceptance_length", ".2f"), fmt(r, "launches_per_layer", ".0f"),
+                      fmt(r, "speedup", ".2f") + "x")
     console.print(table)
 
 

@@ -136,8 +136,8 @@ class Settings:
     compile: str = _key(
         "model",
         "auto",
-        "Compile the decode step with torch.compile (auto: on for accelerators; on the CPU, for chat, serve and "
-        "batch with a model under 100M parameters)",
+        "Compile the decode step and prefill chunks with torch.compile (auto: on for accelerators; on the CPU, for "
+        "chat, serve and batch with a model under 100M parameters)",
         choices=("auto", "on", "off"),
     )
     # [sampling]

@@ -32,7 +32,8 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     opaque op in the graph), the second layer's linears packed for the native GEMMs (their custom ops)
     and its experts in a fused-kernel table, as `prepare` leaves them. The compiled step is saved
     without unpacking a weight, and a new engine loads it on a worker thread, stepping eagerly until
-    it is ready."""
+    it is ready. Prefill chunks compile too, padded to a bucket: both prompts' chunks (slots 0 and 1)
+    run one graph."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
@@ -54,7 +55,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         for unpack in (native.unpack_int8, native.unpack_float):
             monkeypatch.setattr(native, unpack.__name__, lambda packed, f=unpack: unpacked.append(f) or f(packed))
     tok = Tokenizer.from_dir(small_tokenizer_dir)
-    prompts = [[5 + i % 40 for i in range(n)] for n in (9, 70)]
+    prompts = [[5 + i % 40 for i in range(n)] for n in (9, 14)]      # one chunk bucket: 16 rows
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
     def run(engine):
@@ -65,29 +66,37 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         want = run(eager)
         engine = eager.resized(2, 2, compile=True)
         assert run(engine) == want
-        assert list(engine.compiled.calls) == [(2, 512, False, False, True)]
-        assert run(engine) == want                       # steady state: the same graph, no recompile
-        assert engine.compiled.recompiles == 0
-        assert engine.compiled.built[(2, 512, False, False, True)][0] == "compiled"
-        assert len(list(compiled.steps_dir().iterdir())) == 1
+        assert list(engine.compiled.calls) == [CHUNK, STEP]
+        assert run(engine) == want                       # steady state: the same graphs, no recompile
+        assert engine.compiled.recompiles == 0 and engine.compiled.eager_steps == 0
+        assert engine.compiled.built[STEP][0] == engine.compiled.built[CHUNK][0] == "compiled"
+        assert len(list(compiled.steps_dir().iterdir())) == 2
 
-        # a later launch: the saved step loads on the worker thread while steps run eagerly
+        # a later launch: the saved steps load on the worker thread while steps run eagerly; the
+        # chunk's load waits for the decode step's
         switch_interval = sys.getswitchinterval()
         later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True, compile_in_background=True)
         assert later.compiled.status == "eager"
         assert run(later) == want
-        assert later.compiled.eager_steps > 0
+        assert later.compiled.eager_steps > 0 and CHUNK not in later.compiled.pending
         later.compiled.wait()
-        assert later.compiled.built[(2, 512, False, False, True)][0] == "loaded"
+        assert run(later) == want          # the chunks' key starts now, the decode step's is ready
+        later.compiled.wait()
+        assert later.compiled.built[STEP][0] == later.compiled.built[CHUNK][0] == "loaded"
         assert sys.getswitchinterval() == switch_interval       # back once no compile runs
         eager_steps = later.compiled.eager_steps
         assert run(later) == want
         assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
         assert later.compiled.status == "compiled"
     assert not unpacked
-    # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels
-    calls = engine.compiled.calls[(2, 512, False, False, True)]
-    assert 0 < calls <= 60 * (cfg["num_hidden_layers"] + 2)
+    # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels;
+    # a chunk runs the trunk and the MTP layer once
+    assert 0 < engine.compiled.calls[STEP] <= 60 * (cfg["num_hidden_layers"] + 2)
+    assert 0 < engine.compiled.calls[CHUNK] <= 60 * (cfg["num_hidden_layers"] + 1)
+
+
+STEP = ("_fused_decode", 2, 512, False, False, True)       # batch 2, context 512, greedy
+CHUNK = ("_prefill_rows", 16, 512, True, False, False, True)    # 16 rows, a prompt's last chunk, greedy
 
 
 def settings_for(model_dir, **flags):
@@ -106,7 +115,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
                                        hc_sinkhorn_iters=2, vocab_size=vocab))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(small_tokenizer_dir / name, path / name)
-    prompts = [[5 + i % 40 for i in range(n)] for n in (9, 30)]
+    prompts = [[5 + i % 40 for i in range(n)] for n in (20, 30)]     # one chunk bucket: 32 rows
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
     def run(engine):
@@ -121,13 +130,16 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     (child,) = compiled._CHILDREN
     assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
     engine.compiled.wait()
-    key = (2, 512, False, False, True)
-    assert engine.compiled.built[key][0] == "compiled apart"
+    step, chunk = ("_fused_decode", 2, 512, False, False, True), ("_prefill_rows", 32, 512, True, False, False, True)
+    assert run(engine) == want         # the prompts' chunks compile now, the decode step's key being ready
+    engine.compiled.wait()
+    assert engine.compiled.built[step][0] == engine.compiled.built[chunk][0] == "compiled apart"
     assert dict(dynamo_counters["stats"]) == graphs           # this process traced nothing
     steps = engine.compiled.eager_steps
     assert run(engine) == want
     assert engine.compiled.eager_steps == steps and engine.compiled.recompiles == 0
-    assert [p.name for p in compiled.steps_dir().iterdir()] == [engine.compiled._path(key).name]   # no part left
+    saved = {engine.compiled._path(k).name for k in (step, chunk)}
+    assert {p.name for p in compiled.steps_dir().iterdir()} == saved      # no part left
 
     # a compiling process that fails (here: the model gone before it loads) fails the engine's next step
     failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "chat")

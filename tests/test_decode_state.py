@@ -36,6 +36,34 @@ def test_chunked_prefill_equals_full(model, sizes):
 
 
 @torch.no_grad()
+def test_padded_chunks_equal_the_full_forward(model):
+    """Chunks padded to a bucket (as a compiled prefill chunk is) with random tokens, their real rows
+    given by `length`: the real rows' logits are the full pass's, and the padding writes nothing a
+    later call reads. Chunk ends cross ratio-4 and ratio-128 edges; buckets of 200 and 256 rows are
+    longer than the ring (137 rows), with fewer real rows than it (47) and more (150); the MTP layer's
+    window ring takes the same writes."""
+    g = torch.Generator().manual_seed(13)
+    ids = torch.randint(0, 256, (1, 300), generator=g)
+    full, hidden = model(ids, return_hidden=True)
+    full_mtp = model.mtp_forward(hidden, ids.roll(-1, 1))
+    state = DecodeState(model, 1, 320, max_draft=8)
+    pos = 0
+    for real, bucket in [(30, 64), (150, 256), (1, 16), (47, 200), (10, 10)]:
+        chunk = torch.cat([ids[:, pos:pos + real], torch.randint(0, 256, (1, bucket - real), generator=g)], 1)
+        start, length = torch.tensor([pos]), torch.tensor([real])
+        logits, h = model.forward_chunk(chunk, start, state, context=pos + real, length=length)
+        assert torch.allclose(logits[0, :real], full[0, pos:pos + real], atol=1e-4, rtol=1e-4)
+        nxt = torch.cat([ids[:, pos + 1:pos + real + 1], chunk[:, real:]], 1)
+        last, _ = model.mtp_forward_chunk(h, nxt, start, state, last_only=True, length=length)
+        assert torch.allclose(last[0, 0], full_mtp[0, pos + real - 1], atol=1e-4, rtol=1e-4)
+        pos += real
+    logits, h = model.forward_chunk(ids[:, pos:pos + 40], torch.tensor([pos]), state)      # reads their state
+    assert torch.allclose(logits[0], full[0, pos:pos + 40], atol=1e-4, rtol=1e-4)
+    mtp, _ = model.mtp_forward_chunk(h, ids[:, pos + 1:pos + 41], torch.tensor([pos]), state)
+    assert torch.allclose(mtp[0], full_mtp[0, pos:pos + 40], atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
 def test_batched_sequences_at_different_positions(model):
     g = torch.Generator().manual_seed(9)
     a, b = torch.randint(0, 256, (1, 270), generator=g), torch.randint(0, 256, (1, 140), generator=g)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from dsv4cli.model import Transformer
     from dsv4cli.tokenizer import Tokenizer
 
-    from .compiled import CompiledDecode
+    from .compiled import CompiledSteps
     from .request import Event, Metrics, Sequence
     from .sampling import SamplingParams
 
@@ -48,7 +48,7 @@ class EngineAPI(Protocol):
     mtp_depth: int      # tokens drafted per step (0 = plain decoding)
     totals: Metrics     # of every finished request
     model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
-    compiled: CompiledDecode | None   # the compiled decode step and its counts, when compile is on
+    compiled: CompiledSteps | None   # the compiled decode step and prefill chunks, and their counts, when compile is on
 
     @property
     def model_info(self) -> ModelInfo: ...

@@ -1,14 +1,15 @@
-"""The compiled decode step: `compile = auto | on | off`, compiled steps saved to disk, compiles that
+"""The compiled device steps: `compile = auto | on | off`, compiled steps saved to disk, compiles that
 don't stall the streams, and counts that make any fallback visible.
 
-The fused step is compiled whole (`fullgraph`: a graph break is an error, never a silent switch to
-eager) with static shapes per key (batch bucket, context bucket, sort, logprobs, greedy). Buckets are powers
-of two, so a run compiles a handful of keys and none in steady state. Each key is compiled ahead of
-time (`aot_compile`: traced and compiled, not run) and saved whole, Dynamo's trace included, so a
-later launch loads it in seconds instead of tracing the ~5,000-op step again. In the background
-(interactive verbs) steps of a new key run eagerly while a worker thread loads it, after a process of
-its own has compiled and saved it (where the engine can be loaded again: `remake`), so streams keep
-flowing; otherwise the first step of a key waits for it. Prefill chunks run eagerly.
+The fused decode step and the prefill chunk's pass are compiled whole (`fullgraph`: a graph break is an
+error, never a silent switch to eager) with static shapes per key: (batch bucket, context bucket, sort,
+logprobs, greedy) for a step, (rows bucket, context bucket, last, and the first token's flags) for a chunk,
+padded to its bucket. Buckets are powers of two, so a run compiles a handful of keys and none in steady
+state. Each key is compiled ahead of time (`aot_compile`: traced and compiled, not run) and saved whole,
+Dynamo's trace included, so a later launch loads it in seconds instead of tracing the ~5,000-op step
+again. In the background (interactive verbs) steps of a new key run eagerly while a worker thread loads
+it, after a process of its own has compiled and saved it (where the engine can be loaded again:
+`remake`), so streams keep flowing; otherwise the first step of a key waits for it.
 """
 import contextlib
 import hashlib
@@ -32,6 +33,7 @@ from dsv4cli import platforms
 from dsv4cli.kernels.native import user_cache_dir
 
 MIN_CONTEXT = 512           # the smallest context bucket
+MIN_CHUNK = 16              # the smallest prefill chunk bucket (rows)
 LONG_RUNNING = ("chat", "serve", "batch")    # verbs whose engine outlives a cold compile (auto on the CPU)
 KEY_LIMIT = 64              # keys one compiled step may hold; more is an error (shapes are not bucketed)
 # Python's thread switch interval while a compile or load runs on a worker thread. Tracing holds the GIL
@@ -120,6 +122,12 @@ def context_bucket(bound: int) -> int:
     return max(MIN_CONTEXT, 1 << (bound - 1).bit_length())
 
 
+def chunk_bucket(rows: int, longest: int) -> int:
+    """A compiled prefill chunk's rows: the next power of two from MIN_CHUNK, at most `longest`, the
+    longest chunk the scheduler cuts (the commonest: every chunk of a long prompt but its last)."""
+    return min(max(MIN_CHUNK, 1 << (rows - 1).bit_length()), longest)
+
+
 def kernel_calls(source: str) -> int:
     """Kernel calls in generated wrapper code (each runs once per call of the compiled graph)."""
     return len(_CALL.findall(source))
@@ -147,27 +155,32 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-class CompiledDecode:
-    """`step(*key)` (a bound method of `owner`) compiled once per key: static shapes, no graph
-    breaks, saved to `steps_dir()` and loaded from there when a launch finds it.
+class CompiledSteps:
+    """The device steps of `owner` (method names, in priority order) compiled once per key, a key being
+    a step's name and its static arguments: static shapes, no graph breaks, saved to `steps_dir()` and
+    loaded from there when a launch finds it. A call is `self(key, *inputs)`, the step's tensor inputs
+    (and views of them) after the key; `owner.example_inputs(key)` gives inputs to trace it with.
 
     `background`: a key's steps run eagerly until it is ready (`eager_steps` counts them) while a worker
-    thread compiles (or loads) it; otherwise a key's first step waits for it. `remake` (background only):
-    a picklable call that makes this step's owner again, compiling in the foreground; given, a key
-    missing from `steps_dir()` is compiled and saved by a process of its own, which makes the owner
-    again from it, and the thread then loads the saved step: the thread's tracing would hold the GIL the
-    eager steps need. Counts: the kernel calls each key's generated code makes, where each key came from
-    (`built`: "compiled", "compiled apart" or "loaded", with seconds), and `recompiles` (a ready key
-    whose guards fail: must stay 0)."""
+    thread compiles (or loads) it; otherwise a key's first step waits for it. In the background a later
+    step's key starts only once a key of the first step is ready and no compile runs: the decode step
+    gains most, so a chat's first prompt doesn't put its prefill chunk's compile before it. `remake`
+    (background only): a picklable call that makes the owner again, compiling in the foreground; given,
+    a key missing from `steps_dir()` is compiled and saved by a process of its own, which makes the
+    owner again from it, and the thread then loads the saved step: the thread's tracing would hold the
+    GIL the eager steps need. Counts: the kernel calls each key's generated code makes, where each key
+    came from (`built`: "compiled", "compiled apart" or "loaded", with seconds), and `recompiles` (a
+    ready key whose guards fail: must stay 0)."""
 
-    def __init__(self, step, device: torch.device, tag: tuple = (), background: bool = False, remake=None):
+    def __init__(self, owner, steps: tuple[str, ...], device: torch.device, tag: tuple = (), background: bool = False,
+                 remake=None):
         use_cache_dir()
-        self.step, self.owner, self.tag, self.background = step, step.__self__, tag, background
-        self.remake = remake
+        self.owner, self.steps, self.tag, self.background, self.remake = owner, steps, tag, background, remake
         _ = platforms.for_device(device).kernels     # imported now: a trace can't enter cached_property's lock
-        self.compiler = torch.compile(step, backend=platforms.for_device(device).compile_backend, fullgraph=True,
-                                      dynamic=False)
-        self.where = (torch.__version__, device.type, platforms.for_device(device).compile_backend, tag)
+        backend = platforms.for_device(device).compile_backend
+        self.compilers = {name: torch.compile(getattr(owner, name), backend=backend, fullgraph=True, dynamic=False)
+                          for name in steps}
+        self.where = (torch.__version__, device.type, backend, tag)
         self.ready: dict[tuple, object] = {}      # key -> the compiled step
         self.pending: dict[tuple, Future] = {}
         self.calls: dict[tuple, int] = {}         # key -> kernel calls of its generated code
@@ -175,26 +188,32 @@ class CompiledDecode:
         self.recompiles = 0
         self.eager_steps = 0
         self.last_compiled = False                 # whether the latest step ran compiled
-        self._building = threading.Lock()          # one at a time: Dynamo's state is process-wide
 
-    def __call__(self, *key) -> torch.Tensor:
+    def __call__(self, key: tuple, *inputs):
+        name, args = key[0], key[1:]
         fn = self.ready.get(key)
         if fn is None:
             if not self.background:
                 fn = self._build(key)
-            elif key not in self.pending:
+            elif key in self.pending:
+                if self.pending[key].done():
+                    self.pending[key].result()       # it failed: the error, not eager steps for ever
+            elif name == self.steps[0] or (not self.busy and any(k[0] == self.steps[0] for k in self.ready)):
                 self.pending[key] = self._start(key)
-            elif self.pending[key].done():
-                self.pending[key].result()       # it failed: the error, not eager steps for ever
-        self.last_compiled = fn is not None
+        if name == self.steps[0]:
+            self.last_compiled = fn is not None
         if fn is None:
             self.eager_steps += 1
-            return self.step(*key)
-        if fn.guard_check(self.owner, *key):
-            return fn(self.owner, *key)
+            return getattr(self.owner, name)(*args, *inputs)
+        if fn.guard_check(self.owner, *args, *inputs):
+            return fn(self.owner, *args, *inputs)
         self.recompiles += 1          # what the step reads no longer matches its graph
         del self.ready[key]
-        return self._build(key, reuse=False)(self.owner, *key)
+        return self._build(key, reuse=False)(self.owner, *args, *inputs)
+
+    def keys(self, step: str) -> list[tuple]:
+        """The keys of `step` compiled or loaded so far."""
+        return [k for k in self.ready if k[0] == step]
 
     def _start(self, key: tuple) -> Future:
         """`_build(key)` on a daemon thread: a launch that ends meanwhile doesn't wait for it (the step
@@ -202,7 +221,7 @@ class CompiledDecode:
         future = Future()
 
         def work():
-            with self._building:
+            with _BUILDING:
                 try:
                     t0, path = time.perf_counter(), self._path(key)
                     apart = self.remake is not None and not path.exists()
@@ -285,7 +304,7 @@ class CompiledDecode:
                 os.utime(path)           # used now: `prune_steps` keeps it
         if fn is None:
             with torch.no_grad():
-                fn = self.compiler.aot_compile((key, {}))
+                fn = self.compilers[key[0]].aot_compile(((*key[1:], *self.owner.example_inputs(key)), {}))
             how = "compiled"
             try:         # whole or not at all: a run may end (or a compiling process be killed) meanwhile
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +340,7 @@ def prune_steps() -> list[Path]:
 
 
 def compile_apart() -> None:
-    """A compiling process (`CompiledDecode._compile_apart`): from stdin (parent pid, remake, key), make
+    """A compiling process (`CompiledSteps._compile_apart`): from stdin (parent pid, remake, key), make
     the engine again, compile and save the key's step; print where it is. Dies with the thread that
     started it, and yields the cores to it (nice)."""
     parent, remake, key = pickle.load(sys.stdin.buffer)
@@ -362,6 +381,7 @@ def _short_switch_interval():
 
 _SOURCE = source_digest()
 _BUILDS: set[threading.Thread] = set()      # background compiles started in this process
+_BUILDING = threading.Lock()                 # one at a time: Dynamo's state is process-wide
 _CHILDREN: set[subprocess.Popen] = set()     # compiling processes running for this one
 _SWITCH = {"builds": 0, "previous": sys.getswitchinterval()}
 _SWITCH_LOCK = threading.Lock()

@@ -22,11 +22,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dsv4cli.model import Segment, Transformer
+from dsv4cli.model import DecodeState, Segment, Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .api import ModelInfo
-from .compiled import CompiledDecode, batch_bucket, context_bucket
+from .compiled import CompiledSteps, batch_bucket, chunk_bucket, context_bucket
 from .graphs import DecodeGraphs
 from .mtp import MTPDrafter, PromptRows
 from .output import append_output
@@ -35,6 +35,7 @@ from .sampling import (
     RNG_DRAW,
     TOP_LOGPROBS,
     SamplingParams,
+    SlotParams,
     needs_sort,
     plain_greedy,
     processed_logits,
@@ -79,8 +80,10 @@ class Engine:
         # the fused decode step compiled (torch.compile); captured graphs replay the compiled kernels
         remake = (functools.partial(compiling_engine, reload, self.options)
                   if compile and compile_in_background and reload is not None else None)
-        self.compiled = (CompiledDecode(self._fused_decode, self.device, (mtp, max_batch, max_seq_len),
-                                        background=compile_in_background, remake=remake) if compile else None)
+        # the decode step first: a prefill chunk's compile waits for it (steps run eagerly meanwhile)
+        self.compiled = (CompiledSteps(self, ("_fused_decode", "_prefill_rows"), self.device,
+                                       (mtp, max_batch, max_seq_len),
+                                       background=compile_in_background, remake=remake) if compile else None)
 
     @property
     def options(self) -> dict:
@@ -88,6 +91,15 @@ class Engine:
         return dict(max_batch=self.max_batch, max_seq_len=self.max_seq_len, mtp=self.mtp_depth,
                     prefill_chunk=self.prefill_chunk, prefill_budget=self.prefill_budget,
                     graphs=self.graphs is not None, reuse_prefix=self.reuse_prefix, mixed=self.mixed)
+
+    def example_inputs(self, key: tuple) -> tuple:
+        """Tensor inputs of the compiled step `key` (its name, then its static arguments) to trace it with:
+        a prefill chunk's rows, start, real length and slot 0's views (each slot's views share its graph:
+        Dynamo guards their sizes and strides, not where they start)."""
+        if key[0] != "_prefill_rows":
+            return ()
+        zeros = torch.zeros(1, key[1] + 1, dtype=torch.long, device=self.device)
+        return (zeros, zeros[0, :1].clone(), zeros[0, :1] + 1, self.state.cache.view(0), self.state.sampling.view(0))
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the engine (its guards' view): what the fused step reads,
@@ -200,34 +212,61 @@ class Engine:
 
     @torch.no_grad()
     def _prefill_chunk(self, seq: Sequence, a: int, b: int) -> Event | None:
-        """Prompt positions [a, b) through the trunk and the MTP layer in passes of their own; after the
-        last chunk, the first token and first drafts."""
-        n = len(seq.prompt_ids)
-        ids, start, view = self._chunk_inputs(seq, a, b)
-        logits, h = self.model.forward_chunk(ids[:, : b - a], start, view, last_only=True, context=b)
-        if b < n:
-            nxt = ids[:, 1:]
+        """Prompt positions [a, b) through the trunk and the MTP layer in passes of their own (`_prefill_rows`,
+        compiled with the decode step: padded to a bucket of rows); after the last chunk, the first token
+        and first drafts."""
+        n, p = len(seq.prompt_ids), seq.params
+        last, scored = b == n, b == n and p.logprobs is not None
+        # what the first token needs, decided on the host as for a step; nothing before the last chunk
+        flags = (needs_sort([p]), scored, plain_greedy([p]) and not scored) if last else (False, False, False)
+        rows, context, length = b - a, b, None
+        if self.compiled is not None:     # few shapes: each one is a compile
+            rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
+            length = torch.tensor([b - a], device=self.device)
+        ids = seq.prompt_ids[a:b + 1]
+        ids = torch.tensor(ids + [0] * (rows + 1 - len(ids)), device=self.device)[None]     # [1, rows+1]
+        inputs = (ids, torch.tensor([a], device=self.device), length, self.state.cache.view(seq.slot),
+                  self.state.sampling.view(seq.slot))
+        key = (rows, context, last, *flags)
+        if self.compiled is None:
+            first, logprobs, drafts = self._prefill_rows(*key, *inputs)
         else:
-            first, scored = self._first_token(seq, logits, start + b - 1 - a, seq.params.logprobs is not None)
-            nxt = torch.cat([ids[:, 1:], first[:, None]], 1)
-        drafts = None
-        if self.drafter is not None:   # the MTP layer sees every prompt row so its window has no holes
-            drafts = self.drafter.after_prompt_chunk(h, nxt, start, view, last=b == n)
+            first, logprobs, drafts = self.compiled(("_prefill_rows", *key), *inputs)
         seq.prefilled = b
         self.state.pos[seq.slot] = b
-        if b < n:
+        if not last:
             return None
         self._start_decoding(seq, first, drafts)
-        return self._first_event(seq, int(first[0]), None if scored is None else scored.tolist())
+        return self._first_event(seq, int(first[0]), None if logprobs is None else logprobs.tolist())
 
-    def _first_token(self, seq: Sequence, logits, pos, scored: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill_rows(self, rows: int, context: int, last: bool, sort: bool, scored: bool, greedy: bool,
+                      ids, start, length, cache: DecodeState, sampling: SlotParams):
+        """A prefill chunk on the device: `rows` prompt tokens from ids [1, rows+1] (then the one after
+        the chunk, or padding) at positions start [1].. of the slot's `cache`, through the trunk and the
+        MTP layer. `length` [1]: the real rows of a chunk padded to `rows` (None: all). After the
+        prompt's `last` chunk, its first token [1] from the slot's `sampling` settings (`sort`, `greedy`
+        as in a step), with `scored` what token_logprobs gives for it, and the first drafts [1, K]; else
+        Nones."""
+        logits, h = self.model.forward_chunk(ids[:, :rows], start, cache, last_only=True, context=context,
+                                             length=length)
+        nxt, first, logprobs, drafts = ids[:, 1:], None, None, None
+        if last:
+            end = torch.full_like(start, rows) if length is None else length
+            first, logprobs = self._first_token(logits, sampling, slice(None), start + end - 1, sort, scored, greedy)
+            nxt = nxt.scatter(1, (end - 1)[:, None], first[:, None])
+        if self.drafter is not None:   # the MTP layer sees every prompt row so its window has no holes
+            drafts = self.drafter.after_prompt_chunk(h, nxt, start, cache, last, length)
+        return first, logprobs, drafts
+
+    def _first_token(self, logits, sp: SlotParams, rows, pos, sort: bool, scored: bool,
+                     greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first token [1] from the prompt's last logits [1,1,V] (pos [1]: the prompt's last
-        position), and with `scored` what token_logprobs gives for it."""
-        if not scored and plain_greedy([seq.params]):      # no distribution needed, as in a greedy step
+        position) with the settings of `sp`'s `rows` (one slot), and with `scored` what token_logprobs
+        gives for it. `greedy`: the request is `plain_greedy` and not scored: the argmax, as in a step."""
+        if greedy:
             return logits[:, 0].argmax(-1), None
-        sp, rows = self.state.sampling, slice(seq.slot, seq.slot + 1)
         processed = processed_logits(logits, sp, rows, sp.output_counts[rows, None])
-        probs = target_probs(processed, sp, rows, needs_sort([seq.params]))
+        probs = target_probs(processed, sp, rows, sort)
         first = sample_from(probs[:, 0], uniform(sp.seed[rows], pos, RNG_DRAW))
         return first, token_logprobs(processed, first[:, None])[0, 0] if scored else None
 
@@ -292,7 +331,9 @@ class Engine:
         for (seq, a, c), (ids, start, view), (chunk_logits, chunk_h) in zip(chunks, inputs, chunk_out):
             nxt = ids[:, 1:]
             if c == len(seq.prompt_ids):
-                first, scored = self._first_token(seq, chunk_logits, start + c - 1 - a, logprobs)
+                first, scored = self._first_token(chunk_logits, sp, slice(seq.slot, seq.slot + 1), start + c - 1 - a,
+                                                  needs_sort([seq.params]), logprobs,
+                                                  plain_greedy([seq.params]) and not logprobs)
                 firsts.append((seq, first, scored))
                 nxt = torch.cat([nxt, first[:, None]], 1)
             prompts.append(PromptRows(chunk_h, nxt, start, view, c == len(seq.prompt_ids)))
@@ -337,11 +378,13 @@ class Engine:
         if chunks:
             packed = self._fused_decode(*key, chunks).tolist()       # the one host sync
         else:
-            run = self._fused_decode if self.compiled is None else self.compiled
-            fused = lambda: run(*key)  # noqa: E731
+            if self.compiled is None:
+                fused = functools.partial(self._fused_decode, *key)
+            else:
+                fused = functools.partial(self.compiled, ("_fused_decode", *key))
             # capture only the step that stays: compiled, with no compile running beside the capture
-            capture = self.graphs is not None and (self.compiled is None
-                                                   or (self.compiled.is_ready(key) and not self.compiled.busy))
+            capture = self.graphs is not None and (self.compiled is None or (
+                self.compiled.is_ready(("_fused_decode", *key)) and not self.compiled.busy))
             packed = (self.graphs.run(key, fused) if capture else fused()).tolist()   # the one host sync
         k = self.mtp_depth
         width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on

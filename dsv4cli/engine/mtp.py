@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4cli.model import DecodeState, Segment, Transformer
+from dsv4cli.model.model import last_rows
 
 
 class PromptRows(NamedTuple):
@@ -28,14 +29,16 @@ class MTPDrafter:
     def __init__(self, model: Transformer, depth: int):
         self.model, self.depth = model, depth
 
-    def after_prompt_chunk(self, hidden, next_ids, start, cache: DecodeState, last: bool) -> torch.Tensor | None:
-        """MTP over a prefill chunk's rows (hidden: the trunk's streams, next_ids [1,S] token p+1 per row);
-        after the prompt's last chunk, the first drafts [1, K]."""
+    def after_prompt_chunk(self, hidden, next_ids, start, cache: DecodeState, last: bool,
+                           length: torch.Tensor | None = None) -> torch.Tensor | None:
+        """MTP over a prefill chunk's rows (hidden: the trunk's streams, next_ids [1,S] token p+1 per row;
+        `length` [1]: the real rows of a padded chunk); after the prompt's last chunk, the first drafts [1, K]."""
         # logits of the last row only: the head over every prompt row would be most of the pass
-        logits, streams = self.model.mtp_forward_chunk(hidden, next_ids, start, cache, last_only=True)
+        logits, streams = self.model.mtp_forward_chunk(hidden, next_ids, start, cache, last_only=True, length=length)
         if not last:
             return None
-        return self._drafts_from([(logits[:, -1], streams[:, -1:], start + next_ids.shape[1], cache)])[0]
+        n = next_ids.shape[1] if length is None else length
+        return self._drafts_from([(logits[:, -1], last_rows(streams, length), start + n, cache)])[0]
 
     def after_verify(self, hidden, drafts, tokens, n_acc, pos, cache: DecodeState,
                      prompts: list[PromptRows] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

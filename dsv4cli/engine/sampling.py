@@ -50,6 +50,16 @@ class SlotParams:
         self.output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
         self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        self._views: dict[int, SlotParams] = {}
+
+    def view(self, slot: int) -> "SlotParams":
+        """One slot's settings as a SlotParams of one row (views: writes land here), cached like
+        DecodeState's views."""
+        if slot not in self._views:
+            view = object.__new__(SlotParams)
+            view.__dict__.update({k: t[slot:slot + 1] for k, t in vars(self).items() if isinstance(t, torch.Tensor)})
+            self._views[slot] = view
+        return self._views[slot]
 
     def set(self, slot: int, p: SamplingParams, seed: int, prompt_ids: torch.Tensor):
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k

@@ -253,7 +253,7 @@ class CallPlan:
     """Everything the layers share for one call of the model: positions, RoPE rows, masks, write slots."""
 
     def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, cfg: ModelConfig,
-                 compressed: bool = True, context: int | None = None):
+                 compressed: bool = True, context: int | None = None, length: torch.Tensor | None = None):
         B, S = tokens.shape
         dev = tokens.device
         self.B, self.S = B, S
@@ -267,9 +267,19 @@ class CallPlan:
         self.ring_mask = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])   # [B,S,R]
         chunk_pos = self.pos[:, None, :]
         self.chunk_mask = (chunk_pos <= q) & (chunk_pos > q - W)                                   # [B,S,S]
+        # ring writes: the last min(S, R) rows (earlier ones would share their slots). A padded chunk
+        # (`length` [B] real rows) writes its last real rows; where it has fewer, the slots of the
+        # positions before it get back what they hold. Its padding rows must not write the rings: there
+        # are more of them than the rows past the window. What else they write lies at positions past
+        # the chunk (blocks they close), position-addressed garbage as rejected rows leave.
         keep = min(S, R)
-        self.write_rows = slice(S - keep, S)
-        self.write_slot = self.pos[:, S - keep:] % R
+        if length is None:
+            self.write_rows, self.write_real = slice(S - keep, S), None
+            self.write_slot = self.pos[:, S - keep:] % R
+        else:
+            rows = length[:, None] - keep + torch.arange(keep, device=dev)                           # [B,keep]
+            self.write_rows, self.write_real = rows.clamp(min=0)[..., None], (rows >= 0)[..., None]
+            self.write_slot = (start[:, None] + rows) % R
         ratios = set(cfg.compress_ratios[: cfg.n_layers]) - {0} if compressed else set()
         # `context` (a host-side bound on every position in the call) limits how many compressed
         # blocks are read; without it the whole preallocated cache is read, masked.
@@ -286,19 +296,34 @@ class CallPlan:
 
     def write_ring(self, ring: torch.Tensor, rows: torch.Tensor):
         """Store this chunk's per-token rows in a position-addressed ring (after it has been read)."""
+        ring = ring[: self.B]
         idx = self.write_slot[..., None].expand(-1, -1, ring.shape[-1])
-        ring[: self.B].scatter_(1, idx, rows[:, self.write_rows].to(ring.dtype))
+        if self.write_real is None:
+            ring.scatter_(1, idx, rows[:, self.write_rows].to(ring.dtype))
+            return
+        real = rows.gather(1, self.write_rows.expand(-1, -1, rows.shape[-1])).to(ring.dtype)
+        ring.scatter_(1, idx, torch.where(self.write_real, real, ring.gather(1, idx)))
 
 
 class Segment(NamedTuple):
     """One part of a call: tokens [B,S] at positions start[b].. of `state` (a DecodeState or a view of
     some of its slots). `context` bounds every position + 1 (see CallPlan); `last_only`: logits of the
-    last row only."""
+    last row only. `length` [B]: a padded chunk's real rows (a compiled prefill chunk's length is a
+    bucket): the rows after them write nothing later calls read, and `last_only` takes row length-1."""
     tokens: torch.Tensor
     start: torch.Tensor
     state: "DecodeState"
     context: int | None = None
     last_only: bool = False
+    length: torch.Tensor | None = None
+
+
+def last_rows(x: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
+    """Each sequence's last real row of x [B,S,...] as [B,1,...]: row length-1, or the last row."""
+    if length is None:
+        return x[:, -1:]
+    index = (length - 1).view(-1, *[1] * (x.dim() - 1)).expand(-1, 1, *x.shape[2:])
+    return x.gather(1, index)
 
 
 def join(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -710,20 +735,21 @@ class Transformer(nn.Module):
                 moe.table = kernels.expert_table(experts, shared) or kernels.expert_table(experts)
         return self
 
-    def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None):
+    def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None,
+                      length: torch.Tensor | None = None):
         """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.
 
         `context` optionally bounds every position + 1 in the call (host-known, so no sync), which
-        limits the compressed blocks read. Returns (logits fp32 [B,S or 1,V], streams [B,S,hc,D]
-        before hc_head)."""
-        return self.forward_segments([Segment(tokens, start, state, context, last_only)])[0]
+        limits the compressed blocks read; `length`: a padded chunk's real rows (Segment). Returns
+        (logits fp32 [B,S or 1,V], streams [B,S,hc,D] before hc_head)."""
+        return self.forward_segments([Segment(tokens, start, state, context, last_only, length)])[0]
 
     def forward_segments(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Several chunks in one pass (a decode step's rows and prefill chunks): the token-wise work
         (embedding, mHC, norms, projections, MoE, hc_head, LM head) runs once over all their rows,
         attention per segment, in the order given, so a later segment's state writes land after an
         earlier one's. Returns forward_chunk's (logits, streams) per segment."""
-        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context) for s in segments]
+        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context, length=s.length) for s in segments]
         tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         for i, layer in enumerate(self.layers):
@@ -736,16 +762,18 @@ class Transformer(nn.Module):
                              self.cfg.hc_eps)
         return self.head(self.norm(y))
 
-    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState, last_only: bool = False):
-        """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1}.
+    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState, last_only: bool = False,
+                          length: torch.Tensor | None = None):
+        """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1} (`length`: Segment's).
 
         Returns (logits [B,S or 1,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
-        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state, last_only=last_only)])[0]
+        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state, last_only=last_only,
+                                                            length=length)])[0]
 
     def mtp_forward_segments(self, hidden: list[torch.Tensor], segments: list[Segment]):
         """mtp_forward_chunk over several segments in one pass (as forward_segments), a segment's tokens
         being its next_ids."""
-        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, compressed=False) for s in segments]
+        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, compressed=False, length=s.length) for s in segments]
         mtp = self.mtp[0]
         x = mtp(join(hidden), join([s.tokens for s in segments]), calls, [s.state.mtp[0] for s in segments],
                 self.embed)
@@ -755,7 +783,7 @@ class Transformer(nn.Module):
     def _outputs(h, calls: list[CallPlan], segments: list[Segment], logits):
         """(logits, streams) per segment from the joined streams: one head call over the rows kept."""
         streams = split(h, [call.shape for call in calls])
-        kept = [x[:, -1:] if s.last_only else x for x, s in zip(streams, segments)]
+        kept = [last_rows(x, s.length) if s.last_only else x for x, s in zip(streams, segments)]
         return list(zip(split(logits(join(kept)), [x.shape[:2] for x in kept]), streams))
 
     @torch.no_grad()
