@@ -175,7 +175,7 @@ class CompiledSteps:
     def __init__(self, owner, steps: tuple[str, ...], device: torch.device, tag: tuple = (), background: bool = False,
                  remake=None):
         use_cache_dir()
-        self.owner, self.steps, self.tag, self.background, self.remake = owner, steps, tag, background, remake
+        self.owner, self.steps, self.background, self.remake = owner, steps, background, remake
         _ = platforms.for_device(device).kernels     # imported now: a trace can't enter cached_property's lock
         backend = platforms.for_device(device).compile_backend
         self.compilers = {name: torch.compile(getattr(owner, name), backend=backend, fullgraph=True, dynamic=False)
