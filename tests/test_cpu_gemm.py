@@ -1,7 +1,7 @@
 """The CPU's native few-row GEMMs (`kernels/native.py`): exact int8 sums, fp32 sums as accurate as
 MKL's, a row's result independent of the rows beside it, packed modules that unpack to their weights,
-a model with every linear packed that gives the plain model's tokens, and the fused routed experts
-that give the torch experts' sums."""
+a model with every linear packed that gives the plain model's tokens, the fused routed experts
+that give the torch experts' sums, and the indexer's scan that gives torch's scores."""
 import copy
 
 import pytest
@@ -215,6 +215,55 @@ def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones(
         assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
     finally:
         torch.set_num_threads(threads)
+
+
+def indexer_inputs(g, batch, rows, heads, dim, keys, dtype):
+    """Query rows, head weights (negative ones too), and keys as a cache's slice (rows past them unused)."""
+    q = torch.randn(batch, rows, heads, dim, generator=g)
+    cache = torch.randn(batch, keys + 5, dim, generator=g).to(dtype)
+    return q, cache[:, :keys], torch.randn(batch, rows, heads, generator=g)
+
+
+@NATIVE
+@pytest.mark.parametrize("heads", [16, 32, 48, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_indexer_scan_gives_torchs_scores(heads, dtype):
+    """Every group size (24, 12, 8 and 6 keys by heads) with keys left over (203 keys: two chunks of
+    96 and a partial one), keys read in place from a slice, bf16 keys widened exactly."""
+    g = torch.Generator().manual_seed(heads)
+    q, keys, w = indexer_inputs(g, 2, 3, heads, 128, 203, dtype)
+    assert native.scannable(q, keys)
+    got, want = native.indexer_scores(q, keys, w), reference.indexer_scores_bmm(q, keys, w)
+    assert got.shape == (2, 3, 203)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(reference.indexer_scores(q, keys, w), got)      # the CPU's indexer takes it
+    assert native.indexer_scores(q, keys[:, :0], w).shape == (2, 3, 0)
+
+
+@NATIVE
+def test_a_native_indexer_score_depends_on_its_row_and_key_alone():
+    """The chunked prefill and the full forward pick the same blocks only if a key's score is the
+    same whatever the call: fewer keys, one row, one sequence, more threads give the same bits."""
+    g = torch.Generator().manual_seed(5)
+    q, keys, w = indexer_inputs(g, 3, 4, 64, 128, 250, torch.float32)
+    full = native.indexer_scores(q, keys, w)
+    assert torch.equal(native.indexer_scores(q, keys[:, :101], w), full[..., :101])
+    assert torch.equal(native.indexer_scores(q[1:2, 2:3], keys[1:2], w[1:2, 2:3]), full[1:2, 2:3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native.indexer_scores(q, keys, w), full)
+    finally:
+        torch.set_num_threads(threads)
+    assert not native.scannable(q[..., :8, :], keys)              # 8 heads: not whole vectors, torch's bmm
+
+
+@NATIVE
+def test_a_compiled_graph_calls_the_native_indexer_scan():
+    g = torch.Generator().manual_seed(6)
+    q, keys, w = indexer_inputs(g, 1, 2, 16, 32, 40, torch.float32)
+    compiled = torch.compile(reference.indexer_scores, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q, keys, w), native.indexer_scores(q, keys, w))
 
 
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):

@@ -55,8 +55,8 @@ def test_indexer_scores_in_slices(monkeypatch):
     g = torch.Generator().manual_seed(2)
     q, keys, w = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 50, 8, generator=g), torch.randn(2, 3, 4)
     want = (torch.einsum("bshd,btd->bsht", q, keys).relu() * w[..., None]).sum(2)
-    monkeypatch.setattr(reference, "INDEXER_SLICE", 7 * 12)          # 7 blocks a slice: 8 slices, one partial
-    torch.testing.assert_close(reference.indexer_scores(q, keys, w), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(reference, "INDEXER_SLICE", 7 * 24)   # B x S x H = 24: 7 blocks a slice, 8 slices, one partial
+    torch.testing.assert_close(reference.indexer_scores_bmm(q, keys, w), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -1,4 +1,5 @@
-"""The CPU's few-row GEMMs (`cpu_gemm.c`), built with the machine's C compiler on first use.
+"""The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
+machine's C compiler on first use.
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c")]
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
@@ -58,16 +59,17 @@ def _compiler() -> str | None:
 
 
 def _build(cc: str, flags: list[str]) -> Path | None:
-    """The library built from SOURCE with these flags, in the user cache (once per source, compiler
+    """The library built from SOURCES with these flags, in the user cache (once per sources, compiler
     and flags), or None if the compiler fails."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(sources + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     path = user_cache_dir() / "kernels" / f"cpu_gemm-{digest}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:    # built whole, then renamed in place
                 part = Path(tmp) / path.name
-                subprocess.run([cc, *flags, str(SOURCE), "-o", str(part)], check=True, capture_output=True)
+                subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True)
                 os.replace(part, path)
         except (OSError, subprocess.CalledProcessError):
             return None
@@ -94,10 +96,13 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_routed_experts.argtypes = [p, p, i64, i64, p, p, i64, i64, ctypes.c_int, p, p, p, p, p, p, i64,
                                         ctypes.c_float, ctypes.c_int, p, ctypes.c_int, i64]
     lib.dsv4_routed_experts.restype = ctypes.c_int
+    lib.dsv4_indexer_scores.argtypes = [p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int, p, ctypes.c_int]
+    lib.dsv4_indexer_scores.restype = None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
 
+@torch.compiler.assume_constant_result      # a graph asks it while tracing (`scannable`): a constant there
 def available() -> bool:
     return library() is not None
 
@@ -215,3 +220,26 @@ def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, loc
     if ran < 0:
         raise MemoryError(f"no memory for the routed experts' scratch ({q.shape[0]} rows)")
     return y
+
+
+def scannable(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `indexer_scores` takes these: CPU tensors, 16 to 64 heads in whole vectors, fp32 or bf16 keys."""
+    heads = q.shape[-2]
+    return (q.device.type == "cpu" and keys.device.type == "cpu" and heads % 16 == 0 and heads <= 64
+            and keys.dtype in (torch.float32, torch.bfloat16) and available())
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`reference.indexer_scores` in one pass over the keys, read in place: q [B,S,H,D], keys [B,T,D],
+    weights [B,S,H] -> [B,S,T] fp32. The same sums in another order (within a few fp32 ulps of torch's)."""
+    B, S, H, D = q.shape
+    T = keys.shape[1]
+    if keys.stride(-1) != 1 or keys.stride(1) != D:
+        keys = keys.contiguous()
+    qt = q.float().transpose(-1, -2).contiguous()          # [B,S,D,H]: a row's heads across the lanes
+    w = weights.float().contiguous()
+    out = torch.empty(B, S, T)
+    if out.numel():
+        library().dsv4_indexer_scores(qt.data_ptr(), w.data_ptr(), B, S, H, D, keys.data_ptr(), keys.stride(0), T,
+                                      keys.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads())
+    return out
