@@ -4,8 +4,10 @@
 
 On a tiny random model in the official layout (float and W8A8): logits on the device (fp32) equal the
 CPU's, routed experts run as grouped GEMMs over stacked experts with the routing on the device,
-greedy speculative output equals plain greedy (K = 0..3, batch 1 and 3, captured step graphs), and a
-decode step reads the host once. Prints one JSON line per check and exits 1 if any fails.
+greedy speculative output equals plain greedy (K = 0..3, batch 1 and 3, captured step graphs), a
+decode step reads the host once, and (CUDA) the indexer's Triton scan gives torch's scores at V4
+Flash's widths, with its share of the memory bandwidth at 128k and 1M contexts. Prints one JSON line
+per check and exits 1 if any fails.
 """
 import argparse
 import json
@@ -38,11 +40,46 @@ def counted(fn, name, log):
     return method
 
 
+def check_indexer_scan(device) -> list[bool]:
+    """The device's indexer scan at V4 Flash's widths (64 heads x 128, bf16 keys) against torch's: its
+    scores, and the keys' bytes per second at 128k and 1M contexts, batch 1 and 8, beside a streaming
+    read (a tensor's sum) measured in the same process."""
+    from dsv4cli import kernels
+    from dsv4cli.kernels import reference as ref
+
+    results = []
+    big = torch.ones(1 << 30, device=device, dtype=torch.bfloat16)
+    for blocks, batch in ((32768, 1), (32768, 8), (262144, 1), (262144, 8)):
+        g = torch.Generator(device=device).manual_seed(blocks + batch)
+        q = torch.randn(batch, 1, 64, 128, device=device, generator=g).bfloat16()
+        keys = torch.randn(batch, blocks, 128, device=device, generator=g).bfloat16()
+        w = torch.randn(batch, 1, 64, device=device, generator=g)
+        got, want = kernels.indexer_scores(q, keys, w), ref.indexer_scores_bmm(q, keys, w)
+        rel = ((got - want).abs().max() / want.abs().max()).item()
+        times = {}
+        for name, fn, args in (("scan", kernels.indexer_scores, (q, keys, w)),
+                               ("bmm", ref.indexer_scores_bmm, (q, keys, w)), ("stream", torch.sum, (big,))):
+            fn(*args)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fn(*args)
+            end.record()
+            torch.cuda.synchronize()
+            times[name] = start.elapsed_time(end) / 20 / 1e3
+        stream = big.numel() * 2 / times["stream"]
+        roof = keys.numel() * 2 / stream
+        results.append(report(f"indexer_scan_{blocks * 4 // 1024}k_batch{batch}", rel <= 1e-4, max_rel_error=rel,
+                              scan_ms=times["scan"] * 1e3, bmm_ms=times["bmm"] * 1e3, stream_gb_s=stream / 1e9,
+                              scan_roofline=roof / times["scan"], bmm_roofline=roof / times["bmm"]))
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     device = torch.device(ap.parse_args().device)
-    results = []
+    results = check_indexer_scan(device) if device.type == "cuda" else []
     with tempfile.TemporaryDirectory() as tmp:
         from scripts.corpus import build_corpus
         from scripts.train_tokenizer import train_tokenizer

@@ -1,5 +1,5 @@
-"""NVIDIA GPUs through torch.cuda: bf16, NCCL, CUDA graphs; the reference kernels (torch._int_mm
-is cuBLAS's int8 GEMM there, torch._grouped_mm its grouped GEMM)."""
+"""NVIDIA GPUs through torch.cuda: bf16, NCCL, CUDA graphs; the CUDA kernel module (`kernels/cuda.py`:
+the indexer's scan in Triton, the reference's ops otherwise)."""
 import torch
 
 from . import Platform
@@ -19,6 +19,10 @@ class CudaPlatform(Platform):
     def set_device(self, rank: int, world: int) -> torch.device:
         torch.cuda.set_device(rank)
         return self.device(rank)
+
+    def load_kernels(self):
+        from dsv4cli.kernels import cuda
+        return cuda
 
     def graph_api(self):
         return torch.cuda.CUDAGraph, torch.cuda.graph
