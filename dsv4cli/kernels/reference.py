@@ -255,8 +255,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     On a CPU with the native kernels, heads in whole AVX-512 vectors take `native.indexer_scores`
     (one pass, the relu and weighted sum in registers: 2-3x torch's bmm at V4 Flash's widths)."""
     if native.scannable(q, keys):
-        return native.indexer_scores(q, keys, weights) if not torch.compiler.is_compiling() \
-            else native_indexer_scores(q, keys, weights)
+        return native_indexer_scores(q, keys, weights)
     return indexer_scores_bmm(q, keys, weights)
 
 
@@ -275,15 +274,19 @@ def indexer_scores_bmm(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tenso
     return out
 
 
-@torch.library.custom_op("dsv4::native_indexer_scores", mutates_args=())
-def native_indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`native.indexer_scores` as one op of a compiled graph."""
-    return native.indexer_scores(q, keys, weights)
+def indexer_scan_op(name: str, scan):
+    """A platform's own scan `scan(q, keys, weights) -> [B,S,T] fp32`, called directly in eager and as the
+    custom op `dsv4::<name>` inside a compiled graph (opaque to the compiler; in eager an op's dispatch
+    would cost ~20 us a call)."""
+    def run(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return scan(q, keys, weights)
+
+    op = torch.library.custom_op(f"dsv4::{name}", run, mutates_args=())
+    op.register_fake(lambda q, keys, weights: q.new_empty(*q.shape[:2], keys.shape[1], dtype=torch.float32))
+    return lambda q, keys, weights: op(q, keys, weights) if torch.compiler.is_compiling() else scan(q, keys, weights)
 
 
-@native_indexer_scores.register_fake
-def _(q, keys, weights):
-    return q.new_empty(*q.shape[:2], keys.shape[1], dtype=torch.float32)
+native_indexer_scores = indexer_scan_op("native_indexer_scores", native.indexer_scores)
 
 
 def topk_blocks(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
