@@ -131,7 +131,8 @@ class Settings:
         lo=1
     )
     threads: int | None = _key(
-        "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1
+        "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1,
+        hi=1024,  # torch's OpenMP runtime crashes at 2048
     )
     compile: str = _key(
         "model",
@@ -142,7 +143,7 @@ class Settings:
     )
     # [sampling]
     temperature: float = _key(
-        "sampling", 1.0, "Sampling temperature; 0 = greedy", lo=0, flags=("--temperature", "--temp")
+        "sampling", 1.0, "Sampling temperature; 0 = greedy", lo=0, hi=100, flags=("--temperature", "--temp")
     )
     top_p: float = _key(
         "sampling",
@@ -165,8 +166,8 @@ class Settings:
         "sampling",
         1.0,
         "Penalize tokens already in the prompt or reply (> 1 discourages); 1 = off",
-        lo=0,
-        lo_open=True,
+        lo=0.01,
+        hi=100,
     )
     presence_penalty: float = _key(
         "sampling", 0.0, "Subtract from the logit of every token already generated", lo=-2, hi=2
@@ -299,6 +300,9 @@ def check(name: str, value: Any, place: str) -> Any:
         raise UsageError(f"{place}: must be {_TYPE_NAMES[key.type]}, got {format_value(value)}")
     if key.type is float and not math.isfinite(value):
         raise UsageError(f"{place}: must be a finite number, got {value}")
+    # the engine keeps integers in int64 tensors
+    if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
+        raise UsageError(f"{place}: must fit in 64 bits, got {format_value(value)}")
     if problem := key.problem(value):
         raise UsageError(f"{place}: {problem}")
     return float(value) if key.type is float else value

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
-from dsv4cli.errors import UsageError
+from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
 from dsv4cli.openai.responses import chat_logprobs, tool_calls
 from dsv4cli.options import CliOptions, model_options
@@ -104,6 +104,8 @@ def run_generate(s: Settings) -> int:
                 stream.update(seq.text[: seq.emitted])
     except KeyboardInterrupt:
         engine.cancel(seq)
+    if seq.error is not None:
+        raise RunError(seq.error)
     reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
         result = {"text": answer, **({"reasoning_content": reasoning} if thinking else {}),

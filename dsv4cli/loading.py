@@ -150,7 +150,7 @@ def build_engine(s: Settings, device: torch.device, compile_in_background: bool 
     # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
-                  compile_in_background=compile_in_background,
+                  compile_in_background=compile_in_background, isolate_failures=s.tp == 1,
                   reload=functools.partial(load_weights, s, device) if compile_apart else None)
 
 

@@ -93,6 +93,8 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
         {"id": "both", "prompt": "x", "messages": [{"role": "user", "content": "x"}]},
         chat("seed", "Hi", seed=2**70),
         chat("think", "Hi", thinking=True),
+        chat("hot", "Hi", temperature=1e300),            # once passed the parser and failed the run
+        chat("rep", "Hi", repetition_penalty=1e308),
     ]
     src = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
@@ -104,7 +106,8 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
     assert errors == {2: "invalid_json", 4: "invalid_request", 5: "missing_custom_id", 6: "invalid_request",
                       7: "unsupported_url", 8: "unsupported_method", 9: "invalid_parameter", 10: "invalid_messages",
                       11: "invalid_messages", 12: "prompt_too_long", 13: "duplicate_custom_id",
-                      14: "unsupported_parameter", 16: "invalid_request", 17: "invalid_parameter"}
+                      14: "unsupported_parameter", 16: "invalid_request", 17: "invalid_parameter",
+                      19: "invalid_parameter", 20: "invalid_parameter"}
     assert all(rec["response"] is None and rec["error"]["message"] for rec in records if rec["error"])
     ok = {rec["custom_id"]: rec for rec in records if rec["response"]}
     assert set(ok) == {"ok-1", "simple", "think"}
@@ -112,7 +115,7 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
     assert ok["simple"]["response"]["body"]["object"] == "text_completion"
     assert "reasoning_content" in ok["think"]["response"]["body"]["choices"][0]["message"]
     assert "reasoning_content" not in ok["ok-1"]["response"]["body"]["choices"][0]["message"]
-    assert "3 ok, 14 errors" in r.stderr.strip().splitlines()[-1]
+    assert "3 ok, 16 errors" in r.stderr.strip().splitlines()[-1]
 
 
 def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):

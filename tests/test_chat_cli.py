@@ -46,7 +46,7 @@ def test_chat_in_a_terminal(tiny_model_dir, tmp_path):
     command(child, "/set temperature 0.5", "temperature = 0.5")
     command(child, "/show settings", r"temperature[^\r\n]*0\.5")
     child.sendline("/set temperature -1")
-    child.expect("error: /set temperature: must be >= 0, got -1.0")
+    child.expect_exact("error: /set temperature: must be in [0, 100], got -1.0")
     child.expect(">>> ")
     assert ANSI.sub("", child.before).strip() == ""            # one line, then the prompt again
 
@@ -95,7 +95,7 @@ def test_chat_piped(tiny_model_dir, tmp_path):
     assert len(replies) == 2
     assert r.stdout == "".join(printable(text) + "\n" for text in replies)   # stdout: the replies only
     assert "\x1b" not in r.stdout + r.stderr
-    assert "error: /set temperature: must be >= 0, got -1.0" in r.stderr
+    assert "error: /set temperature: must be in [0, 100], got -1.0" in r.stderr
 
 
 def test_chat_drops_the_oldest_turns_when_the_conversation_no_longer_fits(tiny_model_dir, tmp_path):

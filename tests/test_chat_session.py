@@ -29,7 +29,8 @@ def test_set_validates_and_takes_flag_spellings():
     s = ChatSession(Settings())
     assert s.command("/set temp 0.5").message == "temperature = 0.5" and s.settings.temperature == 0.5
     bad = s.command("/set temperature -1")
-    assert bad.error and bad.message == "/set temperature: must be >= 0, got -1.0" and s.settings.temperature == 0.5
+    assert bad.error and bad.message == "/set temperature: must be in [0, 100], got -1.0"
+    assert s.settings.temperature == 0.5
     assert s.command("/set max-tokens 7").message == "max_tokens = 7"
     assert s.command("/set thinking on").message == "thinking = true"
     assert s.command("/set seed 3").message == "seed = 3" and s.command("/set seed unset").message == "seed = unset"

@@ -103,7 +103,7 @@ output = "/abs/out.jsonl"
         ("[model]\ntp = 1.5\n", "x.toml: [model].tp: must be an integer, got 1.5"),
         ('[sampling]\nstop = "END"\n', 'x.toml: [sampling].stop: must be a list of strings, got "END"'),
         ("[chat]\nthinking = 1\n", "x.toml: [chat].thinking: must be a boolean, got 1"),
-        ("[sampling]\ntemperature = -1\n", "x.toml: [sampling].temperature: must be >= 0, got -1"),
+        ("[sampling]\ntemperature = -1\n", "x.toml: [sampling].temperature: must be in [0, 100], got -1"),
         ("[sampling]\ntop_p = 0\n", "x.toml: [sampling].top_p: must be in (0, 1], got 0"),
         ("[sampling]\nmin_p = 1.0\n", "x.toml: [sampling].min_p: must be in [0, 1), got 1.0"),
         (
@@ -140,7 +140,7 @@ def test_missing_config_file(tmp_path):
     "env, error",
     [
         ({"DSV4_TP": "eight"}, "DSV4_TP: must be an integer, got 'eight'"),
-        ({"DSV4_TEMPERATURE": "-0.5"}, "DSV4_TEMPERATURE: must be >= 0, got -0.5"),
+        ({"DSV4_TEMPERATURE": "-0.5"}, "DSV4_TEMPERATURE: must be in [0, 100], got -0.5"),
         ({"DSV4_IGNORE_EOS": "maybe"}, "DSV4_IGNORE_EOS: must be a boolean, got 'maybe'"),
         ({"DSV4_STOP": "END"}, "DSV4_STOP: must be a JSON list of strings, got 'END'"),
         ({"DSV4_DEVICE": "tpu"}, 'DSV4_DEVICE: must be one of auto, cpu, cuda, npu, got "tpu"'),
@@ -156,8 +156,17 @@ def test_env_errors(env, error):
     "flags, error",
     [
         ({"top_p": 2.0}, "--top-p: must be in (0, 1], got 2.0"),
-        ({"temperature": -1.0}, "--temperature: must be >= 0, got -1.0"),
+        ({"temperature": -1.0}, "--temperature: must be in [0, 100], got -1.0"),
         ({"stop_token_ids": [-1]}, "--stop-token-id: items must be >= 0, got -1"),
+        # values the device cannot hold (they used to fail the engine step, not the input)
+        ({"temperature": 1e300}, "--temperature: must be in [0, 100], got 1e+300"),
+        ({"repetition_penalty": 1e308}, "--repetition-penalty: must be in [0.01, 100], got 1e+308"),
+        ({"repetition_penalty": 1e-300}, "--repetition-penalty: must be in [0.01, 100], got 1e-300"),
+        ({"top_k": 99999999999999999999}, "--top-k: must fit in 64 bits, got 99999999999999999999"),
+        ({"seed": 1 << 63}, f"--seed: must fit in 64 bits, got {1 << 63}"),
+        ({"max_batch": 99999999999999999999}, "--max-batch: must fit in 64 bits, got 99999999999999999999"),
+        ({"stop_token_ids": [1 << 64]}, f"--stop-token-id: must fit in 64 bits, got [{1 << 64}]"),
+        ({"threads": 2048}, "--threads: must be in [1, 1024], got 2048"),
     ],
 )
 def test_flag_errors(flags, error):

@@ -8,7 +8,7 @@ import torch
 from tiny import prompts
 
 from dsv4cli import kernels, parallel
-from dsv4cli.engine import Engine, EngineAPI, ModelInfo
+from dsv4cli.engine import Engine, EngineAPI, EngineFailed, ModelInfo
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
 from dsv4cli.engine.verify import verify, verify_greedy
 from dsv4cli.model.quant import quantize_model
@@ -405,3 +405,42 @@ def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
                              device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size)
     int8 = Engine(quantize_model(copy.deepcopy(model)), tok, max_batch=1, max_seq_len=64, mtp=0).model_info
     assert int8.w8a8 and int8.parameters == info.parameters      # weight scales are not parameters of the model
+
+
+@torch.no_grad()
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(model, tok):
+    """A fault in the device state makes a step raise: the requests in that step end with an error event
+    and free their slots, a request admitted next answers as on a fresh engine, a request whose own
+    settings can't be admitted fails alone."""
+    ps = prompts([5, 9, 7, 6], tok.vocab_size, seed=3)
+    ref = [s.output_ids for s in Engine(model, tok, max_batch=2, max_seq_len=128, mtp=1).generate(ps, GREEDY)]
+    eng = Engine(model, tok, max_batch=2, max_seq_len=128, mtp=1)
+    a, b = eng.submit(ps[0], GREEDY), eng.submit(ps[1], GREEDY)
+    while not (a.output_ids and b.output_ids):
+        eng.step()
+    eng.state.last[0] = tok.vocab_size + 5        # a token id the embedding doesn't have: the next step raises
+    events = eng.step()
+    assert sorted(id(e.seq) for e in events) == sorted([id(a), id(b)]) and all(e.finished for e in events)
+    assert a.finish_reason == b.finish_reason == "error" and a.error.startswith("engine step failed: IndexError")
+    assert not eng.has_work() and eng.failed_steps == 1
+    c, d = eng.submit(ps[2], GREEDY), eng.submit(ps[3], GREEDY)
+    d.params = SamplingParams(temperature=1e300)    # changed after submit: its admission raises
+    while eng.has_work():
+        eng.step()
+    assert c.output_ids == ref[2] and eng.failed_steps == 0
+    assert d.finish_reason == "error" and "overflow" in d.error and not d.output_ids
+
+
+@torch.no_grad()
+def test_steps_that_keep_failing_end_the_engine(model, tok):
+    broken = copy.deepcopy(model)
+    broken.embed.weight.data = broken.embed.weight.data[:0]     # every step's lookup fails, whatever it holds
+    eng = Engine(broken, tok, max_batch=2, max_seq_len=128, mtp=0)
+    for _ in range(2):
+        seq = eng.submit(prompts([5], tok.vocab_size)[0], GREEDY)
+        assert [e.seq.finish_reason for e in eng.step()] == ["error"] and seq.error
+    eng.submit(prompts([5], tok.vocab_size)[0], GREEDY)
+    with pytest.raises(EngineFailed, match="3 engine steps in a row failed; the last: RuntimeError"):
+        eng.step()
+    with pytest.raises(ValueError, match="temperature: must be a finite float32 number"):
+        eng.submit([1, 2], SamplingParams(temperature=1e300))   # the Python API checks what the device holds

@@ -1,5 +1,6 @@
 """`dsv4 serve` end to end: real server processes on the bundled model, the real `openai` client, real
 sockets. Each server starts once per module and is killed at the end, also when a test fails."""
+import copy
 import json
 import os
 import re
@@ -259,6 +260,22 @@ def test_bad_field_is_400_naming_it(server):
     assert e.value.body["param"] == "stream_options"
 
 
+def test_values_the_device_cannot_hold_fail_only_their_request(server, reference):
+    """Numbers that once passed the parser and then failed the engine step, poisoning the server for everyone:
+    each is a 400 naming its field, and after each one a normal request still answers correctly."""
+    client = server.client()
+    for field, value in (("temperature", 1e300), ("repetition_penalty", 1e308), ("repetition_penalty", 1e-300),
+                         ("top_k", 99999999999999999999), ("seed", 1 << 63),
+                         ("frequency_penalty", 1e300), ("max_tokens", 1 << 64)):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                ask(client, "Hi", stream=stream, extra_body={field: value})
+            assert e.value.body["param"] == field, (field, value)
+        assert ask(client, "What is the capital of France?").choices[0].message.content == \
+            reference("What is the capital of France?")
+    assert server.health()["status"] == "ok"
+
+
 def test_a_full_queue_is_429(tiny_queue):
     """One request runs, one waits, the third is refused; closing them frees the server."""
     client = tiny_queue.client()
@@ -294,3 +311,35 @@ def test_a_taken_port_is_one_error_line():
                            text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith(f"error: --host 127.0.0.1 --port {port}: cannot listen there")
     assert len(r.stderr.splitlines()) == 1
+
+
+def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
+    """The server's own engine thread and routes on an engine whose every step fails: each request gets a 500
+    naming the failure while /health says ok between them (the engine went on); the third failure in a row
+    makes the engine give up, the server is told to stop (so a supervisor restarts it) and /health says 503."""
+    from starlette.testclient import TestClient
+
+    from dsv4cli.engine import Engine
+    from dsv4cli.serve.app import create_app
+    from dsv4cli.serve.loop import EngineLoop
+    from dsv4cli.serve.metrics import ServerMetrics
+
+    broken = copy.deepcopy(model)
+    broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
+    engine, metrics, stopped = Engine(broken, tok, max_batch=2, max_seq_len=128, mtp=0), ServerMetrics(), \
+        threading.Event()
+    loop = EngineLoop(engine, 4, metrics, on_fatal=stopped.set)
+    parser = BodyParser(tok, SamplingParams(temperature=0, max_tokens=4), 128)
+    loop.start()
+    try:
+        with TestClient(create_app(loop, parser, tok, "tiny", metrics, None, False)) as client:
+            for _ in range(2):
+                r = client.post("/v1/completions", json={"prompt": "Hi"})
+                assert r.status_code == 500 and r.json()["error"]["message"].startswith("engine step failed:")
+                assert client.get("/health").json()["status"] == "ok" and not stopped.is_set()
+            r = client.post("/v1/completions", json={"prompt": "Hi"})
+            assert r.status_code == 500 and "3 engine steps in a row failed" in r.json()["error"]["message"]
+            assert stopped.wait(10)
+            assert client.get("/health").status_code == 503
+    finally:
+        loop.stop()

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import EngineAPI, Sequence
-from dsv4cli.errors import UsageError
+from dsv4cli.engine import EngineAPI, EngineFailed, Sequence
+from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, sampling_params
 
 from .output import ResultFile, error_record, repair, result_record, run_seed, scan
@@ -77,9 +77,15 @@ class BatchRun:
 
     def _finish(self, seq: Sequence) -> None:
         req = self.in_flight.pop(seq.id)
-        self.out.append(result_record(req, seq, self.model, self.engine.tok))
-        self.ok += 1
-        self.tokens += len(seq.output_ids)
+        if seq.error is not None:       # the engine failed this request: an error record, the run goes on
+            failed = BadLine("engine_error", seq.error, req.custom_id)
+            failed.line = req.line
+            self.errors.append(error_record(failed))
+            self.failed += 1
+        else:
+            self.out.append(result_record(req, seq, self.model, self.engine.tok))
+            self.ok += 1
+            self.tokens += len(seq.output_ids)
         self._tick()
 
     def _tick(self) -> None:
@@ -157,15 +163,19 @@ def run_batch(s: Settings) -> int:
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
     bar = progress_bar(total) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
-    interrupted = False
+    interrupted, failed = False, None
     try:
         with open(src, "rb") as lines, bar or nullcontext():
             batch.run(lines)
     except KeyboardInterrupt:
         interrupted = True
+    except EngineFailed as e:           # every result so far is written; the requests in flight are not
+        failed = e
     finally:
         out.close()
         if errors is not out:
             errors.close()
-    print(batch.summary(interrupted), file=sys.stderr)
+    print(batch.summary(interrupted or failed is not None), file=sys.stderr)
+    if failed is not None:
+        raise RunError(f"{failed}; the results so far are kept: --resume answers the rest")
     return 130 if interrupted else 0

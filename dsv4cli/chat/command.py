@@ -158,6 +158,10 @@ class Chat:
             finally:
                 if not seq.finished:
                     self.engine.cancel(seq)
+        if seq.error is not None:      # the engine failed this reply: nothing of it joins the history
+            self.session.messages.pop()
+            self.error(f"{seq.error}; your message was dropped")
+            return True
         interrupted = seq.finish_reason == "cancelled"
         self.session.last_logprobs = seq.logprobs
         self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)

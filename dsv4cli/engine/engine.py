@@ -48,15 +48,24 @@ from .slots import SlotState
 from .verify import verify, verify_greedy
 
 CONTEXT_BUCKET = 512   # compressed-KV reads are bounded to a multiple of this many tokens
+# Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
+# failed): `step` then raises EngineFailed, and a server exits so its supervisor restarts it.
+MAX_FAILED_STEPS = 3
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on: its steps keep failing whatever requests they hold."""
 
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
-                 mixed: bool = True, reload=None):
+                 mixed: bool = True, reload=None, isolate_failures: bool = True):
         """`reload`: a picklable call that loads this model and tokenizer again (`loading.load_weights`);
-        given, a background compile runs in a process of its own (`compiled.py`)."""
+        given, a background compile runs in a process of its own (`compiled.py`). `isolate_failures`: a
+        step that raises fails the requests in it and the engine goes on (`step`); off, it raises (the
+        ranks of --tp must all take the same steps)."""
         if mtp and not model.cfg.n_mtp_layers:
             raise ValueError("this checkpoint has no MTP layer; use mtp 0")
         self.model, self.tok, self.reload = model, tokenizer, reload
@@ -75,6 +84,8 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
         self.totals = Metrics()
+        self.isolate_failures = isolate_failures
+        self.failed_steps = 0          # in a row
         self._ids = itertools.count()
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
         # the fused decode step compiled (torch.compile); captured graphs replay the compiled kernels
@@ -113,6 +124,8 @@ class Engine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
+        if problem := params.problem():
+            raise ValueError(problem)
         if params.logprobs is not None and not 0 <= params.logprobs <= TOP_LOGPROBS:
             raise ValueError(f"logprobs: must be 0..{TOP_LOGPROBS}, got {params.logprobs}")
         vocab = self.model.cfg.vocab_size
@@ -156,17 +169,50 @@ class Engine:
         gives its first token and joins decoding) and one decode step for the running slots: in one
         forward pass (`mixed`), or the chunks first, each in its own. With no stream running before the
         step, it returns after the prefill, so a first token streams without waiting for a decode step
-        (nor for its compile)."""
+        (nor for its compile).
+
+        A request only fails itself: one whose admission raises, and the requests of a step that raises,
+        end with finish reason "error" (in an event) and free their slots, and the engine goes on (every
+        other slot's state is position-addressed, so a half-run step leaves nothing it reads). After
+        MAX_FAILED_STEPS failed steps in a row it raises EngineFailed."""
+        events = []
         while self.waiting and None in self.slots:
-            self._assign(self.waiting.pop(0))
-        running = any(s is not None and s not in self.prefilling for s in self.slots)
+            seq = self.waiting.pop(0)
+            try:
+                self._assign(seq)
+            except Exception as e:      # noqa: BLE001 - this request fails, the others go on
+                if not self.isolate_failures:
+                    raise
+                events.append(self._fail(seq, e))
+        running = [s for s in self.slots if s is not None and s not in self.prefilling]
         chunks = self._prefill_chunks(self.prefill_budget)
-        if running and chunks and self.mixed and self.compiled is None:
-            return self._decode(chunks)
-        events = [e for seq, a, b in chunks if (e := self._prefill_chunk(seq, a, b)) is not None]
-        if running:
-            events += self._decode()
+        try:
+            if running and chunks and self.mixed and self.compiled is None:
+                events += self._decode(chunks)
+            else:
+                events += [e for seq, a, b in chunks if (e := self._prefill_chunk(seq, a, b)) is not None]
+                if running:
+                    events += self._decode()
+        except Exception as e:          # noqa: BLE001 - the step's requests fail, the engine goes on
+            if not self.isolate_failures:
+                raise
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFailed(f"{self.failed_steps} engine steps in a row failed; the last: "
+                                   f"{type(e).__name__}: {e}") from e
+            failed = {id(seq): seq for seq in [*running, *(seq for seq, _, _ in chunks)]}
+            return [ev for ev in events if id(ev.seq) not in failed] + [self._fail(seq, e) for seq in failed.values()]
+        self.failed_steps = 0
         return events
+
+    def _fail(self, seq: Sequence, error: Exception) -> Event:
+        """End a request the engine failed: its error, an event saying so, its slot freed."""
+        seq.finish_reason, seq.error = "error", f"engine step failed: {type(error).__name__}: {error}"
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
+            self._free(seq.slot)
+        return Event(seq, "", [], True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
         seqs = [self.submit(p, params) for p in prompts]

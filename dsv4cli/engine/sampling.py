@@ -9,9 +9,13 @@ select with), before top-k / top-p / min-p truncation; vLLM calls these processe
 Randomness is counter-based: a request's uniforms are a hash of (seed, position, purpose), so a seeded
 request gives the same tokens whatever else is in the batch, with no generator state to carry.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+FLOAT32_MAX = 3.4e38
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -30,6 +34,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
+
+    def problem(self) -> str | None:
+        """Why these settings can't run on the device, or None: a number no float32 or int64 holds, a
+        negative temperature or a penalty that rounds to 0 (it divides). The front ends refuse values
+        outside the meaningful ranges (`config.SPEC`); this guards the engine's own callers."""
+        floats = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                                                          "presence_penalty", "frequency_penalty")}
+        for name, v in (floats | {f"logit_bias[{t}]": b for t, b in self.logit_bias.items()}).items():
+            number = isinstance(v, int | float) and not isinstance(v, bool)
+            if not (number and math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                return f"{name}: must be a finite float32 number, got {v!r}"
+        if self.temperature < 0:
+            return f"temperature: must be >= 0, got {self.temperature!r}"
+        if not self.repetition_penalty >= 1e-30:
+            return f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}"
+        for name in ("top_k", "seed", "max_tokens"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -INT64_MAX <= v <= INT64_MAX):
+                return f"{name}: must be an integer that fits in 64 bits, got {v!r}"
+        return None
 
 
 # alternatives the device returns whenever logprobs are on: a fixed width keeps the step capturable

@@ -39,7 +39,7 @@ def error(status: int, message: str, code: str | None = None, param: str | None 
 
 
 def bad_request(e: BadRequest) -> JSONResponse:
-    """A parser error; the field it names (`temperature: must be >= 0`) is OpenAI's `param`."""
+    """A parser error; the field it names (`temperature: must be in [0, 100]`) is OpenAI's `param`."""
     field = re.match(r"([\w.\[\]]+):", e.message)
     return error(400, e.message, e.code, field[1] if field else None)
 

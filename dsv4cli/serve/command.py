@@ -4,7 +4,7 @@ import socket
 import sys
 
 from dsv4cli.config import Settings
-from dsv4cli.errors import UsageError
+from dsv4cli.errors import RunError, UsageError
 from dsv4cli.options import CliOptions, model_options
 
 
@@ -39,7 +39,8 @@ def run_serve(s: Settings) -> int:
     engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort)
     metrics = ServerMetrics()
-    loop = EngineLoop(engine, s.max_waiting, metrics)
+    # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
+    loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True))
     app = create_app(loop, parser, engine.tok, s.model_dir.name, metrics, s.api_key, s.log_prompts)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                            timeout_graceful_shutdown=2))
@@ -53,6 +54,8 @@ def run_serve(s: Settings) -> int:
         server.run(sockets=[sock])
     finally:
         loop.stop()
+    if loop.error is not None:
+        raise RunError(f"{loop.error}; the server stopped (exit code 1) so that a supervisor restarts it")
     print("dsv4 serve: stopped", file=sys.stderr)
     return 0
 

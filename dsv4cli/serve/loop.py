@@ -13,7 +13,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from dsv4cli.engine import EngineAPI, Sequence, TokenLogprob
+from dsv4cli.engine import EngineAPI, EngineFailed, Sequence, TokenLogprob
 from dsv4cli.openai.requests import Request
 
 from .metrics import ServerMetrics
@@ -46,8 +46,9 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineAPI, max_waiting: int, metrics: ServerMetrics):
-        self.engine, self.max_waiting, self.metrics = engine, max_waiting, metrics
+    def __init__(self, engine: EngineAPI, max_waiting: int, metrics: ServerMetrics, on_fatal=lambda: None):
+        """`on_fatal()` is called (on the engine thread) once the engine cannot go on: the server exits."""
+        self.engine, self.max_waiting, self.metrics, self.on_fatal = engine, max_waiting, metrics, on_fatal
         self.wake = threading.Condition()
         self.inbox: list[Job] = []          # submitted, not yet in the engine
         self.cancels: list[Job] = []
@@ -103,12 +104,14 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._step()
         except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
-            traceback.print_exc(file=sys.stderr)
+            if not isinstance(e, EngineFailed):
+                traceback.print_exc(file=sys.stderr)
             with self.wake:
                 self.error = f"engine failed: {type(e).__name__}: {e}"
                 orphans = [*self.jobs.values(), *self.inbox]
             for job in orphans:
                 job.deliver(Delta("", [], error=self.error))
+            self.on_fatal()
 
     def _admit(self, job: Job) -> None:
         try:
@@ -137,7 +140,9 @@ class EngineLoop:
                 with self.wake:
                     del self.jobs[seq.id]
                 self.metrics.finish(seq)
-            deliveries.append((job, Delta(event.text, logprobs, done)))
+                if seq.error is not None:
+                    print(f"request {seq.id}: {seq.error}", file=sys.stderr, flush=True)
+            deliveries.append((job, Delta(event.text, logprobs, done, seq.error)))
         with self.wake:
             self._count()           # before the deltas: a client that got its tokens sees itself running
         if deliveries:      # one wake-up of the (one) event loop per step, not one per request
