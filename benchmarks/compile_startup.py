@@ -65,7 +65,7 @@ def takeover(reply_tokens: int) -> dict:
         seq = engine.submit(prompt, params)
         while engine.has_work():
             engine.step()
-            if ready_at is None and engine.compiled.keys("_fused_decode"):
+            if ready_at is None and any(key.batch for key in engine.compiled.ready):
                 ready_at = time.perf_counter()
         m = seq.metrics
         first = m.t_first - t0 if first is None else first
@@ -73,7 +73,7 @@ def takeover(reply_tokens: int) -> dict:
             break
         if ready_at is None:
             eager_tokens, eager_s = eager_tokens + m.output_tokens - 1, eager_s + m.t_last - m.t_first
-    how, seconds = engine.compiled.built[engine.compiled.keys("_fused_decode")[0]]
+    how, seconds = engine.compiled.built[next(key for key in engine.compiled.ready if key.batch)]
     return {"load_s": round(loaded, 2), "first_token_s": round(first, 2), "step": how,
             "step_build_s": round(seconds, 2), "compiled_ready_s": round(ready_at - t0, 2),
             "eager_tokens_per_s": round(eager_tokens / eager_s, 1) if eager_s else None,

@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dsv4cli import kernels, platforms
+import dsv4cli.kernels
+from dsv4cli import platforms
 from dsv4cli.engine import Engine
 from dsv4cli.model import ModelConfig, Transformer
 from dsv4cli.model.loader import keep_fp32
@@ -57,8 +58,23 @@ V4_FLASH = {
 }
 V4_FLASH_CSA, V4_FLASH_OTHER = 21, 22     # of its 43 layers: ratio 4, and ratio 128 or window-only
 DEVICE = torch.device("cpu")
-# greedy rows with no penalties take the logits' argmax (`plain_greedy`); an older checkout has no such step
-GREEDY = {"greedy": True} if "greedy" in inspect.signature(Engine._fused_decode).parameters else {}
+
+
+def decode_step(engine: Engine, batch: int, bound: int):
+    """(the slots' device state, a call of the engine's decode step for slots [0, batch) with greedy rows, as
+    the engine runs them, its compile key, and its owner); an older checkout's engine was all of them."""
+    if hasattr(engine, "runner"):
+        from dsv4cli.engine.runner import StepKey
+        key = StepKey((), batch, bound, False, False, True)
+        return engine.runner.state, lambda: engine.runner.step(key), key, engine.runner
+    greedy = {"greedy": True} if "greedy" in inspect.signature(Engine._fused_decode).parameters else {}
+    key = ("_fused_decode", batch, bound, False, False, *greedy.values())
+    return engine.state, lambda: engine._fused_decode(batch, bound, sort=False, **greedy), key, engine
+
+
+def kernel_module(model: Transformer):
+    """The module whose ops the model calls: bound to it at prepare (an older checkout dispatched them all)."""
+    return getattr(model.layers[0].attn, "ops", dsv4cli.kernels)
 
 
 def clock() -> float:
@@ -178,6 +194,7 @@ class StepProfile:
         self._patches.append((cls, orig))
 
     def _wrap_kernel(self, name):
+        kernels = kernel_module(self.model)
         orig = getattr(kernels, name)
 
         def kernel(*args, **kw):
@@ -243,7 +260,7 @@ class StepProfile:
         self._wrap(Block, block)
         # the attention core: indexer scan and top-k, attention over the gathered / visible blocks
         for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
-            if hasattr(kernels, name):          # "attention": the dense op of older checkouts
+            if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
                 self._wrap_kernel(name)
         return self
 
@@ -296,41 +313,42 @@ class StepProfile:
 def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float, int]:
     """The same step compiled (torch.compile, as `--compile on` runs it): rep times, compile time and
     kernel calls. Parts are not timed: the compiled graph has no module boundaries left."""
+    from dsv4cli.bench import kernel_calls
     from dsv4cli.engine.compiled import CompiledSteps
-    step = CompiledSteps(engine, ("_fused_decode",), DEVICE)
-    key = ("_fused_decode", batch, bound, False, False, *GREEDY.values())
+    _, _, key, owner = decode_step(engine, batch, bound)
+    step = CompiledSteps(owner, DEVICE)
     times = []
     for _ in range(reps + 1):                          # the first compiles
         t = clock()
         with torch.no_grad():
             step(key)
         times.append(clock() - t)
-    return times[1:], times[0], step.calls[key]
+    return times[1:], times[0], kernel_calls(step.sources[key])
 
 
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compile_too=False) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
+    bound = -(-(context + depth + 1) // 512) * 512
+    state, step, _, _ = decode_step(engine, batch, bound)
     g = torch.Generator(DEVICE).manual_seed(1)
-    for cache in engine.state.cache.layers + engine.state.cache.mtp:
+    for cache in state.cache.layers + state.cache.mtp:
         for t in cache.tensors():
             t.normal_(0, 1, generator=g)
     vocab = cfg.vocab_size
-    bound = -(-(context + depth + 1) // 512) * 512
     steps, parts, reads = [], [], []
     with StepProfile(model, cfg) as prof:
         prof.batch_rows, prof.query_rows, prof.context = batch, batch * (depth + 1), context
         for rep in range(reps + 1):                      # the first is a warm-up
-            engine.state.pos.fill_(context - 1)
-            engine.state.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
-            engine.state.drafts.copy_(torch.randint(0, vocab, engine.state.drafts.shape, generator=g,
-                                                    device=DEVICE))
+            state.pos.fill_(context - 1)
+            state.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
+            state.drafts.copy_(torch.randint(0, vocab, state.drafts.shape, generator=g, device=DEVICE))
             # each step against a bandwidth reading taken just before it: this shared machine's
             # bandwidth drifts by 1.5x within a run, which moved whole-run fractions by as much
             bw = stream(tries=2)
             prof.reset()
             t = clock()
             with torch.no_grad():
-                engine._fused_decode(batch, bound, sort=False, **GREEDY)   # greedy rows, as the engine runs them
+                step()
             dt = clock() - t
             if rep:
                 steps.append(dt)

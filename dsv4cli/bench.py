@@ -7,6 +7,7 @@ ratios against plain decoding (K = 0) measured in the same run. When transformer
 """
 import dataclasses
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -16,9 +17,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from dsv4cli import platforms
 from dsv4cli.config import SPEC
 from dsv4cli.encoding import encode_messages
-from dsv4cli.engine import EngineAPI, SamplingParams, compiled
+from dsv4cli.engine import EngineAPI, SamplingParams
+from dsv4cli.engine.compiled import cache_dir
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_engine
 from dsv4cli.model.checkpoint import save_checkpoint
@@ -156,6 +159,17 @@ def run_transformers(engine: EngineAPI, prompts, max_tokens: int) -> dict | None
     return {"tokens_per_s": total / elapsed}
 
 
+# a kernel call in generated wrapper code: inductor's C++ / Triton kernels, library (extern) kernels,
+# aten fallbacks and custom ops
+_CALL = re.compile(r"^\s*(?:\w+ = )?(?:cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|aten\.\w+(?:\.\w+)?"
+                   r"|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.MULTILINE)
+
+
+def kernel_calls(sources: list[str]) -> int:
+    """Kernel calls in a compiled step's generated wrapper code (each runs once per call of the step)."""
+    return sum(len(_CALL.findall(source)) for source in sources)
+
+
 def eager_launches(engine: EngineAPI) -> int:
     """Leaf ops of one eager decode step (each a kernel launch), counted by the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -172,7 +186,7 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
         n = eager_launches(engine)
     else:
         engine.step()
-        n = max(engine.compiled.calls[k] for k in engine.compiled.keys("_fused_decode"))
+        n = max(kernel_calls(engine.compiled.sources[key]) for key in engine.compiled.ready if key.batch)
     engine.cancel(seq)
     return n
 
@@ -273,7 +287,7 @@ def bench_command(
         return bench_command_under_load(settings, load_prompt, streams, as_json)
     engine = load_engine(settings, "bench", compile_in_background=False)
     # compile = auto or on: the compiled step against eager in the same run
-    can_compile = settings.compile != "off" and not compiled.unavailable_reason(engine.device)
+    can_compile = settings.compile != "off" and not platforms.for_device(engine.device).compile_unavailable_reason()
     compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
@@ -281,7 +295,7 @@ def bench_command(
                      compile_modes)
     meta = {"model": str(settings.model_dir), "device": str(engine.device), "dtype": str(engine.model.dtype),
             "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens,
-            "compile_cache": str(compiled.cache_dir()) if True in compile_modes else None}
+            "compile_cache": str(cache_dir()) if True in compile_modes else None}
     if as_json:
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
     else:

@@ -154,10 +154,7 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and return its exit code: 0 ok, 1 internal error, 2 usage or input error, 130 interrupted."""
-    code = run_verb(sys.argv[1:] if argv is None else argv)
-    if (compiled := sys.modules.get("dsv4cli.engine.compiled")) is not None:
-        compiled.exit_if_building(code)
-    return code
+    return run_verb(sys.argv[1:] if argv is None else argv)
 
 
 def run_verb(argv: list[str]) -> int:

@@ -1,5 +1,5 @@
 """From resolved settings to a ready engine: device, dtype, threads, checks against the model and the free
-memory, model, tokenizer, sampling defaults."""
+memory, whether to compile (and how), model, tokenizer, sampling defaults."""
 import dataclasses
 import functools
 import json
@@ -12,18 +12,24 @@ import torch
 from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, EngineAPI, SamplingParams, compiled
+from dsv4cli.engine import Engine, EngineAPI, SamplingParams
 from dsv4cli.engine.slots import SlotState
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
 from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
+from dsv4cli.model.footprint import footprint, tp_problem
 from dsv4cli.tokenizer import Tokenizer
-from dsv4cli.tools.inspect import describe, human_bytes
+from dsv4cli.units import human_bytes
 
 # Below this many parameters a decode step is hundreds of tiny ops: a second intra-op thread adds a barrier
 # per op and gains nothing, and when another process holds a core every barrier waits for a descheduled
 # thread (benchmarks/threads.py: 35 -> ~1 tok/s on 2 cores with one busy).
 SMALL_MODEL_PARAMETERS = 100_000_000
+LONG_RUNNING = ("chat", "serve", "batch")    # verbs whose engine outlives a cold compile (auto on the CPU)
+# A CPU batch job of fewer tokens than this (requests x max_tokens) ends before a compile beside it pays
+# off: a cold compile takes 2-3 min while the eager steps run a third slower, then 5-10x faster; 400
+# requests of 48 tokens (19,200) ran 54-55 s eager and 70-74 s with a compile that never finished.
+BATCH_COMPILE_TOKENS = 60_000
 
 
 def pick_device(name: str) -> torch.device:
@@ -98,27 +104,23 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
             raise UsageError(f"--stop-token-id {token}: not a token id; the vocabulary has {cfg.vocab_size}")
     dtype = pick_dtype(s.dtype, device)
     try:
-        info = describe(s.model_dir, s.tp, float_bytes=dtype.itemsize)
+        parameters, weights = footprint(s.model_dir, s.tp, float_bytes=dtype.itemsize)
     except LoadError as e:
         raise UsageError(str(e)) from None
-    weights, state = info["weight_bytes_per_card"], decode_state_bytes(cfg, s, dtype)
+    state = decode_state_bytes(cfg, s, dtype)
     free = platforms.for_device(device).free_memory(device)
     if weights + state > free:
         card = " per card" if s.tp > 1 else ""
-        raise UsageError(f"not enough memory on {device.type}: the model needs about {human_bytes(weights + state)}"
+        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state)}"
                          f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
                          f"{s.max_batch} x --max-seq-len {s.max_seq_len}); {human_bytes(free)} is free")
-    return info["parameters"], weights
+    return parameters, weights
 
 
 def check_tp(s: Settings, cfg: ModelConfig) -> None:
     """Refuse a --tp that does not divide what the ranks split."""
-    path = s.model_dir / "config.json"
-    for what, n in (("attention heads", cfg.n_heads), ("output groups", cfg.o_groups),
-                    ("indexer heads", cfg.index_n_heads), ("routed experts", cfg.n_routed_experts),
-                    ("vocabulary rows", cfg.vocab_size)):
-        if n % s.tp:
-            raise UsageError(f"--tp {s.tp}: does not divide the {n} {what} of {path.parent}")
+    if problem := tp_problem(cfg, s.tp):
+        raise UsageError(f"--tp {s.tp}: {problem} of {s.model_dir}")
 
 
 def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokenizer]:
@@ -134,23 +136,52 @@ def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokeni
 
 
 def compiles_apart(weights: int, device: torch.device) -> bool:
-    """Whether a background compile can run in a process of its own, which loads the model again (before
-    this one loads it: `weights` bytes): on the CPU, with room for both copies (an accelerator would need
-    the second in device memory)."""
-    return device.type == "cpu" and 2 * weights <= platforms.for_device(device).free_memory(device)
+    """Whether a compile can run beside the run in a process of its own, which loads the model again (before
+    this one loads it: `weights` bytes): where the model lives in host memory with room for both copies
+    (an accelerator would need the second in device memory)."""
+    platform = platforms.for_device(device)
+    return platform.on_host_cores and 2 * weights <= platform.free_memory(device)
 
 
-def build_engine(s: Settings, device: torch.device, compile_in_background: bool = False,
-                 compile_apart: bool = False) -> Engine:
+def choose_compile(mode: str, device: torch.device, verb: str, small_model: bool, beside: bool,
+                   job_tokens: int | None = None) -> tuple[bool, str | None]:
+    """Whether to compile the steps for `verb`, and a line for the user or None: what `auto` picked when it
+    turned compiling on, or why a compile can't run.
+
+    auto: on where the platform captures the compiled step as a graph (accelerators). On the CPU, on for
+    the verbs whose engine outlives a cold compile (`LONG_RUNNING`) with a small model, whose step is
+    mostly per-op overhead (the compiled one is 5-10x faster), when the compile can run `beside` the run
+    in a process of its own while it goes on eagerly; for a batch job, when its `job_tokens` (requests x
+    max_tokens) reach BATCH_COMPILE_TOKENS. Off for a one-shot `generate`, which ends before a cold
+    compile would (minutes), and for large models, whose CPU step is the weights' bandwidth, which
+    compiling doesn't change."""
+    platform = platforms.for_device(device)
+    graphs = platform.graph_api() is not None
+    long_enough = job_tokens is None or job_tokens >= BATCH_COMPILE_TOKENS
+    pays_off = verb in LONG_RUNNING and small_model and beside and long_enough
+    if mode == "off" or (mode == "auto" and not graphs and not pays_off):
+        return False, None
+    if reason := platform.compile_unavailable_reason():
+        return False, reason
+    if mode == "on":
+        return True, None
+    if graphs:
+        return True, f"compile = auto: on ({platform.name}: the compiled step is captured as a graph)"
+    return True, (f"compile = auto: on ({verb}, small model on the CPU: compiled in the background while replies "
+                  "stream; compile = off skips it)")
+
+
+def build_engine(s: Settings, device: torch.device, compile_apart: bool = False) -> Engine:
     """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state.
-    `compile_apart`: a background compile runs in a process of its own (`compiles_apart`)."""
+    `compile_apart`: step shapes compile beside the run in a process of its own (`compiles_apart`);
+    else a shape's first step compiles it."""
     model, tokenizer = load_weights(s, device)
     if s.mtp and not model.cfg.n_mtp_layers:
         raise UsageError(f"{s.model_dir}: the checkpoint has no MTP layer; use --mtp 0")
     # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
-                  compile_in_background=compile_in_background, isolate_failures=s.tp == 1,
+                  compile_in_background=compile_apart, isolate_failures=s.tp == 1,
                   reload=functools.partial(load_weights, s, device) if compile_apart else None)
 
 
@@ -159,23 +190,22 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     `compile = auto` decides by, with a batch job's `job_tokens`); with --tp N, rank 0's view of N
     cooperating ranks.
 
-    `compile_in_background`: a step shape compiles beside the run (in a process of its own where
-    `compiles_apart`, else on a worker thread) while its steps run eagerly, so no stream stalls on a
-    compile (not under --tp, whose ranks must run the same step; bench times the compiled step, so it
-    waits)."""
+    `compile_in_background`: a step shape compiles beside the run, in a process of its own where
+    `compiles_apart`, while its steps run eagerly, so no stream stalls on a compile (not under --tp,
+    whose ranks must run the same step; bench times the compiled step, so it waits)."""
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)
     parameters, weights = check_limits(s, cfg, device)
-    if device.type == "cpu":
+    if platforms.for_device(device).on_host_cores:
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
-    compile_on, say = compiled.choose(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS,
-                                      beside=compile_in_background and s.tp == 1, job_tokens=job_tokens)
+    apart = compile_in_background and s.tp == 1 and compiles_apart(weights, device)
+    compile_on, say = choose_compile(s.compile, device, verb, parameters < SMALL_MODEL_PARAMETERS, beside=apart,
+                                     job_tokens=job_tokens)
     if say:
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
-        apart = compile_on and compile_in_background and compiles_apart(weights, device)
-        return build_engine(s, device, compile_in_background, apart)
+        return build_engine(s, device, compile_apart=apart)
     from dsv4cli import parallel
-    return parallel.launch_leader(s, device, lambda dev: build_engine(s, dev))
+    return parallel.launch_leader(s.tp, device, functools.partial(build_engine, s))

@@ -139,11 +139,11 @@ def follow(engine, control) -> None:
         seqs = {k: s for k, s in seqs.items() if not s.finished}
 
 
-def follower_main(rank: int, world: int, port: int, settings) -> None:
+def follower_main(rank: int, world: int, port: int, device: torch.device, build) -> None:
+    """A follower rank's process: join the group, `build(device)` its engine (a picklable call), follow."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # rank 0 decides when to stop
-    from dsv4cli.loading import build_engine, pick_device
-    device, control = init_rank(rank, world, port, pick_device(settings.device))
-    engine = build_engine(settings, device)
+    device, control = init_rank(rank, world, port, device)
+    engine = build(device)
     with torch.no_grad():
         follow(engine, control)
     dist.destroy_process_group()
@@ -161,13 +161,13 @@ def watch(procs, stop: threading.Event) -> None:
                 os._exit(1)
 
 
-def start(settings, device: torch.device):
-    """Start ranks 1..tp-1 and join the group as rank 0.
+def start(world: int, device: torch.device, build):
+    """Start ranks 1..world-1, each building its engine with `build(device)`, and join the group as rank 0.
 
     Returns (device, control group, processes, the watchdog's stop event, finish)."""
-    world, port = settings.tp, free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follower_main, args=(r, world, port, settings), daemon=True)
+    procs = [ctx.Process(target=follower_main, args=(r, world, port, device, build), daemon=True)
              for r in range(1, world)]
     for p in procs:
         p.start()
@@ -186,9 +186,10 @@ def start(settings, device: torch.device):
     return device, control, procs, stop, finish
 
 
-def launch_leader(settings, device, build):
-    """Rank 0 side of `--tp N`: start the followers, build the local engine, wrap it."""
-    device, control, procs, watchdog, finish = start(settings, device)
+def launch_leader(world: int, device: torch.device, build):
+    """Rank 0 side of `--tp N`: start the followers, build the local engine (`build(device)`, a picklable
+    call each rank makes), wrap it."""
+    device, control, procs, watchdog, finish = start(world, device, build)
     leader = Leader(build(device), control, procs, watchdog)
     atexit.register(finish, leader)
     return leader

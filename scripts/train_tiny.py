@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file: make `scripts.*` importable
 
 from dsv4cli.encoding import encode_messages, parse_completion  # noqa: E402
-from dsv4cli.model import DecodeState, ModelConfig, Transformer, load_model  # noqa: E402
+from dsv4cli.model import DecodeState, ModelConfig, Segment, Transformer, load_model  # noqa: E402
 from dsv4cli.model.checkpoint import init_weights  # noqa: E402
 from dsv4cli.model.model import Gate  # noqa: E402
 from dsv4cli.model.quant import save_w8a8  # noqa: E402
@@ -110,8 +110,9 @@ def losses(model: Transformer, rows: torch.Tensor, pad_id: int) -> tuple[torch.T
     targets = rows.masked_fill(rows == pad_id, PAD)
     state = DecodeState(model, B, S, max_draft=0)
     start = torch.zeros(B, dtype=torch.long)
-    logits, hidden = model.forward_chunk(rows[:, :S], start, state)
-    mtp_logits, _ = model.mtp_forward_chunk(hidden, rows[:, 1:S + 1], start, state)
+    (hidden,) = model.forward_segments([Segment(rows[:, :S], start, state)])
+    (mtp_hidden,) = model.mtp_forward_segments([hidden], [Segment(rows[:, 1:S + 1], start, state)])
+    logits, mtp_logits = model.logits(hidden), model.mtp_logits(mtp_hidden)
     main = F.cross_entropy(logits.flatten(0, 1), targets[:, 1:S + 1].flatten(), ignore_index=PAD)
     mtp = F.cross_entropy(mtp_logits.flatten(0, 1), targets[:, 2:].flatten(), ignore_index=PAD)
     return main, mtp

@@ -13,45 +13,44 @@ import torch
 from tiny import random_model, tiny_config, write_checkpoint
 from torch._dynamo.utils import counters as dynamo_counters
 
-from dsv4cli import kernels
+from dsv4cli import platforms
+from dsv4cli.bench import kernel_calls
 from dsv4cli.config import resolve
 from dsv4cli.engine import Engine, SamplingParams, compiled
-from dsv4cli.kernels import native, reference
-from dsv4cli.loading import load_engine
+from dsv4cli.engine.runner import ChunkKey, StepKey
+from dsv4cli.kernels import native
+from dsv4cli.loading import BATCH_COMPILE_TOKENS, LONG_RUNNING, choose_compile, load_engine
 from dsv4cli.model.model import PackedWeight
 from dsv4cli.model.quant import quantize_model
 from dsv4cli.tokenizer import Tokenizer
 
-COMPILER = pytest.mark.skipif(compiled.unavailable_reason(torch.device("cpu")) is not None, reason="no C++ compiler")
+COMPILER = pytest.mark.skipif(platforms.get("cpu").compile_unavailable_reason() is not None,
+                              reason="no C++ compiler")
 
 
 @COMPILER
 def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, monkeypatch):
-    """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with
-    unpacked experts: grouped GEMMs in the graph), the others routed on the host (packed experts: one
-    opaque op in the graph), the second layer's linears packed for the native GEMMs (their custom ops)
-    and its experts in a fused-kernel table, as `prepare` leaves them. The compiled step is saved
-    without unpacking a weight, and a new engine loads it on a worker thread, stepping eagerly until
-    it is ready. Prefill chunks compile too, padded to a bucket: both prompts' chunks (slots 0 and 1)
-    run one graph."""
+    """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with small
+    unpacked experts: grouped GEMMs in the graph), the second layer's linears packed for the native GEMMs
+    (their custom ops) and its experts routed on the host from a fused-kernel table (one opaque op), as
+    `prepare` leaves big ones. The compiled step is saved without unpacking a weight, and a new engine
+    loads it. Prefill chunks compile too, padded to a bucket: both prompts' chunks (slots 0 and 1) run
+    one graph."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
                       vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
-    model = quantize_model(random_model(cfg, seed=3))                 # W8A8: the int8 GEMMs compile too
-    for i, layer in enumerate([*model.layers, *model.mtp]):
-        layer.ffn.routes_on_host = True
-        if i == 0:
-            layer.ffn.stack_experts()
+    model = quantize_model(random_model(cfg, seed=3)).prepare()      # W8A8: the int8 GEMMs compile too
+    assert all(layer.ffn.stack is not None for layer in [*model.layers, *model.mtp])
     unpacked = []      # `state_dict()` unpacks: a full extra copy of every packed weight
     if native.available():       # the second layer's linears in the native GEMMs' layouts: their ops in the graph
-        monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+        monkeypatch.setattr(model.layers[1].ffn.ops, "PACK_MIN_BYTES", 0)
         packed = [m for m in model.layers[1].modules() if isinstance(m, PackedWeight)
                   and native.packable(m.weight) and (m.pack() or m.packed is not None)]
         assert {m.packed.dtype for m in packed} == {torch.uint8, torch.float32}
         moe = model.layers[1].ffn
-        moe.table = kernels.expert_table(moe.local_experts(), moe.shared_experts)
-        assert moe.table is not None and moe.table.shared
+        moe.prepare_experts(on_host=True)
+        assert moe.stack is None and moe.table is not None and moe.table.shared
         for unpack in (native.unpack_int8, native.unpack_float):
             monkeypatch.setattr(native, unpack.__name__, lambda packed, f=unpack: unpacked.append(f) or f(packed))
     tok = Tokenizer.from_dir(small_tokenizer_dir)
@@ -66,37 +65,28 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         want = run(eager)
         engine = eager.resized(2, 2, compile=True)
         assert run(engine) == want
-        assert list(engine.compiled.calls) == [CHUNK, STEP]
+        assert list(engine.compiled.ready) == [CHUNK, STEP]
         assert run(engine) == want                       # steady state: the same graphs, no recompile
         assert engine.compiled.recompiles == 0 and engine.compiled.eager_steps == 0
         assert engine.compiled.built[STEP][0] == engine.compiled.built[CHUNK][0] == "compiled"
         assert len(list(compiled.steps_dir().iterdir())) == 2
 
-        # a later launch: the saved steps load on the worker thread while steps run eagerly; the
-        # chunk's load waits for the decode step's
-        switch_interval = sys.getswitchinterval()
-        later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True, compile_in_background=True)
+        # a later launch loads the saved steps (its first step of each key waits for the load)
+        later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True)
         assert later.compiled.status == "eager"
         assert run(later) == want
-        assert later.compiled.eager_steps > 0 and CHUNK not in later.compiled.pending
-        later.compiled.wait()
-        assert run(later) == want          # the chunks' key starts now, the decode step's is ready
-        later.compiled.wait()
         assert later.compiled.built[STEP][0] == later.compiled.built[CHUNK][0] == "loaded"
-        assert sys.getswitchinterval() == switch_interval       # back once no compile runs
-        eager_steps = later.compiled.eager_steps
-        assert run(later) == want
-        assert later.compiled.eager_steps == eager_steps and later.compiled.recompiles == 0
+        assert later.compiled.eager_steps == 0 and later.compiled.recompiles == 0
         assert later.compiled.status == "compiled"
     assert not unpacked
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels;
     # a chunk runs the trunk and the MTP layer once
-    assert 0 < engine.compiled.calls[STEP] <= 60 * (cfg["num_hidden_layers"] + 2)
-    assert 0 < engine.compiled.calls[CHUNK] <= 60 * (cfg["num_hidden_layers"] + 1)
+    assert 0 < kernel_calls(engine.compiled.sources[STEP]) <= 60 * (cfg["num_hidden_layers"] + 2)
+    assert 0 < kernel_calls(engine.compiled.sources[CHUNK]) <= 60 * (cfg["num_hidden_layers"] + 1)
 
 
-STEP = ("_fused_decode", 2, 512, False, False, True)       # batch 2, context 512, greedy
-CHUNK = ("_prefill_rows", 16, 512, True, False, False, True)    # 16 rows, a prompt's last chunk, greedy
+STEP = StepKey((), 2, 512, False, False, True)       # decode rows of batch 2, context 512, greedy
+CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
 
 
 def settings_for(model_dir, **flags):
@@ -127,10 +117,11 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
-    (child,) = compiled._CHILDREN
+    child = engine.compiled.apart[1]
     assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
     engine.compiled.wait()
-    step, chunk = ("_fused_decode", 2, 512, False, False, True), ("_prefill_rows", 32, 512, True, False, False, True)
+    step = StepKey((), 2, 512, False, False, True)
+    chunk = StepKey((ChunkKey(32, 512, True),), 0, 0, False, False, True)
     assert run(engine) == want         # the prompts' chunks compile now, the decode step's key being ready
     engine.compiled.wait()
     assert engine.compiled.built[step][0] == engine.compiled.built[chunk][0] == "compiled apart"
@@ -149,36 +140,24 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
         failing.compiled.wait()
 
 
-def test_background_compiles_shorten_the_switch_interval_while_any_runs():
-    """An eager step waits a whole switch interval for the GIL after each op while a compile traces."""
-    before = sys.getswitchinterval()
-    with compiled._short_switch_interval():
-        assert sys.getswitchinterval() == pytest.approx(compiled.BUILD_SWITCH_INTERVAL)
-        assert before > compiled.BUILD_SWITCH_INTERVAL
-        with compiled._short_switch_interval():                  # a second engine's compile
-            pass
-        assert sys.getswitchinterval() == pytest.approx(compiled.BUILD_SWITCH_INTERVAL)
-    assert sys.getswitchinterval() == before
-
-
 @COMPILER
 def test_auto_compiles_where_a_compile_pays_off():
     """On the CPU: the verbs that run long with a small model, compiled beside the run; a one-shot generate, a
     short batch job, a large model or a --tp run (whose ranks compile in the foreground) runs eager."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    for verb in compiled.LONG_RUNNING:
-        on, say = compiled.choose("auto", cpu, verb, small_model=True, beside=True)
+    for verb in LONG_RUNNING:
+        on, say = choose_compile("auto", cpu, verb, small_model=True, beside=True)
         assert on and say.startswith(f"compile = auto: on ({verb}, small model on the CPU")
     for verb, small, beside in (("generate", True, True), ("bench", True, False), ("chat", False, True),
                                 ("chat", True, False)):
-        assert compiled.choose("auto", cpu, verb, small, beside) == (False, None)
+        assert choose_compile("auto", cpu, verb, small, beside) == (False, None)
     # a batch job: on once it is long enough to gain from a compile (requests x max_tokens)
-    assert not compiled.choose("auto", cpu, "batch", True, True, job_tokens=compiled.BATCH_COMPILE_TOKENS - 1)[0]
-    assert compiled.choose("auto", cpu, "batch", True, True, job_tokens=compiled.BATCH_COMPILE_TOKENS)[0]
-    assert compiled.choose("on", cpu, "batch", True, True, job_tokens=1) == (True, None)
-    assert compiled.choose("auto", cuda, "generate", small_model=False, beside=False)[0]
-    assert compiled.choose("on", cpu, "generate", small_model=False, beside=False) == (True, None)
-    assert compiled.choose("off", cpu, "chat", small_model=True, beside=True) == (False, None)
+    assert not choose_compile("auto", cpu, "batch", True, True, job_tokens=BATCH_COMPILE_TOKENS - 1)[0]
+    assert choose_compile("auto", cpu, "batch", True, True, job_tokens=BATCH_COMPILE_TOKENS)[0]
+    assert choose_compile("on", cpu, "batch", True, True, job_tokens=1) == (True, None)
+    assert choose_compile("auto", cuda, "generate", small_model=False, beside=False)[0]
+    assert choose_compile("on", cpu, "generate", small_model=False, beside=False) == (True, None)
+    assert choose_compile("off", cpu, "chat", small_model=True, beside=True) == (False, None)
 
 
 def test_saved_steps_unused_for_a_while_are_pruned(tmp_path, monkeypatch):

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
-from tiny import prompts, random_model, tiny_config
+from tiny import chunk_logits, prompts, random_model, tiny_config
 
-from dsv4cli import kernels
 from dsv4cli.engine import Engine, SamplingParams
-from dsv4cli.kernels import native, reference
+from dsv4cli.kernels import cpu, native, reference
 from dsv4cli.model import DecodeState
 from dsv4cli.model.model import Linear, PackedWeight, ParallelHead
 from dsv4cli.model.quant import quantize_model, quantize_weight
@@ -61,15 +60,15 @@ def test_float_sums_are_as_accurate_as_mkl_and_each_row_is_its_own(rows):
 def test_a_weight_whose_values_are_bf16_is_held_in_bf16_and_gives_the_fp32_bits(monkeypatch):
     """The W8A8 checkpoints store the float linears in bf16: held so, the kernel reads half the bytes and
     widens them exactly, so every row count gives the bits of the fp32 copy. Other weights stay fp32."""
-    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(CHANNELS, 600, generator=g).bfloat16().float(), torch.randn(16, 600, generator=g)
-    held = reference.pack_linear_fp32(weight)
+    held = cpu.pack_linear_fp32(weight)
     assert held.dtype == torch.bfloat16 and torch.equal(native.unpack_float(held), weight)
     fp32 = native.pack_float(weight)
     for rows in (1, 2, 3, 5, 8, 16):
         assert torch.equal(native.float_mm(x[:rows], held), native.float_mm(x[:rows], fp32))
-    assert reference.pack_linear_fp32(weight + 1e-3).dtype == torch.float32
+    assert cpu.pack_linear_fp32(weight + 1e-3).dtype == torch.float32
 
 
 @NATIVE
@@ -91,7 +90,7 @@ def test_threads_split_the_blocks_and_give_the_same_bits():
 
 @NATIVE
 def test_packed_modules_compute_the_same_and_unpack_to_their_weights(monkeypatch):
-    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)       # small weights stay plain by default
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)       # small weights stay plain by default
     g = torch.Generator().manual_seed(0)
     int8 = Linear(96, CHANNELS)
     weight, scale = quantize_weight(torch.randn(CHANNELS, 96, generator=g))
@@ -105,9 +104,11 @@ def test_packed_modules_compute_the_same_and_unpack_to_their_weights(monkeypatch
     x = torch.randn(3, 5, 96, generator=g)
     xg = torch.randn(3, 5, 4, 96, generator=g)
 
+    for module in (int8, fp32, grouped, head):
+        module.ops = cpu                      # what `Transformer.prepare` binds on the CPU
+
     def outputs():
-        return [int8(x), fp32(x), head(x),
-                reference.grouped_projection(xg, grouped.weight.view(4, 64, 96), grouped.packed)]
+        return [int8(x), fp32(x), head(x), cpu.grouped_projection(xg, grouped.weight.view(4, 64, 96), grouped.packed)]
 
     before, weights = outputs(), [m.state_dict()["weight"].clone() for m in (int8, fp32, grouped, head)]
     for module in (int8, fp32, grouped, head):
@@ -130,7 +131,7 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
     plain = quantize_model(random_model(cfg, seed=1))
     model = copy.deepcopy(plain)
     plain.prepare()
-    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)
     model.prepare()
     held = [m for m in model.modules() if isinstance(m, PackedWeight)]
     # all but the indexer's 4-head weights_proj (4 rows: not a whole block)
@@ -139,7 +140,7 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
     assert kinds.count(torch.uint8) > kinds.count(torch.float32) > 0
     ids = torch.tensor(prompts([60], 320, seed=2))
     with torch.no_grad():
-        logits = [m.forward_chunk(ids, torch.tensor([0]), DecodeState(m, 1, 128))[0] for m in (plain, model)]
+        logits = [chunk_logits(m, ids, torch.tensor([0]), DecodeState(m, 1, 128))[0] for m in (plain, model)]
     # fp32 sums in another order move an activation across an int8 rounding step now and then (test_w8a8)
     assert ((logits[1] - logits[0]).norm() / logits[0].norm()) < 5e-3
     assert (logits[1].argmax(-1) == logits[0].argmax(-1)).float().mean() > 0.95
@@ -157,11 +158,11 @@ def packed_and_plain_moes(dtype, limit):
     cfg = tiny_config(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=64, swiglu_limit=limit)
     plain = quantize_model(random_model(cfg, seed=4)).to(dtype)
     model = copy.deepcopy(plain)
-    reference.PACK_MIN_BYTES, before = 0, reference.PACK_MIN_BYTES
+    cpu.PACK_MIN_BYTES, before = 0, cpu.PACK_MIN_BYTES
     try:
         model.prepare()
     finally:
-        reference.PACK_MIN_BYTES = before
+        cpu.PACK_MIN_BYTES = before
     return [(a.ffn, b.ffn) for a, b in zip([*model.layers, *model.mtp], [*plain.layers, *plain.mtp])]
 
 
@@ -194,25 +195,28 @@ def test_the_fused_experts_skip_other_ranks_experts_and_never_use_unrouted_ones(
     fused, plain = packed_and_plain_moes(torch.float32, 10.0)[1]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 64, generator=g)
-    xq = kernels.quantize_per_token(x)
+    xq = reference.quantize_per_token(x)
     weights = torch.rand(5, 3, generator=g)
     local = torch.tensor([[0, -3, 15], [16, 2, 2], [-1, -2, 20], [7, 15, 0], [3, 4, 5]])
-    want = kernels.experts_on_host(x, weights, local, plain.local_experts(), xq)
-    got = kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype)
+    want = reference.routed_experts(x, weights, local, plain.local_experts(), None, xq)
+
+    def fused_call(local, shared=False):
+        return native.routed_experts(*xq, weights, local, fused.table, fused.limit, x.dtype, shared)
+
+    got = fused_call(local)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for e in set(range(16)) - set(local.flatten().tolist()):
         for linear in (fused.experts[e].w1, fused.experts[e].w2, fused.experts[e].w3):
             linear.weight_scale.fill_(float("nan"))      # the table reads these very tensors
-    assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
-    with_shared = kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype, shared=True)
+    assert torch.equal(fused_call(local), got)
+    with_shared = fused_call(local, shared=True)
     torch.testing.assert_close(with_shared, got + plain.shared_experts(x, xq=xq).float(), rtol=1e-6, atol=1e-6)
     elsewhere = torch.full_like(local, 16)          # every pair on another rank's experts
-    assert torch.equal(kernels.routed_experts(xq, weights, elsewhere, fused.table, fused.limit, x.dtype),
-                       torch.zeros(5, 64))
+    assert torch.equal(fused_call(elsewhere), torch.zeros(5, 64))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)                        # the GEMMs split their blocks: the same bits
     try:
-        assert torch.equal(kernels.routed_experts(xq, weights, local, fused.table, fused.limit, x.dtype), got)
+        assert torch.equal(fused_call(local), got)
     finally:
         torch.set_num_threads(threads)
 
@@ -233,10 +237,10 @@ def test_the_native_indexer_scan_gives_torchs_scores(heads, dtype):
     g = torch.Generator().manual_seed(heads)
     q, keys, w = indexer_inputs(g, 2, 3, heads, 128, 203, dtype)
     assert native.scannable(q, keys)
-    got, want = native.indexer_scores(q, keys, w), reference.indexer_scores_bmm(q, keys, w)
+    got, want = native.indexer_scores(q, keys, w), reference.indexer_scores(q, keys, w)
     assert got.shape == (2, 3, 203)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    assert torch.equal(reference.indexer_scores(q, keys, w), got)      # the CPU's indexer takes it
+    assert torch.equal(cpu.indexer_scores(q, keys, w), got)      # the CPU's indexer takes it
     assert native.indexer_scores(q, keys[:, :0], w).shape == (2, 3, 0)
 
 
@@ -262,14 +266,14 @@ def test_a_native_indexer_score_depends_on_its_row_and_key_alone():
 def test_a_compiled_graph_calls_the_native_indexer_scan():
     g = torch.Generator().manual_seed(6)
     q, keys, w = indexer_inputs(g, 1, 2, 16, 32, 40, torch.float32)
-    compiled = torch.compile(reference.indexer_scores, fullgraph=True, dynamic=False)
+    compiled = torch.compile(cpu.indexer_scores, fullgraph=True, dynamic=False)
     assert torch.equal(compiled(q, keys, w), native.indexer_scores(q, keys, w))
 
 
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
     """Switched off, or the compiler fails: nothing packs for them, int8 weights pack for oneDNN."""
     weight = torch.randint(-127, 128, (CHANNELS, 132), dtype=torch.int8)
-    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     try:
         for env, value in (("DSV4_NATIVE_KERNELS", "0"), ("CC", "false")):
@@ -277,8 +281,8 @@ def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
             with monkeypatch.context() as m:
                 m.setenv(env, value)
                 assert not native.available()
-                assert reference.pack_linear_fp32(weight.float()) is None
-                packed = reference.pack_w8a8(weight)
+                assert cpu.pack_linear_fp32(weight.float()) is None
+                packed = cpu.pack_w8a8(weight)
                 assert packed is None or packed.is_mkldnn
     finally:
         native.library.cache_clear()

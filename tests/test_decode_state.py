@@ -2,7 +2,7 @@
 speculative rows all give the logits of one full forward pass."""
 import pytest
 import torch
-from tiny import tiny_config, write_checkpoint
+from tiny import chunk_logits, mtp_chunk_logits, tiny_config, write_checkpoint
 
 from dsv4cli.model import DecodeState, Segment, load_model
 
@@ -20,7 +20,7 @@ def run_chunks(model, ids, sizes):
     state = DecodeState(model, 1, 320, max_draft=8)
     out, pos = [], 0
     for n in sizes:
-        logits, _ = model.forward_chunk(ids[:, pos:pos + n], torch.tensor([pos]), state)
+        logits, _ = chunk_logits(model, ids[:, pos:pos + n], torch.tensor([pos]), state)
         out.append(logits)
         pos += n
     return torch.cat(out, 1)
@@ -51,15 +51,15 @@ def test_padded_chunks_equal_the_full_forward(model):
     for real, bucket in [(30, 64), (150, 256), (1, 16), (47, 200), (10, 10)]:
         chunk = torch.cat([ids[:, pos:pos + real], torch.randint(0, 256, (1, bucket - real), generator=g)], 1)
         start, length = torch.tensor([pos]), torch.tensor([real])
-        logits, h = model.forward_chunk(chunk, start, state, context=pos + real, length=length)
+        logits, h = chunk_logits(model, chunk, start, state, context=pos + real, length=length)
         assert torch.allclose(logits[0, :real], full[0, pos:pos + real], atol=1e-4, rtol=1e-4)
         nxt = torch.cat([ids[:, pos + 1:pos + real + 1], chunk[:, real:]], 1)
-        last, _ = model.mtp_forward_chunk(h, nxt, start, state, last_only=True, length=length)
-        assert torch.allclose(last[0, 0], full_mtp[0, pos + real - 1], atol=1e-4, rtol=1e-4)
+        mtp, _ = mtp_chunk_logits(model, h, nxt, start, state, length=length)
+        assert torch.allclose(mtp[0, real - 1], full_mtp[0, pos + real - 1], atol=1e-4, rtol=1e-4)
         pos += real
-    logits, h = model.forward_chunk(ids[:, pos:pos + 40], torch.tensor([pos]), state)      # reads their state
+    logits, h = chunk_logits(model, ids[:, pos:pos + 40], torch.tensor([pos]), state)      # reads their state
     assert torch.allclose(logits[0], full[0, pos:pos + 40], atol=1e-4, rtol=1e-4)
-    mtp, _ = model.mtp_forward_chunk(h, ids[:, pos + 1:pos + 41], torch.tensor([pos]), state)
+    mtp, _ = mtp_chunk_logits(model, h, ids[:, pos + 1:pos + 41], torch.tensor([pos]), state)
     assert torch.allclose(mtp[0], full_mtp[0, pos:pos + 40], atol=1e-4, rtol=1e-4)
 
 
@@ -69,9 +69,9 @@ def test_batched_sequences_at_different_positions(model):
     a, b = torch.randint(0, 256, (1, 270), generator=g), torch.randint(0, 256, (1, 140), generator=g)
     state = DecodeState(model, 2, 320, max_draft=8)
     # prefill each sequence alone in its slot, then decode both together with 3 rows per call
-    model.forward_chunk(a[:, :261], torch.tensor([0]), state)
+    chunk_logits(model, a[:, :261], torch.tensor([0]), state)
     state_b = DecodeState(model, 1, 320, max_draft=8)
-    model.forward_chunk(b[:, :131], torch.tensor([0]), state_b)
+    chunk_logits(model, b[:, :131], torch.tensor([0]), state_b)
     for cache, cache_b in zip(state.layers, state_b.layers):
         for name, t in vars(cache).items():
             if isinstance(t, torch.Tensor):
@@ -79,7 +79,7 @@ def test_batched_sequences_at_different_positions(model):
     outs = []
     for i in range(3):
         rows = torch.cat([a[:, 261 + 3 * i: 264 + 3 * i], b[:, 131 + 3 * i: 134 + 3 * i]])
-        logits, _ = model.forward_chunk(rows, torch.tensor([261 + 3 * i, 131 + 3 * i]), state)
+        logits, _ = chunk_logits(model, rows, torch.tensor([261 + 3 * i, 131 + 3 * i]), state)
         outs.append(logits)
     got = torch.cat(outs, 1)
     full_a, full_b = model(a), model(b)
@@ -96,10 +96,10 @@ def test_rejected_rows_leave_no_trace(model, start):
     ids = torch.randint(0, 256, (1, 300), generator=g)
     full = model(ids)
     state = DecodeState(model, 1, 320, max_draft=8)
-    model.forward_chunk(ids[:, :start], torch.tensor([0]), state)
+    chunk_logits(model, ids[:, :start], torch.tensor([0]), state)
     junk = torch.randint(0, 256, (1, 9), generator=g)
-    model.forward_chunk(junk, torch.tensor([start]), state)                  # 9 speculative rows, all rejected
-    logits, _ = model.forward_chunk(ids[:, start:start + 5], torch.tensor([start]), state)
+    chunk_logits(model, junk, torch.tensor([start]), state)                  # 9 speculative rows, all rejected
+    logits, _ = chunk_logits(model, ids[:, start:start + 5], torch.tensor([start]), state)
     assert torch.allclose(logits[0], full[0, start:start + 5], atol=1e-4, rtol=1e-4)
 
 
@@ -107,9 +107,9 @@ def test_rejected_rows_leave_no_trace(model, start):
 def test_reused_slot_starts_clean(model):
     g = torch.Generator().manual_seed(11)
     state = DecodeState(model, 1, 320, max_draft=8)
-    model.forward_chunk(torch.randint(0, 256, (1, 250), generator=g), torch.tensor([0]), state)
+    chunk_logits(model, torch.randint(0, 256, (1, 250), generator=g), torch.tensor([0]), state)
     ids = torch.randint(0, 256, (1, 3), generator=g)               # shorter than a ratio-4 block
-    logits, _ = model.forward_chunk(ids, torch.tensor([0]), state)
+    logits, _ = chunk_logits(model, ids, torch.tensor([0]), state)
     assert torch.allclose(logits, model(ids), atol=1e-5)
 
 
@@ -125,18 +125,19 @@ def test_a_prefill_chunk_and_decode_rows_in_one_pass(model, prefill_first):
     a, b = torch.randint(0, 256, (1, 160), generator=g), torch.randint(0, 256, (1, 50), generator=g)
     full_a, full_b = model(a), model(b)
     state = DecodeState(model, 2, 320, max_draft=2)
-    model.forward_chunk(a[:, :30], torch.tensor([0]), state.view(0))
-    model.forward_chunk(b[:, :40], torch.tensor([0]), state.view(1))
-    chunk = Segment(a[:, 30:150], torch.tensor([30]), state.view(0), 150, last_only=True)
+    chunk_logits(model, a[:, :30], torch.tensor([0]), state.view(0))
+    chunk_logits(model, b[:, :40], torch.tensor([0]), state.view(1))
+    chunk = Segment(a[:, 30:150], torch.tensor([30]), state.view(0), 150)
     rows = torch.cat([torch.randint(0, 256, (1, 2), generator=g), b[:, 40:42]])
     decode = Segment(rows, torch.tensor([150, 40]), state, 320)
     if prefill_first:
-        (chunk_logits, _), (logits, _) = model.forward_segments([chunk, decode])
+        chunk_hidden, hidden = model.forward_segments([chunk, decode])
     else:
-        (logits, _), (chunk_logits, _) = model.forward_segments([decode, chunk])
+        hidden, chunk_hidden = model.forward_segments([decode, chunk])
+    logits, last = model.logits(hidden), model.logits(chunk_hidden[:, -1:])
     assert torch.allclose(logits[1], full_b[0, 40:42], atol=1e-4, rtol=1e-4)
-    right = torch.allclose(chunk_logits[0], full_a[0, 149:150], atol=1e-4, rtol=1e-4)
+    right = torch.allclose(last[0], full_a[0, 149:150], atol=1e-4, rtol=1e-4)
     assert right == prefill_first
     if prefill_first:       # and the next chunk reads what the chunk wrote
-        logits, _ = model.forward_chunk(a[:, 150:160], torch.tensor([150]), state.view(0))
+        logits, _ = chunk_logits(model, a[:, 150:160], torch.tensor([150]), state.view(0))
         assert torch.allclose(logits[0], full_a[0, 150:160], atol=1e-4, rtol=1e-4)

@@ -7,10 +7,12 @@ import pytest
 import torch
 from tiny import prompts
 
-from dsv4cli import kernels, parallel
+from dsv4cli import parallel
 from dsv4cli.engine import Engine, EngineAPI, EngineFailed, ModelInfo
+from dsv4cli.engine.runner import StepRunner
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
 from dsv4cli.engine.verify import verify, verify_greedy
+from dsv4cli.kernels import cpu, native
 from dsv4cli.model.quant import quantize_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -130,25 +132,32 @@ def test_stop_rules(model, tok):
     assert s.output_ids == free.output_ids[:7] and s.finish_reason == "length"
 
 
-def stacked_copy(model):
-    """The model with its routed experts stacked, as accelerators run them (grouped GEMMs with the
-    routing kept on the device)."""
+def host_routed_copy(model):
+    """The model with its weights packed for the CPU's kernels (as big ones are), so its experts read their
+    routing on the host; the fixture's small experts are stacked, as accelerators run them (grouped
+    GEMMs with the routing kept on the device)."""
+    if not native.available():
+        pytest.skip("no native kernels on this machine")
     model = copy.deepcopy(model)
-    for layer in [*model.layers, *model.mtp]:
-        layer.ffn.stack_experts()
-        layer.ffn.routes_on_host = False
+    cpu.PACK_MIN_BYTES, before = 0, cpu.PACK_MIN_BYTES
+    try:
+        model.prepare()
+    finally:
+        cpu.PACK_MIN_BYTES = before
+    assert all(layer.ffn.stack is None for layer in [*model.layers, *model.mtp])
     return model
 
 
 @torch.no_grad()
 def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
     """Exactly one host read per step with the routing on the device (the accelerator layout). On the
-    CPU the routed experts also read their routing on the host, once per MoE call: tensors live
-    there, so those reads cost no device sync."""
+    CPU packed experts also read their routing on the host, once per MoE call: tensors live there, so
+    those reads cost no device sync."""
+    assert all(layer.ffn.stack is not None for layer in [*model.layers, *model.mtp])
     moe_calls = []
-    monkeypatch.setattr(kernels, "experts_on_host", spy(kernels.experts_on_host, moe_calls))
+    monkeypatch.setattr(cpu, "routed_experts", spy(cpu.routed_experts, moe_calls))
     # the second case asks for logprobs: they travel in the same packed tensor
-    for run, extra, logprobs in ((stacked_copy(model), 0, None), (model, 1, None), (stacked_copy(model), 0, 5)):
+    for run, extra, logprobs in ((model, 0, None), (host_routed_copy(model), 1, None), (model, 0, 5)):
         eng = Engine(run, tok, max_batch=2, max_seq_len=256, mtp=2)
         for p in prompts([10, 40], tok.vocab_size, seed=5):
             eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=logprobs))
@@ -170,7 +179,7 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
 def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
     """A step running prefill chunks in the decode step's passes reads the host once too, the step whose
     chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor)."""
-    eng = Engine(stacked_copy(model), tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
+    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
     running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
     eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
     eng.step()                                              # its prefill alone
@@ -196,10 +205,11 @@ def spy(fn, log, name=None):
 @torch.no_grad()
 def test_stacked_experts_give_the_same_greedy_tokens(model, tok):
     ps = prompts([7, 33, 130], tok.vocab_size, seed=9)
+    host_routed = host_routed_copy(model)
     for k in (0, 2):
-        host = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)]
-        grouped = Engine(stacked_copy(model), tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)
-        assert [s.output_ids for s in grouped] == host
+        grouped = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)]
+        host = Engine(host_routed, tok, max_batch=3, max_seq_len=256, mtp=k).generate(ps, GREEDY)
+        assert [s.output_ids for s in host] == grouped
 
 
 def test_rows_without_filters_skip_the_vocabulary_sort(model, tok, monkeypatch):
@@ -243,10 +253,10 @@ def test_plain_greedy_steps_take_the_argmax_and_give_the_distributions_tokens(mo
     no draw). Its tokens equal the distributions' ones: the same requests beside a sampled one, which
     makes every step compute the distributions, give the same output."""
     ps = prompts([6, 40], tok.vocab_size, seed=3)
-    steps = []
-    fused_decode = Engine._fused_decode
-    monkeypatch.setattr(Engine, "_fused_decode",
-                        lambda self, *args: steps.append(args[4]) or fused_decode(self, *args))   # args[4]: greedy
+    steps = []                    # each decode call's `greedy`
+    step = StepRunner.step
+    monkeypatch.setattr(StepRunner, "step",
+                        lambda self, key, *chunks: (key.batch and steps.append(key.greedy)) or step(self, key, *chunks))
     sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)   # 20+ steps
     for k in (0, 2):
         steps.clear()
@@ -418,7 +428,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(model, to
     a, b = eng.submit(ps[0], GREEDY), eng.submit(ps[1], GREEDY)
     while not (a.output_ids and b.output_ids):
         eng.step()
-    eng.state.last[0] = tok.vocab_size + 5        # a token id the embedding doesn't have: the next step raises
+    eng.runner.state.last[0] = tok.vocab_size + 5        # a token id the embedding doesn't have: the next step raises
     events = eng.step()
     assert sorted(id(e.seq) for e in events) == sorted([id(a), id(b)]) and all(e.finished for e in events)
     assert a.finish_reason == b.finish_reason == "error" and a.error.startswith("engine step failed: IndexError")

@@ -1,6 +1,8 @@
-"""How the package imports: no module-level import cycle, and a CLI that imports a verb's module (and
-torch) only when that verb runs."""
+"""How the package imports: no import cycle at any level (functions' imports included), every import pointing
+down the layers (front ends -> loading -> engine -> model -> kernels -> platforms), no device-type branch
+outside the platforms, and a CLI that imports a verb's module (and torch) only when that verb runs."""
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,27 +12,34 @@ from dsv4cli.config import SPEC
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dsv4cli"
+# The layers, top first: a module imports its own layer's modules, lower layers' and the shared utilities.
+LAYERS = [
+    ("front ends", ("dsv4cli", "dsv4cli.__main__", "dsv4cli.cli", "dsv4cli.options", "dsv4cli.generate",
+                    "dsv4cli.bench", "dsv4cli.chat", "dsv4cli.batch", "dsv4cli.serve", "dsv4cli.openai",
+                    "dsv4cli.tools", "dsv4cli.api")),
+    ("loading", ("dsv4cli.config", "dsv4cli.loading", "dsv4cli.parallel", "dsv4cli.hub")),
+    ("engine", ("dsv4cli.engine",)),
+    ("model", ("dsv4cli.model",)),
+    ("kernels", ("dsv4cli.kernels",)),
+    ("platforms", ("dsv4cli.platforms",)),
+]
+# what every layer may use, and which imports none of the layers
+SHARED = ("dsv4cli.errors", "dsv4cli.cache", "dsv4cli.units", "dsv4cli.tokenizer", "dsv4cli.encoding")
 
 
-def module_level_imports(stmts: list[ast.stmt]):
-    """The import statements run when a module is imported: not those in functions or `if TYPE_CHECKING:`."""
-    for s in stmts:
-        if isinstance(s, ast.Import | ast.ImportFrom):
-            yield s
-        elif isinstance(s, ast.If):
-            if not (isinstance(s.test, ast.Name) and s.test.id == "TYPE_CHECKING"):
-                yield from module_level_imports(s.body)
-            yield from module_level_imports(s.orelse)
-        elif isinstance(s, ast.Try):
-            for block in (s.body, s.orelse, s.finalbody, *(h.body for h in s.handlers)):
-                yield from module_level_imports(block)
-        elif isinstance(s, ast.With | ast.ClassDef):
-            yield from module_level_imports(s.body)
+def runtime_imports(tree: ast.AST):
+    """Every import statement a module can run: at module level or in a function, not under
+    `if TYPE_CHECKING:` (annotations only)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []          # skipped: ast.walk visits the children after this node
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
 
 
 def import_graph() -> dict[str, set[str]]:
-    """dsv4cli module -> the dsv4cli modules it imports at module level (`from a import b` counts as
-    importing a.b when that is a module, else a)."""
+    """dsv4cli module -> the dsv4cli modules it imports anywhere (`from a import b` counts as importing a.b
+    when that is a module, else a)."""
     files = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(ROOT).with_suffix("").parts
@@ -39,7 +48,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in files.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for s in module_level_imports(ast.parse(path.read_text()).body):
+        for s in runtime_imports(ast.parse(path.read_text())):
             if isinstance(s, ast.Import):
                 targets |= {a.name for a in s.names if a.name in files}
                 continue
@@ -49,14 +58,14 @@ def import_graph() -> dict[str, set[str]]:
                 base = ".".join(parent + ([s.module] if s.module else []))
             for a in s.names:
                 targets.add(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base)
-        graph[name] = targets & files.keys()
+        graph[name] = (targets & files.keys()) - {name}
     return graph
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     found, state = [], {}        # state: 1 on the current path, 2 done
 
-    def visit(path: list[str]) -> None:
+    def visit(path):
         state[path[-1]] = 1
         for nxt in sorted(graph[path[-1]]):
             if state.get(nxt) == 1:
@@ -71,15 +80,44 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_no_module_level_import_cycle():
+def layer(module: str) -> int | None:
+    """The module's layer (0 = front ends), or None for the shared utilities."""
+    if module in SHARED:
+        return None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes if p != "dsv4cli") or module == "dsv4cli":
+            return i
+    raise AssertionError(f"{module}: in no layer of tests/test_imports.py (add it where it belongs)")
+
+
+def test_no_import_cycle_at_any_level():
     graph = import_graph()
-    # the graph sees absolute, relative and package imports
+    # the graph sees absolute, relative, package and in-function imports
     assert {"dsv4cli.options", "dsv4cli.config"} <= graph["dsv4cli.cli"]
-    assert "dsv4cli.engine.graphs" in graph["dsv4cli.engine.engine"]
+    assert "dsv4cli.engine.graphs" in graph["dsv4cli.engine.runner"]
     assert "dsv4cli.platforms" in graph["dsv4cli.platforms.cpu"]
+    assert "dsv4cli.parallel" in graph["dsv4cli.loading"]            # imported in a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]
-    assert cycles({"a": {"a"}}) == [["a", "a"]]
     assert cycles(graph) == []
+
+
+def test_every_import_points_down_the_layers():
+    wrong = []
+    for module, targets in import_graph().items():
+        here = layer(module)
+        for target in targets:
+            there = layer(target)
+            if there is not None and (here is None or there < here):
+                wrong.append(f"{module} ({LAYERS[here][0] if here is not None else 'shared'}) imports {target} "
+                             f"({LAYERS[there][0]})")
+    assert wrong == []
+
+
+def test_only_the_platforms_branch_on_the_device_type():
+    branch = re.compile(r"device\.type|\.is_cuda\b|\.type == \"(cpu|cuda|npu)\"")
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in PACKAGE.rglob("*.py") if "platforms" not in path.parts
+             for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == []
 
 
 def imports_torch(*args: str) -> bool:

@@ -140,7 +140,7 @@ def test_cli(official, tmp_path, capsys):
     code, out, err = run(capsys, "inspect", tmp_path / "out", "--check")
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     code, _, err = run(capsys, "inspect", src, "--tp", "3")
-    assert code == 2 and "--tp 3 must divide" in err
+    assert code == 2 and "--tp 3: does not divide" in err
     code, _, err = run(capsys, "convert", tmp_path / "missing", tmp_path / "x")
     assert code == 2 and err.count("\n") == 1 and "model directory not found" in err
     code, _, err = run(capsys, "convert", src, tmp_path / "x", "--to", "fp16")

@@ -5,10 +5,9 @@ import copy
 
 import pytest
 import torch
-from tiny import random_model, tiny_config
+from tiny import chunk_logits, mtp_chunk_logits, random_model, tiny_config
 
-from dsv4cli import kernels
-from dsv4cli.kernels import native, reference
+from dsv4cli.kernels import cpu, native, reference
 from dsv4cli.model import DecodeState
 from dsv4cli.model.model import MoE
 from dsv4cli.model.quant import quantize_model
@@ -66,9 +65,9 @@ def test_grouped_experts_skip_other_ranks_experts():
     weights = torch.rand(5, 3, generator=g)
     local = torch.tensor([[0, -3, 15], [16, 2, 2], [-1, -2, 20], [7, 15, 0], [3, 4, 5]])
     kept = torch.where((local >= 0) & (local < 16), weights, 0.0)
-    want = sum(kernels.grouped_experts(x, kept[:, j:j + 1], local[:, j:j + 1].clamp(0, 15), moe.stack)
+    want = sum(reference.grouped_experts(x, kept[:, j:j + 1], local[:, j:j + 1].clamp(0, 15), moe.stack)
                for j in range(3))
-    torch.testing.assert_close(kernels.grouped_experts(x, weights, local, moe.stack), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(reference.grouped_experts(x, weights, local, moe.stack), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", ["host", "grouped", "fused"])
@@ -87,7 +86,7 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
     if path == "fused":
         if not native.available():
             pytest.skip("no native kernels on this machine")
-        monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)        # the tiny experts pack, as real ones do
+        monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)        # the tiny experts pack, as real ones do
         model.prepare()
         assert all(moe.table is not None and moe.table.shared for moe in moes)
         lib, kernel = native.library(), native.library().dsv4_routed_experts
@@ -95,7 +94,7 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
     expert_bytes = {lin.weight.data_ptr(): lin.weight.numel()
                     for moe in moes for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3)}
     routed, read = [], []
-    gate, w8a8, grouped = kernels.moe_gate, reference.w8a8_linear, reference.grouped_linear
+    gate, w8a8, grouped = reference.moe_gate, reference.w8a8_linear, reference.grouped_linear
 
     def spy_gate(*args, **kw):
         weights, idx = gate(*args, **kw)
@@ -111,13 +110,14 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
         read.append(int((counts > 0).sum()) * weight[0].numel())
         return grouped(x, weight, scale, offs, group, xq)
 
-    monkeypatch.setattr(kernels, "moe_gate", spy_gate)
-    monkeypatch.setattr(reference, "w8a8_linear", spy_w8a8)
+    ops = cpu if path == "fused" else reference       # the unprepared models run the reference
+    monkeypatch.setattr(ops, "moe_gate", spy_gate)
+    monkeypatch.setattr(ops, "w8a8_linear", spy_w8a8)
     monkeypatch.setattr(reference, "grouped_linear", spy_grouped)
     ids = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(batch))
     start = torch.zeros(batch, dtype=torch.long)
-    _, hidden = model.forward_chunk(ids, start, DecodeState(model, batch, 64, max_draft=0))
-    model.mtp_forward_chunk(hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
+    _, hidden = chunk_logits(model, ids, start, DecodeState(model, batch, 64, max_draft=0))
+    mtp_chunk_logits(model, hidden, ids, start, DecodeState(model, batch, 64, max_draft=0))
     per_expert = 3 * 32 * 64                    # w1, w3 [32, 64] and w2 [64, 32] int8
     assert len(routed) == len(moes)
     if path == "fused":                         # each call ran its routed experts, then the shared one
@@ -129,13 +129,13 @@ def test_a_decode_step_reads_only_the_routed_experts_weights(batch, path, monkey
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 300])
 def test_packed_int8_gemm_equals_int_mm(rows, monkeypatch):
-    monkeypatch.setattr(reference, "PACK_MIN_BYTES", 0)       # small weights stay plain by default
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)       # small weights stay plain by default
     g = torch.Generator().manual_seed(rows)
     weight = torch.randint(-127, 128, (96, 320), generator=g, dtype=torch.int8)
     scale = torch.rand(96, 1, generator=g) / 50
-    packed = reference.pack_w8a8(weight)
+    packed = cpu.pack_w8a8(weight)
     if packed is None:
         pytest.skip("this CPU's torch has no oneDNN int8 GEMM")
     x = torch.randn(rows, 320, generator=g) * 4
-    assert torch.equal(reference.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
-    assert torch.equal(reference.unpack_w8a8(packed), weight)
+    assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
+    assert torch.equal(cpu.unpack_w8a8(packed), weight)

@@ -7,9 +7,11 @@ import torch
 from tiny import random_model, tiny_config
 
 from dsv4cli import kernels, loading, platforms
-from dsv4cli.kernels import ExpertStack, reference
+from dsv4cli.kernels import reference
+from dsv4cli.kernels.reference import ExpertStack
 from dsv4cli.model import load_model
 from dsv4cli.model.loader import keep_fp32
+from dsv4cli.model.model import OpModule
 from dsv4cli.model.quant import quantize_model, save_w8a8
 from dsv4cli.platforms.cpu import CpuPlatform
 from dsv4cli.platforms.npu import NpuPlatform
@@ -25,7 +27,7 @@ def npu(monkeypatch):
     for name in STAND_IN:
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(platforms._REGISTRY, "npu", NpuPlatform())
-    module = kernels.backend("npu")
+    module = kernels.module_for("npu")
     sys.modules["torch_npu"].calls.clear()
     yield module
     for name in STAND_IN:
@@ -41,18 +43,18 @@ def npu950(npu, monkeypatch):
     return npu
 
 
-def run_cpu_ops_on(monkeypatch, module):
-    """Register a CPU platform whose kernels are `module`: every op of a CPU model then runs there."""
-    class HostWithOtherKernels(CpuPlatform):
-        def load_kernels(self):
-            return module
-    monkeypatch.setitem(platforms._REGISTRY, "cpu", HostWithOtherKernels())
+def run_ops_on(model, module):
+    """Bind `module` to every module of `model`, as `Transformer.prepare` binds a platform's kernels: every
+    op of the model then runs there."""
+    for m in model.modules():
+        if isinstance(m, OpModule):
+            m.ops = module
 
 
 def test_npu_device_selects_the_npu_backend(npu):
-    assert npu.__name__ == "dsv4cli.kernels.npu" and kernels.backend("npu") is npu
+    assert npu.__name__ == "dsv4cli.kernels.npu" and kernels.module_for("npu") is npu
     assert npu.sparse_attention is reference.sparse_attention and npu.moe_gate is reference.moe_gate
-    assert kernels.backend("cpu") is reference
+    assert set(reference.__all__) <= set(vars(npu))            # every op of the seam
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -94,7 +96,7 @@ def test_w8a8_model_runs_on_the_npu_backend(npu, monkeypatch):
             p.data = p.data.float()
     ids = torch.randint(0, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     want = model(ids)
-    run_cpu_ops_on(monkeypatch, npu)
+    run_ops_on(model, npu)
     got = model(ids)
     calls = sys.modules["torch_npu"].calls
     assert calls["npu_quant_matmul"] > 0 and calls["npu_rms_norm"] > 0
@@ -147,7 +149,7 @@ def test_w8a8_model_with_stacked_experts_runs_on_the_npu_backend(npu, monkeypatc
         block.ffn.stack_experts()
     ids = torch.randint(0, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
     want = model(ids)
-    run_cpu_ops_on(monkeypatch, npu)
+    run_ops_on(model, npu)
     got = model(ids)
     calls = sys.modules["torch_npu"].calls
     assert calls["npu_moe_init_routing_v2"] == cfg["num_hidden_layers"] and calls["npu_grouped_matmul"] > 0
@@ -248,9 +250,7 @@ def test_a_platform_registered_here_runs_the_whole_w8a8_model(npu950, monkeypatc
         priority = 100
         default_dtype = "bfloat16"
         routes_on_host = False
-
-        def load_kernels(self):
-            return npu950
+        kernels = "npu"             # the stand-in's module (the fixture imported it)
 
     cfg = tiny_config()
     save_w8a8(random_model(cfg, seed=1), cfg, tmp_path)
@@ -265,6 +265,7 @@ def test_a_platform_registered_here_runs_the_whole_w8a8_model(npu950, monkeypatc
 
     def logits(platform):
         monkeypatch.setitem(platforms._REGISTRY, "cpu", platform)
+        model.prepare()                                  # binds the platform's kernels
         out, hidden = model(ids, return_hidden=True)
         return out, model.mtp_forward(hidden, ids)
 

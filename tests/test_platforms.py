@@ -8,6 +8,7 @@ from dsv4cli import kernels, loading, platforms
 from dsv4cli.config import Settings
 from dsv4cli.engine.graphs import DecodeGraphs
 from dsv4cli.errors import UsageError
+from dsv4cli.kernels import cpu as cpu_kernels
 from dsv4cli.kernels import reference
 from dsv4cli.platforms import Platform
 
@@ -20,7 +21,8 @@ def test_builtin_platforms_and_device_choices():
     assert (cpu.dist_backend, cpu.default_dtype, cpu.routes_on_host, cpu.graph_api()) == ("gloo", "float32", True, None)
     assert [platforms.get(n).dist_backend for n in ("cuda", "npu")] == ["nccl", "hccl"]
     assert platforms.get("npu").compile_backend == "npu" and cpu.compile_backend == "inductor"
-    assert kernels.backend("cpu") is reference and kernels.backend("meta") is reference   # unregistered: the oracle
+    assert kernels.module_for(torch.device("cpu")) is cpu_kernels and platforms.get("npu").kernels == "npu"
+    assert set(reference.__all__) <= set(vars(cpu_kernels))            # every op of the seam
     assert cpu.free_memory(torch.device("cpu")) > 0
     assert DecodeGraphs.for_device(torch.device("cpu")) is None
     auto = platforms.pick("auto")

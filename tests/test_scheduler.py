@@ -108,21 +108,23 @@ def test_mixed_pass_below_a_running_stream_equals_alone(model, tok, k, monkeypat
 
 
 @torch.no_grad()
-def test_mixed_pass_logprobs_equal_separate_passes(model, tok):
+def test_mixed_pass_logprobs_equal_passes_alone(model, tok):
     """Logprobs of the first token (packed with the decode rows' in the step's one host read) and of the
-    running stream's tokens are those of separate passes."""
-    runs = []
-    for mixed in (True, False):
-        eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=2, prefill_chunk=16, prefill_budget=16,
-                     mixed=mixed)
-        running = eng.submit(prompts([12], tok.vocab_size, seed=3)[0],
-                             SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2))
+    running stream's tokens are those each request gets alone."""
+    requests = [(prompts([12], tok.vocab_size, seed=3)[0],
+                 SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)),
+                (prompts([40], tok.vocab_size, seed=4)[0],
+                 SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True, logprobs=3))]
+    eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=2, prefill_chunk=16, prefill_budget=16)
+    running = eng.submit(*requests[0])
+    eng.step()
+    new = eng.submit(*requests[1])
+    while eng.has_work():
         eng.step()
-        new = eng.submit(prompts([40], tok.vocab_size, seed=4)[0],
-                         SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True, logprobs=3))
-        while eng.has_work():
-            eng.step()
-        runs.append([(s.output_ids, [(lp.token, lp.logprob, lp.top) for lp in s.logprobs]) for s in (running, new)])
+    alone = [Engine(model, tok, max_batch=1, max_seq_len=320, mtp=2, prefill_chunk=16,
+                    prefill_budget=16).generate([ids], params)[0] for ids, params in requests]
+    runs = [[(s.output_ids, [(lp.token, lp.logprob, lp.top) for lp in s.logprobs]) for s in seqs]
+            for seqs in ((running, new), alone)]
     for (ids, lps), (ids_sep, lps_sep) in zip(*runs):
         assert ids == ids_sep and len(lps) == len(ids)
         for (t, lp, top), (t_sep, lp_sep, top_sep) in zip(lps, lps_sep):

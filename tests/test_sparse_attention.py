@@ -2,7 +2,7 @@
 with the documented tie policy, equal to dense masked attention, and without copying any cache."""
 import pytest
 import torch
-from tiny import random_model, tiny_config
+from tiny import chunk_logits, random_model, tiny_config
 
 from dsv4cli.kernels import reference
 from dsv4cli.model import DecodeState
@@ -51,12 +51,12 @@ def test_topk_blocks_ties_go_to_the_lower_block():
         assert torch.equal(reference.topk_blocks(scores, closed, k), want)
 
 
-def test_indexer_scores_in_slices(monkeypatch):
+def test_indexer_scores_in_slices():
     g = torch.Generator().manual_seed(2)
     q, keys, w = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 50, 8, generator=g), torch.randn(2, 3, 4)
     want = (torch.einsum("bshd,btd->bsht", q, keys).relu() * w[..., None]).sum(2)
-    monkeypatch.setattr(reference, "INDEXER_SLICE", 7 * 24)   # B x S x H = 24: 7 blocks a slice, 8 slices, one partial
-    torch.testing.assert_close(reference.indexer_scores_bmm(q, keys, w), want, rtol=1e-5, atol=1e-5)
+    # B x S x H = 24: 7 blocks a slice, 8 slices, one partial
+    torch.testing.assert_close(reference.indexer_scores(q, keys, w, 7 * 24), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -84,7 +84,7 @@ def test_decode_reads_caches_in_place(rows, monkeypatch):
     monkeypatch.setattr(reference, "sparse_attention", spy_attention)
     tokens = torch.randint(0, 256, (2, rows))
     start = torch.tensor([context - 1, context - 40])
-    model.forward_chunk(tokens, start, state, context=context + rows)
+    chunk_logits(model, tokens, start, state, context=context + rows)
     assert not cache_storage & set(joined)
     ratios = model.cfg.compress_ratios[: model.cfg.n_layers]
     assert len(masks) == len(ratios)

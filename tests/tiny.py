@@ -1,7 +1,7 @@
 """Tiny DeepSeek V4 configs and random checkpoints in the official layout, for tests."""
 import torch
 
-from dsv4cli.model import ModelConfig, Transformer
+from dsv4cli.model import ModelConfig, Segment, Transformer
 from dsv4cli.model.checkpoint import init_weights, save_checkpoint
 
 
@@ -46,3 +46,15 @@ def prompts(n_list, vocab, seed=0) -> list[list[int]]:
     """Random prompts of the given lengths, ids above the special tokens."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(21, vocab, (n,), generator=g).tolist() for n in n_list]
+
+
+def chunk_logits(model: Transformer, tokens, start, state, context=None, length=None):
+    """The trunk's logits and streams over one chunk through the cached path (as a step runs it)."""
+    (hidden,) = model.forward_segments([Segment(tokens, start, state, context, length)])
+    return model.logits(hidden), hidden
+
+
+def mtp_chunk_logits(model: Transformer, hidden, next_ids, start, state, length=None):
+    """The MTP layer's logits and streams over one chunk through the cached path."""
+    (x,) = model.mtp_forward_segments([hidden], [Segment(next_ids, start, state, length=length)])
+    return model.mtp_logits(x), x

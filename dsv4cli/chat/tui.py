@@ -13,7 +13,7 @@ from rich.text import Text
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import EngineAPI, Metrics
-from dsv4cli.tools.inspect import human_count
+from dsv4cli.units import human_count
 
 SPARKS = "▁▂▃▄▅▆▇█"
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # all C0 controls but tab and newline

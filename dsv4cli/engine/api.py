@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from dsv4cli.tools.inspect import count_parameters
+from dsv4cli.model.footprint import count_parameters
 
 if TYPE_CHECKING:
     from dsv4cli.model import Transformer
@@ -60,6 +60,10 @@ class EngineAPI(Protocol):
     def cancel(self, seq: Sequence) -> None: ...
 
     def has_work(self) -> bool: ...
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (a compile, other ranks)."""
+        ...
 
     def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> EngineAPI:
         """The same loaded model with another batch size or MTP depth (and compiled step or not;

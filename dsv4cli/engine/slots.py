@@ -1,45 +1,67 @@
-"""Every per-slot tensor of the engine in one object. A slot holds one running request; the fused
-decode step reads and writes slots [0, nb) in place, so all of this is preallocated."""
+"""Every per-slot device tensor of the engine in one object. A slot holds one running request; a step
+reads and writes slots [0, nb) in place, and a prefill chunk its slot's views, so all of this is
+preallocated."""
+from typing import NamedTuple
+
 import torch
 
 from dsv4cli.model import DecodeState, Transformer
 
-from .prefix import SPARE_RING_ROWS, SlotHistory
+from .prefix import SPARE_RING_ROWS
 from .sampling import SlotParams
 
 
-class SlotState:
-    """The state of `max_batch` slots (B), K = MTP depth, V = vocabulary, R = ring rows.
+class SlotView(NamedTuple):
+    """One slot's state as views of one row (writes land in the SlotState): what a prefill chunk reads and
+    writes. Views are graph inputs of a compiled chunk, whose guards check their sizes and strides, not
+    where they start, so every slot runs one graph."""
+    cache: DecodeState
+    sampling: SlotParams
+    last: torch.Tensor
+    pos: torch.Tensor
+    drafts: torch.Tensor
+    active: torch.Tensor
 
-    cache:     the model's DecodeState, per trunk and MTP layer (model.LayerCache): window KV ring
+
+class SlotState:
+    """The state of `max_batch` slots (B), K = drafts per step, V = vocabulary, R = ring rows.
+
+    cache:     the model's DecodeState, per trunk and drafter layer (model.LayerCache): window KV ring
                [B, R, head_dim], compressor rings [B, R, span*head_dim] and compressed blocks
                [B, max_len/ratio + 1, head_dim] (and the indexer's); positions >= the slot's `pos`
                hold rows the next step rewrites
     last:      [B] long, the last committed token, not yet run through the trunk
     pos:       [B] long, its position
-    drafts:    [B, max(K, 1)] long, the MTP drafts the next step verifies
+    drafts:    [B, max(K, 1)] long, the drafts the next step verifies
     active:    [B] bool, the slot decodes (free and still-prefilling slots are stepped but keep their
-               state: their `pos` names where their rows may be written, see Engine._fused_decode)
+               state: their `pos` names where their rows may be written, see StepRunner.step)
     sampling:  SlotParams, the request's settings: [B] temperature, top_p, top_k, min_p, rep,
                presence, frequency, seed; [B, V] bias (logit_bias), prompt_mask (tokens in the
                prompt), output_counts (how often each token was output)
-    history:   [B] SlotHistory on the host: the tokens each slot's cache holds (prefix reuse)
     """
 
-    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, mtp_depth: int, reuse_prefix: bool):
+    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool):
         device = model.embed.weight.device
-        self.cache = self.decode_state(model, max_batch, max_seq_len, mtp_depth, reuse_prefix)
+        self.cache = self.decode_state(model, max_batch, max_seq_len, depth, reuse_prefix)
         self.last = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(max_batch, max(mtp_depth, 1), dtype=torch.long, device=device)
+        self.drafts = torch.zeros(max_batch, max(depth, 1), dtype=torch.long, device=device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.sampling = SlotParams(max_batch, model.cfg.vocab_size, device)
-        self.history = [SlotHistory() for _ in range(max_batch)]
+        self._views: dict[int, SlotView] = {}
 
     @staticmethod
-    def decode_state(model: Transformer, max_batch: int, max_seq_len: int, mtp_depth: int, reuse_prefix: bool,
+    def decode_state(model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool,
                      device=None, dtype=None) -> DecodeState:
         """The cache a SlotState allocates (on the meta device: its size, with nothing allocated). A step
         writes K+1 rows past the last committed token; spare ring rows let a prompt resume a slot."""
-        return DecodeState(model, max_batch, max_seq_len, max_draft=max(mtp_depth, 1) + 1,
+        return DecodeState(model, max_batch, max_seq_len, max_draft=max(depth, 1) + 1,
                            spare=SPARE_RING_ROWS if reuse_prefix else 0, device=device, dtype=dtype)
+
+    def view(self, slot: int) -> SlotView:
+        """Slot `slot`'s views (cached: a step makes none)."""
+        if slot not in self._views:
+            one = slice(slot, slot + 1)
+            self._views[slot] = SlotView(self.cache.view(slot), self.sampling.view(slot), self.last[one],
+                                         self.pos[one], self.drafts[one], self.active[one])
+        return self._views[slot]

@@ -1,4 +1,6 @@
-"""Speculative verification (rejection sampling) of K drafts against the target distributions.
+"""Speculative verification (rejection sampling) of K drafts against the target distributions: the one
+verifier every drafter's drafts go through, and the one way a committed token is chosen (a prompt's first
+token is a row with no drafts).
 
 Accept draft d with probability p(d); on rejection draw from p with d removed; when every draft is
 accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
@@ -6,7 +8,37 @@ exactly as the target model's, and greedy rows (one-hot p) get exact-match accep
 """
 import torch
 
-from .sampling import RNG_ACCEPT, RNG_DRAW, sample_from, uniform
+from .sampling import (
+    RNG_ACCEPT,
+    RNG_DRAW,
+    SlotParams,
+    processed_logits,
+    sample_from,
+    target_probs,
+    token_logprobs,
+    uniform,
+)
+
+
+def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
+                sort: bool, logprobs: bool, greedy: bool):
+    """The tokens K drafts commit: logits [B,K+1,V] of the rows [last, drafts] at positions pos.. of the
+    slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token). `greedy`: every row is `plain_greedy`,
+    so its tokens are the logits' argmax (the tokens its distributions give); `sort`: some row filters by
+    rank or mass; `logprobs`: score each candidate by its own row's processed distribution (a correction
+    token reports its probability under the model, not under the residual it was drawn from).
+    Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
+    if greedy:
+        return (*verify_greedy(logits.argmax(-1), drafts), None)
+    k = drafts.shape[1]
+    # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
+    counts = sp.output_counts[b, None].expand(-1, k + 1, -1)
+    if k:
+        onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
+        counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
+    processed = processed_logits(logits, sp, b, counts)
+    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos)
+    return tokens, n_acc, token_logprobs(processed, tokens) if logprobs else None
 
 
 def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor):

@@ -7,12 +7,12 @@ reads a weight at 0.3 of the streaming read with 8 rows, 0.9-1.0 with one; oneDN
 0.3-0.8, swinging from run to run), so weights of 2 MiB and more are packed into these kernels' layouts
 at load: 1-4 rows read at 0.8-1.0 of the streaming read, AMX (where the CPU has it) takes int8 GEMMs of
 8 rows and more, prefill's included, and float weights whose values are bf16 are held in bf16 (half the
-bytes, the same fp32 sums). docs/design.md has the numbers (`benchmarks/cpu_gemm.py`).
+bytes, the same fp32 sums). benchmarks/README.md has the numbers (`benchmarks/cpu_gemm.py`).
 
 Built once per source, compiler and flags into the user cache (`kernels/`), loaded with ctypes (a
 call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
 compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
-False and the callers keep torch's kernels.
+False and the CPU kernel module (`cpu.py`) keeps torch's kernels.
 """
 import ctypes
 import functools
@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from dsv4cli.cache import user_cache_dir
+
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c")]
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -36,11 +38,6 @@ BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
 # faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
 AMX_MIN_ROWS = 8
-
-
-def user_cache_dir() -> Path:
-    """dsv4cli's persistent cache (XDG): compiled kernels and decode steps live under it."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4cli"
 
 
 def _cpu_flags() -> set[str]:
@@ -109,7 +106,7 @@ def available() -> bool:
 
 def packable(weight: torch.Tensor) -> bool:
     out, k = weight.shape
-    return weight.device.type == "cpu" and out % BLOCK == 0 and k % 4 == 0 and available()
+    return out % BLOCK == 0 and k % 4 == 0 and available()
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
@@ -223,10 +220,9 @@ def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, loc
 
 
 def scannable(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `indexer_scores` takes these: CPU tensors, 16 to 64 heads in whole vectors, fp32 or bf16 keys."""
+    """Whether `indexer_scores` takes these: 16 to 64 heads in whole vectors, fp32 or bf16 keys."""
     heads = q.shape[-2]
-    return (q.device.type == "cpu" and keys.device.type == "cpu" and heads % 16 == 0 and heads <= 64
-            and keys.dtype in (torch.float32, torch.bfloat16) and available())
+    return heads % 16 == 0 and heads <= 64 and keys.dtype in (torch.float32, torch.bfloat16) and available()
 
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -18,16 +18,13 @@ import torch
 import torch_npu
 
 from . import reference
+from .reference import *  # noqa: F403 - the seam: every op, then what torch_npu runs fused
 
 HALF = (torch.float16, torch.bfloat16)   # the activation dtypes npu_dynamic_quant / npu_quant_matmul take
 # torch_npu.npu.get_soc_version() of Ascend 950, the first chip with the mHC ops (npu_mhc_pre/post:
 # "昇腾950", npu_mhc_sinkhorn: "Atlas A5"); the wheel's own meta registrations compare against 260.
 ASCEND950 = 260
 SINKHORN_STREAMS = (4, 6, 8)             # the n npu_mhc_sinkhorn takes
-
-
-def __getattr__(name):
-    return getattr(reference, name)
 
 
 def pack_w8a8(weight: torch.Tensor):

@@ -1,16 +1,37 @@
-"""Torch reference backend: plain torch ops, exact semantics, runs anywhere.
+"""The reference kernels: the seam's every op in plain torch, exact semantics, on any device.
 
-Every other backend is tested against these functions.
+This is the oracle every platform's kernel module is tested against, and the module a platform without
+kernels of its own runs. It has no device branch and imports no backend: a platform's module
+(`cpu.py`, `cuda.py`, `npu.py`) takes these ops (`from .reference import *`) and replaces what it runs
+faster. The reference has no packed weight layouts: its `pack_*` return None, so `packed` is always None
+here.
 """
-import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from . import native
+__all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token", "linear", "linear_fp32",
+           "pack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "w8a8_linear", "sparse_attention",
+           "indexer_scores", "topk_blocks", "moe_gate", "swiglu", "routed_experts", "grouped_linear",
+           "grouped_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
 AMAX_FLOOR = 1e-4
+
+
+@dataclass
+class ExpertStack:
+    """A rank's routed experts stacked for grouped GEMMs, read in place.
+
+    w13 [E, 2*inter, dim] (each expert's w1 rows, then its w3 rows), w2 [E, dim, inter]: int8 with
+    fp32 per-channel scales s13 [E, 2*inter, 1] and s2 [E, dim, 1], or float with scales None.
+    limit: the SwiGLU clamp (0 = none)."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor | None
+    s2: torch.Tensor | None
+    limit: float
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -46,40 +67,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
-    """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head);
-    `packed` = pack_linear_fp32(weight), which is then read instead of `weight`."""
-    if packed is not None:
-        return float_packed(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
+    """x W^T computed in fp32 whatever the stored dtypes (the compressors and the LM head)."""
     return F.linear(x.float(), weight.float())
 
 
-@torch.library.custom_op("dsv4::packed_float_mm", mutates_args=())
-def packed_float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [m, in] times a `pack_linear_fp32` weight, fp32 (a custom op: inductor can't lower the layout)."""
-    return native.float_mm(x, packed)
-
-
-@packed_float_mm.register_fake
-def _(x, packed):
-    return x.new_empty(x.shape[0], packed.shape[0] * native.BLOCK, dtype=torch.float32)
-
-
-def float_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`packed_float_mm`: the custom op in a graph being compiled, the kernel itself in eager, where the
-    op's dispatch cost ~20 us a call (a third of a small expert's GEMM)."""
-    return packed_float_mm(x, packed) if torch.compiler.is_compiling() else native.float_mm(x, packed)
+def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
+    """A float weight in a packed layout of the platform's own, or None (the reference has none)."""
+    return None
 
 
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
-    """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a);
-    `packed` = pack_linear_fp32(weight as [G*r, d], G), read instead of weight: group g's rows are
-    its blocks g*r/32 .. (g+1)*r/32."""
-    if packed is None:
-        return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
-    G, r = weight.shape[:2]
-    rows, blocks = x.reshape(-1, G, x.shape[-1]), packed.chunk(G)
-    y = torch.stack([float_packed(rows[:, g], blocks[g]) for g in range(G)], 1)
-    return y.view(*x.shape[:-1], r).to(x.dtype)
+    """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a)."""
+    return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
 
 
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, ratio: int) -> torch.Tensor:
@@ -95,118 +94,19 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, rat
     return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
-# Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
-# for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
-PACK_MIN_BYTES = 2 << 20
-CHECK_ROWS = 256      # rows per slice of pack_linear_fp32's bf16 check: no full-size temporaries at load
-
-
 def pack_w8a8(weight: torch.Tensor):
-    """The int8 weight [out, in] in a packed CPU kernel's layout, or None where none is available or the
-    weight is small: the native few-row GEMM's (`native.py`, uint8), else oneDNN's blocked layout (an
-    mkldnn tensor). Both give `torch._int_mm`'s int32 sums, so the same results, bit for bit.
-
-    On the CPU `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count,
-    oneDNN's prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to
-    16 rows (`benchmarks/cpu_gemm.py`)."""
-    if weight.device.type != "cpu" or weight.numel() < PACK_MIN_BYTES:
-        return None
-    if native.packable(weight):
-        return native.pack_int8(weight)
-    return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]]) if _onednn_int8() else None
-
-
-def is_packed(weight: torch.Tensor) -> bool:
-    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D).
-    Real tensors only: traced, an mkldnn tensor reads as a plain one (modules pass `packed` themselves)."""
-    return weight.is_mkldnn or weight.dim() > 2
-
-
-@functools.cache
-def _onednn_int8() -> bool:
-    try:
-        w = torch.ones(2, 4, dtype=torch.int8)
-        y = packed_int_mm(torch.ones(1, 4, dtype=torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, 4]))
-        return torch.equal(y, torch.full((1, 2), 4.0))
-    except (AttributeError, RuntimeError):
-        return False
-
-
-@torch.library.custom_op("dsv4::packed_int_mm", mutates_args=())
-def packed_int_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """Exact int32 sums of q [m, in] int8 times a packed weight, as fp32 (unit scales, no zero points).
-    A custom op: the compiler keeps the call as it is (inductor can't lower either packed weight)."""
-    if packed.dtype == torch.uint8:
-        return native.int8_mm(q, packed)
-    n = packed.shape[1]
-    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, _ones(n), _zeros(n), None, 1.0, 0,
-                                              torch.float32, "none", [None], "")
-
-
-@packed_int_mm.register_fake
-def _(q, packed):
-    n = packed.shape[0] * native.BLOCK if packed.dtype == torch.uint8 else packed.shape[1]
-    return q.new_empty(q.shape[0], n, dtype=torch.float32)
-
-
-def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`packed_int_mm`, the native kernel called directly in eager (as `float_packed`)."""
-    if packed.dtype == torch.uint8 and not torch.compiler.is_compiling():
-        return native.int8_mm(q, packed)
-    return packed_int_mm(q, packed)
-
-
-@functools.cache
-def _ones(n: int) -> torch.Tensor:
-    return torch.ones(n)
-
-
-@functools.cache
-def _zeros(n: int) -> torch.Tensor:
-    return torch.zeros(n, dtype=torch.long)
-
-
-def unpack_w8a8(packed) -> torch.Tensor:
-    """The plain int8 weight [out, in] back from `pack_w8a8`."""
-    if packed.dtype == torch.uint8:
-        return native.unpack_int8(packed)
-    return packed.to_dense().t().contiguous()
-
-
-def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
-    """An fp32 weight [out, in] packed for the native few-row GEMM, or None (not the CPU, no native
-    kernels, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a
-    weight at 0.9 of the memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16; the native one at
-    0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`)."""
-    if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
-            or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
-        return None
-    # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
-    # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
-    exact_bf16 = all(torch.equal(rows.bfloat16().float(), rows) for rows in weight.split(CHECK_ROWS))
-    return native.pack_float(weight, torch.bfloat16 if exact_bf16 else torch.float32)
-
-
-def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
-    return native.unpack_float(packed)
+    """An int8 weight in a packed layout of the platform's own, or None (the reference has none)."""
+    return None
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None,
                 packed=None) -> torch.Tensor:
     """int8 x int8 -> int32 GEMM; y = acc * token_scale * channel_scale. weight [out,in] int8, scale [out,1].
 
-    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears;
-    `packed` = pack_w8a8(weight), which is then read instead of `weight`."""
+    `xq` = quantize_per_token(x rows), when the caller feeds the same x to several linears."""
     shape = x.shape
     q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
-    if packed is not None:
-        acc = int8_packed(q, packed)
-    else:
-        rows = q.shape[0]
-        if q.is_cuda and rows <= 16:   # the cuBLAS int8 GEMM behind torch._int_mm needs more than 16 rows
-            q = F.pad(q, (0, 0, 0, 17 - rows))
-        acc = torch._int_mm(q, weight.t())[:rows].float()
-    y = acc * sx * weight_scale.view(1, -1).float()
+    y = torch._int_mm(q, weight.t()).float() * sx * weight_scale.view(1, -1).float()
     return y.to(x.dtype).view(*shape[:-1], -1)
 
 
@@ -240,33 +140,22 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float)
     return o.to(q.dtype)
 
 
-# Elements of the indexer's [batch x rows x heads x blocks] products held at once. On the CPU the scan
-# goes through the keys in slices small enough that its intermediate stays in cache; on an accelerator
-# each slice costs kernel launches (a 1M-token batch of 8 would take 128 slices), so there it is a
-# bounded scratch (256 MB) instead.
-INDEXER_SLICE = 1 << 20
-INDEXER_SLICE_ACCELERATOR = 1 << 26
+# Elements of the indexer's [batch x rows x heads x blocks] products held at once: a bounded scratch
+# (256 MB), so even a 1M-token batch of 8 takes a few slices (each slice costs kernel launches).
+INDEXER_SLICE = 1 << 26
 
 
-def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Lightning-indexer scores sum_h weights[h] * relu(q_h . k_t) of every block t.
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, slice_elems: int = INDEXER_SLICE):
+    """Lightning-indexer scores sum_h weights[h] * relu(q_h . k_t) of every block t, per slice of keys a bmm
+    into the [heads x keys] products, their relu, and a bmm for the weighted sum.
 
-    q [B,S,H,D], keys [B,T,D] (read in place, in slices), weights [B,S,H] fp32 -> [B,S,T] fp32.
-    On a CPU with the native kernels, heads in whole AVX-512 vectors take `native.indexer_scores`
-    (one pass, the relu and weighted sum in registers: 2-3x torch's bmm at V4 Flash's widths)."""
-    if native.scannable(q, keys):
-        return native_indexer_scores(q, keys, weights)
-    return indexer_scores_bmm(q, keys, weights)
-
-
-def indexer_scores_bmm(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """`indexer_scores` in torch ops on any device: per slice of keys, a bmm into the [heads x keys]
-    products, their relu, and a bmm for the weighted sum."""
+    q [B,S,H,D], keys [B,T,D] (read in place, in slices of `slice_elems` products), weights [B,S,H] fp32
+    -> [B,S,T] fp32."""
     B, S, H, D = q.shape
     T = keys.shape[1]
     qf, w = q.float().reshape(B, S * H, D), weights.float().reshape(B * S, 1, H)
     out = torch.empty(B, S, T, device=q.device, dtype=torch.float32)
-    step = max((INDEXER_SLICE if q.device.type == "cpu" else INDEXER_SLICE_ACCELERATOR) // (B * S * H), 1)
+    step = max(slice_elems // (B * S * H), 1)
     for a in range(0, T, step):
         b = min(a + step, T)
         dots = torch.bmm(qf, keys[:, a:b].float().transpose(1, 2)).relu_()            # [B, S*H, n]
@@ -284,9 +173,6 @@ def indexer_scan_op(name: str, scan):
     op = torch.library.custom_op(f"dsv4::{name}", run, mutates_args=())
     op.register_fake(lambda q, keys, weights: q.new_empty(*q.shape[:2], keys.shape[1], dtype=torch.float32))
     return lambda q, keys, weights: op(q, keys, weights) if torch.compiler.is_compiling() else scan(q, keys, weights)
-
-
-native_indexer_scores = indexer_scan_op("native_indexer_scores", native.indexer_scores)
 
 
 def topk_blocks(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Tensor:
@@ -337,28 +223,30 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def expert_table(experts, shared=None):
-    """A MoE layer's experts (then the shared one, if given: objects with `kernel_tensors()`) as
-    `routed_experts` runs them: the native kernel's table where they are W8A8 packed for it (a live
-    one is found again), else None (the experts then run one by one in torch)."""
-    first = experts[0].kernel_tensors()[0][0]
-    if not (native.available() and first.dtype == torch.uint8):     # not packed for the native kernels
-        return None
-    found = native.ExpertTable.find(first, len(experts))
-    if found is not None and found.shared >= (shared is not None):
-        return found
-    tensors = [e.kernel_tensors() for e in [*experts, *([shared] if shared is not None else [])]]
-    weights, scales = [ws for ws, _ in tensors], [ss for _, ss in tensors]
-    if not native.ExpertTable.usable(weights, scales):
-        return None
-    return native.ExpertTable(weights, scales, shared is not None)
+def routed_experts(x, weights, local, experts, shared=None, xq=None) -> torch.Tensor:
+    """Routed experts one at a time, each on its own rows (then the `shared` expert, if given, on every row),
+    each expert's weights read in place; the rows per expert are read on the host (a device sync where
+    tensors aren't in host memory).
 
-
-def routed_experts(xq, weights, local, table, limit: float, dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """`experts_on_host`'s sums (then the shared expert's, with `shared`) from one native call: the ~30
-    small torch ops each expert costs around its GEMMs were a third of the MoE's time at V4 Flash's
-    widths. xq: the rows quantised per token; dtype: the activations'. fp32 [T, dim]."""
-    return native.routed_experts(xq[0], xq[1], weights, local, table, limit, dtype, shared)
+    x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's first
+    expert; experts: callables expert(rows, routing_weight [n,1], rows_q) with `xq` = x quantised per
+    token. Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
+    n_local, k = len(experts), local.shape[1]
+    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
+    order = key.argsort(stable=True)
+    counts = torch.bincount(key, minlength=n_local + 1).tolist()
+    y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
+    start = 0
+    for expert, n in zip(experts, counts[:-1]):
+        if n:
+            sel = order[start: start + n]
+            rows = sel // k
+            rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
+            y.index_add_(0, rows, expert(x[rows], weights.flatten()[sel, None], rows_q).float())
+        start += n
+    if shared is not None:
+        y += shared(x, None, xq).float()
+    return y
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,
@@ -366,12 +254,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: to
     """Rows x [A, in] sorted by group; rows offs[g-1]:offs[g] are multiplied by weight[g] ([G, out, in]).
     Rows past offs[-1] come out undefined. `group` [A] is each row's group (used by the gather fallback).
 
-    Float weights use torch's grouped GEMM, which reads each group's weight in place (it takes bf16
-    only, but for eager calls on the CPU: its shape function, which compiling runs, refuses the rest).
+    bf16 weights use torch's grouped GEMM, which reads each group's weight in place (it takes bf16 only).
     torch has no grouped int8 GEMM, so int8 rows (and other float dtypes) gather their weights: a copy
     per row, the fallback, exact while int8 sums stay below 2^24."""
-    eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
-    if weight_scale is None and (x.dtype == torch.bfloat16 or eager_cpu):
+    if weight_scale is None and x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, weight.transpose(1, 2).to(x.dtype), offs=offs)
     g = group.clamp(max=weight.shape[0] - 1)
     if weight_scale is None:

@@ -14,6 +14,7 @@ rewrites their slots before anything reads them. Heads, output groups, experts a
 are split across torch.distributed ranks.
 """
 import copy
+import importlib
 import math
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4cli import kernels, platforms
+from dsv4cli.kernels import reference
+from dsv4cli.kernels.reference import ExpertStack
 
 from .config import LARGEST_RATIO, ModelConfig
 
@@ -37,6 +40,24 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if world()[1] > 1:
         dist.all_reduce(x)
     return x
+
+
+class OpModule(nn.Module):
+    """A module that runs the kernel seam's ops as `self.ops.<op>`: the reference until `Transformer.prepare`
+    binds the device's kernel module to every module, once. Copied or pickled, the binding travels by
+    the module's name (a module object can't be)."""
+    ops = reference
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        if "ops" in state:
+            state["ops"] = state["ops"].__name__
+        return state
+
+    def __setstate__(self, state):
+        if isinstance(state.get("ops"), str):
+            state["ops"] = importlib.import_module(state["ops"])
+        super().__setstate__(state)
 
 
 class PackedWeight:
@@ -56,7 +77,7 @@ class PackedWeight:
             destination[prefix + "weight"] = self._unpack(self.packed)
 
 
-class Linear(PackedWeight, nn.Module):
+class Linear(PackedWeight, OpModule):
     """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic).
 
     int8 weights may be packed for the backend's int8 GEMM, fp32 ones for its few-row fp32 GEMM.
@@ -73,10 +94,10 @@ class Linear(PackedWeight, nn.Module):
         return self.weight.dtype == torch.int8
 
     def _pack(self, weight):
-        return kernels.pack_w8a8(weight) if self.quantized else kernels.pack_linear_fp32(weight, self.groups)
+        return self.ops.pack_w8a8(weight) if self.quantized else self.ops.pack_linear_fp32(weight, self.groups)
 
     def _unpack(self, packed):
-        return kernels.unpack_w8a8(packed) if self.quantized else kernels.unpack_linear_fp32(packed)
+        return self.ops.unpack_w8a8(packed) if self.quantized else self.ops.unpack_linear_fp32(packed)
 
     @property
     def kernel_weight(self) -> torch.Tensor:
@@ -86,20 +107,20 @@ class Linear(PackedWeight, nn.Module):
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """`xq`: x already quantised per token (several W8A8 linears reading the same x)."""
         if self.quantized:
-            return kernels.w8a8_linear(x, self.weight, self.weight_scale, xq, self.packed)
+            return self.ops.w8a8_linear(x, self.weight, self.weight_scale, xq, self.packed)
         if self.packed is not None:
-            return kernels.linear_fp32(x, self.weight, self.packed).to(x.dtype)
-        return kernels.linear(x, self.weight)
+            return self.ops.linear_fp32(x, self.weight, self.packed).to(x.dtype)
+        return self.ops.linear(x, self.weight)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpModule):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
 
     def forward(self, x):
-        return kernels.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_table(cfg: ModelConfig, length: int, compressed: bool, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -307,22 +328,21 @@ class CallPlan:
 
 class Segment(NamedTuple):
     """One part of a call: tokens [B,S] at positions start[b].. of `state` (a DecodeState or a view of
-    some of its slots). `context` bounds every position + 1 (see CallPlan); `last_only`: logits of the
-    last row only. `length` [B]: a padded chunk's real rows (a compiled prefill chunk's length is a
-    bucket): the rows after them write nothing later calls read, and `last_only` takes row length-1."""
+    some of its slots). `context` bounds every position + 1 (see CallPlan). `length` [B]: a padded
+    chunk's real rows (a compiled prefill chunk's length is a bucket): the rows after them write
+    nothing later calls read."""
     tokens: torch.Tensor
     start: torch.Tensor
     state: "DecodeState"
     context: int | None = None
-    last_only: bool = False
     length: torch.Tensor | None = None
 
 
-def last_rows(x: torch.Tensor, length: torch.Tensor | None) -> torch.Tensor:
-    """Each sequence's last real row of x [B,S,...] as [B,1,...]: row length-1, or the last row."""
-    if length is None:
+def rows_at(x: torch.Tensor, row: torch.Tensor | None) -> torch.Tensor:
+    """Row row[b] of each sequence of x [B,S,...] as [B,1,...]; None: the last row."""
+    if row is None:
         return x[:, -1:]
-    index = (length - 1).view(-1, *[1] * (x.dim() - 1)).expand(-1, 1, *x.shape[2:])
+    index = row.view(-1, *[1] * (x.dim() - 1)).expand(-1, 1, *x.shape[2:])
     return x.gather(1, index)
 
 
@@ -346,7 +366,7 @@ def split(x: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
 # Attention
 # --------------------------------------------------------------------------------------------------
 
-class Compressor(nn.Module):
+class Compressor(OpModule):
     """Pools every `ratio` tokens into one KV entry with a per-channel softmax gate.
 
     Ratio 4 overlaps: block j pools the first channel half of tokens 4j-4..4j-1 with the second half
@@ -365,21 +385,21 @@ class Compressor(nn.Module):
 
     def project(self, x) -> list[torch.Tensor]:
         """The token-wise part: kv and gate rows (fp32), before the position's ape."""
-        return [kernels.linear_fp32(x, lin.weight, lin.packed) for lin in (self.wkv, self.wgate)]
+        return [self.ops.linear_fp32(x, lin.weight, lin.packed) for lin in (self.wkv, self.wgate)]
 
     def forward(self, kv, gate, call: CallPlan, ring_kv, ring_gate, blocks):
         plan: CompressPlan = call.plans[self.ratio]
         B, r, d = call.B, self.ratio, self.head_dim
         gate = gate + self.ape[call.pos % r]
         cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
-        pooled = kernels.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(blocks.dtype)  # [B,n,d]
-        pooled = kernels.rope(self.norm(pooled), plan.cos, plan.sin)
+        pooled = self.ops.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(blocks.dtype)  # [B,n,d]
+        pooled = self.ops.rope(self.norm(pooled), plan.cos, plan.sin)
         blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
         call.write_ring(ring_kv, kv)
         call.write_ring(ring_gate, gate)
 
 
-class Indexer(nn.Module):
+class Indexer(OpModule):
     """Lightning indexer: picks the top-k ratio-4 blocks per query by sum_h w_h * relu(q_h . k)."""
 
     def __init__(self, cfg: ModelConfig):
@@ -402,13 +422,13 @@ class Indexer(nn.Module):
         than k, the surplus indices point at blocks the query must not see (the attention masks them)."""
         self.compressor(kv, gate, call, cache.idx_kv, cache.idx_gate, cache.idx_compressed)
         cos, sin = call.rope["compress"]
-        q = kernels.rope(q, cos, sin)
+        q = self.ops.rope(q, cos, sin)
         plan = call.plans[4]
-        scores = all_reduce(kernels.indexer_scores(q, cache.idx_compressed[:call.B, : plan.n_visible], w))   # [B,S,T]
-        return kernels.topk_blocks(scores, plan.closed, min(self.topk, plan.n_visible))
+        scores = all_reduce(self.ops.indexer_scores(q, cache.idx_compressed[:call.B, : plan.n_visible], w))   # [B,S,T]
+        return self.ops.topk_blocks(scores, plan.closed, min(self.topk, plan.n_visible))
 
 
-class Attention(nn.Module):
+class Attention(OpModule):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         ws = world()[1]
@@ -436,7 +456,7 @@ class Attention(nn.Module):
         """x: the rows of every segment of the call (`join`); calls/caches: each segment's plan and cache.
         The projections run once over all rows; attention, and its state writes, per segment in order."""
         qr = self.q_norm(self.wq_a(x))
-        q = kernels.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.eps)
+        q = self.ops.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.eps)
         rows = [q, self.kv_norm(self.wkv(x))]
         if self.ratio:
             rows += self.compressor.project(x)
@@ -445,7 +465,7 @@ class Attention(nn.Module):
         shapes = [call.shape for call in calls]
         o = join([self.attend(call, cache, *seg) for call, cache, *seg
                   in zip(calls, caches, *(split(t, shapes) for t in rows))])
-        z = kernels.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
+        z = self.ops.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
                                        self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1), self.wo_a.packed)
         return all_reduce(self.wo_b(z.flatten(2)))
 
@@ -454,8 +474,8 @@ class Attention(nn.Module):
         heads' outputs [B,S,H,D] with RoPE undone at the query position."""
         B = call.B
         cos, sin = call.rope[self.rope_kind]
-        q = kernels.rope(q, cos, sin)
-        kv = kernels.rope(kv, cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
+        q = self.ops.rope(q, cos, sin)
+        kv = self.ops.rope(kv, cos[:, :, 0], sin[:, :, 0])   # [B,S,D]
         # KV read in place: the window ring, this chunk's rows, and the compressed blocks (CSA: the
         # indexer's top-k, gathered by index; HCA: every closed block)
         ring = cache.win[:B]
@@ -471,16 +491,16 @@ class Attention(nn.Module):
             else:
                 visible = torch.arange(plan.n_visible, device=q.device) < plan.closed[..., None]
                 sources.append((cache.compressed[:B, : plan.n_visible], visible, None))
-        o = kernels.sparse_attention(q, sources, self.attn_sink, self.scale)
+        o = self.ops.sparse_attention(q, sources, self.attn_sink, self.scale)
         call.write_ring(cache.win, kv)
-        return kernels.rope(o, cos, -sin)       # undo RoPE at the query position
+        return self.ops.rope(o, cos, -sin)       # undo RoPE at the query position
 
 
 # --------------------------------------------------------------------------------------------------
 # MoE
 # --------------------------------------------------------------------------------------------------
 
-class Expert(nn.Module):
+class Expert(OpModule):
     """SwiGLU with the gate clamped from above and the up projection clamped both ways."""
 
     def __init__(self, dim: int, inter_dim: int, limit: float):
@@ -496,10 +516,12 @@ class Expert(nn.Module):
         return [lin.kernel_weight for lin in linears], [lin.weight_scale for lin in linears]
 
     def forward(self, x, weight=None, xq=None):
-        return kernels.expert_ffn(x, self.w1, self.w3, self.w2, self.limit, weight, xq)
+        """w2(swiglu(w1 x, w3 x) * weight): the routing weight scales the intermediate, before w2."""
+        h = self.ops.swiglu(self.w1(x, xq), self.w3(x, xq), self.limit)
+        return self.w2((h if weight is None else h * weight).to(x.dtype))
 
 
-class Gate(nn.Module):
+class Gate(OpModule):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -514,11 +536,11 @@ class Gate(nn.Module):
 
     def forward(self, x, input_ids):
         c = self.cfg
-        return kernels.moe_gate(x, self.weight, self.bias, self.tid2eid if self.hash else None, input_ids,
+        return self.ops.moe_gate(x, self.weight, self.bias, self.tid2eid if self.hash else None, input_ids,
                                 c.n_activated_experts, c.score_func, c.route_scale)
 
 
-class MoE(nn.Module):
+class MoE(OpModule):
     """Routed experts (only the ones a token is routed to run) plus the shared expert.
 
     Two ways to run the routed experts, both reading only the chosen experts' weights: routing read on
@@ -538,11 +560,9 @@ class MoE(nn.Module):
             [Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if self.first <= i < self.first + self.n_local
              else None for i in range(cfg.n_routed_experts)])
         self.shared_experts = Expert(cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit) if cfg.n_shared_experts else None
-        self.stack: kernels.ExpertStack | None = None
-        self.routes_on_host = False
-        # the experts as one fused host kernel runs them (`Transformer.prepare`); with one world rank it
-        # holds the shared expert too (with more, the shared expert's output joins after the all-reduce)
-        self.table = None
+        self.stack: ExpertStack | None = None    # set: the experts run as grouped GEMMs (`prepare_experts`)
+        self.shared_inside = False               # the routed-experts op runs the shared expert too
+        self.table = None        # the experts as the CPU's fused kernel holds them (kept alive here, never read)
 
     def local_experts(self) -> list[Expert]:
         return list(self.experts[self.first: self.first + self.n_local])
@@ -574,7 +594,27 @@ class MoE(nn.Module):
                               (e.w2, "weight_scale"): s2[i]})
             for (linear, attr), view in views.items():
                 setattr(linear, attr, nn.Parameter(view, requires_grad=False))
-        self.stack = kernels.ExpertStack(w13, w2, s13, s2, self.limit)
+        self.stack = ExpertStack(w13, w2, s13, s2, self.limit)
+
+    def prepare_experts(self, on_host: bool) -> None:
+        """Choose, once, how the routed experts run: stacked for grouped GEMMs with the routing on the device
+        (accelerators, and host experts that stayed plain: small ones), or one call of the kernel module's
+        `routed_experts` with the routing read on the host (packed experts: their kernels read each
+        expert's weight in place). With one world rank the host call runs the shared expert too (with
+        more, its output joins after the all-reduce)."""
+        experts = self.local_experts()
+        packed = any(lin.packed is not None for e in experts for lin in (e.w1, e.w2, e.w3))
+        if not (on_host and packed):
+            if self.stack is None:
+                self.stack_experts()
+            return
+        self.stack = None          # packed now: each expert's weights are read where they are
+        self.shared_inside = self.shared_experts is not None and world()[1] == 1
+        if experts[0].w1.quantized:
+            shared = self.shared_experts if self.shared_inside else None
+            self.table = self.ops.expert_table(experts, shared)
+            if self.table is None and shared is not None and (table := self.ops.expert_table(experts)) is not None:
+                self.table, self.shared_inside = table, False     # the shared expert isn't laid out for it
 
     def forward(self, x, input_ids):
         shape = x.shape
@@ -582,20 +622,14 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, input_ids)
         local = idx - self.first
         # every routed expert's w1/w3 reads x: quantise it once (the quantisation is per token)
-        quantized = self.experts[self.first].w1.quantized
-        xq = kernels.quantize_per_token(x) if quantized else None
-        compiling = torch.compiler.is_compiling()
-        # a graph takes the host experts as one op; it must not read the table either: its guards are
-        # saved with the step, and the table's ctypes pointers can't be pickled
-        fused = not compiling and self.table is not None
-        if self.stack is not None and not (self.routes_on_host and not compiling):
-            y = kernels.grouped_experts(x, weights, local, self.stack, xq)
-        elif fused:
-            y = kernels.routed_experts(xq, weights, local, self.table, self.limit, x.dtype, self.table.shared)
+        xq = self.ops.quantize_per_token(x) if self.experts[self.first].w1.quantized else None
+        if self.stack is not None:
+            y = self.ops.grouped_experts(x, weights, local, self.stack, xq)
         else:
-            y = kernels.experts_on_host(x, weights, local, self.local_experts(), xq)
+            shared = self.shared_experts if self.shared_inside else None
+            y = self.ops.routed_experts(x, weights, local, self.local_experts(), shared, xq)
         y = all_reduce(y)
-        if self.shared_experts is not None and not (fused and self.table.shared):
+        if self.shared_experts is not None and not self.shared_inside:
             y += self.shared_experts(x, xq=xq if self.shared_experts.w1.quantized else None).float()
         return y.to(x.dtype).view(shape)
 
@@ -604,7 +638,7 @@ class MoE(nn.Module):
 # Hyper-connections, blocks, model
 # --------------------------------------------------------------------------------------------------
 
-class Block(nn.Module):
+class Block(OpModule):
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -628,9 +662,9 @@ class Block(nn.Module):
         by the Sinkhorn-normalised comb and add its output with the post weights."""
         c = self.cfg
         fn, scale, base = (getattr(self, f"hc_{part}_{name}") for name in ("fn", "scale", "base"))
-        x, post, comb = kernels.mhc_pre(h, fn, scale, base, c.norm_eps, c.hc_eps)
-        comb = kernels.mhc_sinkhorn(comb, c.hc_eps, c.hc_sinkhorn_iters)
-        return kernels.mhc_post(sublayer(x), h, post, comb)
+        x, post, comb = self.ops.mhc_pre(h, fn, scale, base, c.norm_eps, c.hc_eps)
+        comb = self.ops.mhc_sinkhorn(comb, c.hc_eps, c.hc_sinkhorn_iters)
+        return self.ops.mhc_post(sublayer(x), h, post, comb)
 
 
 class ParallelEmbedding(nn.Module):
@@ -652,17 +686,21 @@ class ParallelEmbedding(nn.Module):
         return all_reduce(y)
 
 
-class ParallelHead(PackedWeight, nn.Module):
+class ParallelHead(PackedWeight, OpModule):
     """Untied LM head, vocabulary split across ranks, run in fp32."""
 
     def __init__(self, vocab: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab // world()[1], dim))
 
-    _pack, _unpack = staticmethod(kernels.pack_linear_fp32), staticmethod(kernels.unpack_linear_fp32)
+    def _pack(self, weight):
+        return self.ops.pack_linear_fp32(weight)
+
+    def _unpack(self, packed):
+        return self.ops.unpack_linear_fp32(packed)
 
     def forward(self, y):
-        logits = kernels.linear_fp32(y, self.weight, self.packed)
+        logits = self.ops.linear_fp32(y, self.weight, self.packed)
         ws = world()[1]
         if ws > 1:
             parts = [torch.empty_like(logits) for _ in range(ws)]
@@ -694,12 +732,12 @@ class MTPBlock(Block):
 
     def logits(self, x, head):
         """fp32 logits from the block's streams x, through the shared LM head."""
-        y = kernels.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+        y = self.ops.mhc_head(x, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
                              self.cfg.hc_eps)
         return head(self.norm(y))
 
 
-class Transformer(nn.Module):
+class Transformer(OpModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -717,88 +755,64 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def prepare(self) -> "Transformer":
-        """Lay the loaded weights out for this device's kernels, as its platform says: routing on the
-        host, int8 linears packed in the kernels' own layout (where they have one); routing on the
-        device, routed experts stacked for grouped GEMMs. On the host, experts left unpacked are
-        stacked too: eager steps still route on the host, a compiled one runs them grouped."""
-        on_host = platforms.for_device(self.embed.weight.device).routes_on_host
+        """Bind the device's kernel module to every module and lay the loaded weights out for it: routing
+        on the host, big weights packed in the kernels' own layout (where they have one), the routed
+        experts' path chosen (`MoE.prepare_experts`)."""
+        device = self.embed.weight.device
+        ops, on_host = kernels.module_for(device), platforms.for_device(device).routes_on_host
         for module in self.modules():
+            if isinstance(module, OpModule):
+                module.ops = ops
             if on_host and isinstance(module, PackedWeight):
                 module.pack()
         for moe in (m for m in self.modules() if isinstance(m, MoE)):
-            moe.routes_on_host = on_host
-            packed = any(lin.packed is not None for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3))
-            if moe.stack is None and not packed:
-                moe.stack_experts()
-            if on_host and moe.experts[moe.first].w1.quantized:
-                experts, shared = moe.local_experts(), moe.shared_experts if world()[1] == 1 else None
-                moe.table = kernels.expert_table(experts, shared) or kernels.expert_table(experts)
+            moe.prepare_experts(on_host)
         return self
 
-    def forward_chunk(self, tokens, start, state: DecodeState, last_only: bool = False, context: int | None = None,
-                      length: torch.Tensor | None = None):
-        """Run a chunk: tokens [B,S] at positions start[b]..start[b]+S-1 through the cached trunk.
-
-        `context` optionally bounds every position + 1 in the call (host-known, so no sync), which
-        limits the compressed blocks read; `length`: a padded chunk's real rows (Segment). Returns
-        (logits fp32 [B,S or 1,V], streams [B,S,hc,D] before hc_head)."""
-        return self.forward_segments([Segment(tokens, start, state, context, last_only, length)])[0]
-
-    def forward_segments(self, segments: list[Segment]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Several chunks in one pass (a decode step's rows and prefill chunks): the token-wise work
-        (embedding, mHC, norms, projections, MoE, hc_head, LM head) runs once over all their rows,
-        attention per segment, in the order given, so a later segment's state writes land after an
-        earlier one's. Returns forward_chunk's (logits, streams) per segment."""
+    def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """The trunk over several chunks in one pass (a step's prefill chunks and decode rows; the model's
+        one cached entry point): the token-wise work (embedding, mHC, norms, projections, MoE) runs once
+        over all their rows, attention per segment, in the order given, so a later segment's state writes
+        land after an earlier one's. Returns each segment's streams [B,S,hc,D] (before hc_head: `logits`)."""
         calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context, length=s.length) for s in segments]
         tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         for i, layer in enumerate(self.layers):
             h = layer(h, calls, [s.state.layers[i] for s in segments], tokens)
-        return self._outputs(h, calls, segments, self.logits)
+        return split(h, [call.shape for call in calls])
 
     def logits(self, h):
         """fp32 logits from the trunk's streams h [..., hc, D]."""
-        y = kernels.mhc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
-                             self.cfg.hc_eps)
+        y = self.ops.mhc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, self.cfg.norm_eps,
+                              self.cfg.hc_eps)
         return self.head(self.norm(y))
 
-    def mtp_forward_chunk(self, hidden, next_ids, start, state: DecodeState, last_only: bool = False,
-                          length: torch.Tensor | None = None):
-        """MTP rows: hidden [B,S,hc,D] at positions start.., next_ids [B,S] = t_{p+1} (`length`: Segment's).
-
-        Returns (logits [B,S or 1,V], the MTP block's streams, usable as `hidden` for a deeper draft)."""
-        return self.mtp_forward_segments([hidden], [Segment(next_ids, start, state, last_only=last_only,
-                                                            length=length)])[0]
-
-    def mtp_forward_segments(self, hidden: list[torch.Tensor], segments: list[Segment]):
-        """mtp_forward_chunk over several segments in one pass (as forward_segments), a segment's tokens
-        being its next_ids."""
+    def mtp_forward_segments(self, hidden: list[torch.Tensor], segments: list[Segment]) -> list[torch.Tensor]:
+        """The MTP layer over several segments in one pass (as `forward_segments`): row p from the streams
+        `hidden` at p and the segment's token at p, t_{p+1}. Returns each segment's MTP streams (usable as
+        `hidden` for a deeper draft; `mtp_logits` gives their logits)."""
         calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, compressed=False, length=s.length) for s in segments]
-        mtp = self.mtp[0]
-        x = mtp(join(hidden), join([s.tokens for s in segments]), calls, [s.state.mtp[0] for s in segments],
-                self.embed)
-        return self._outputs(x, calls, segments, lambda y: mtp.logits(y, self.head))
+        x = self.mtp[0](join(hidden), join([s.tokens for s in segments]), calls, [s.state.mtp[0] for s in segments],
+                        self.embed)
+        return split(x, [call.shape for call in calls])
 
-    @staticmethod
-    def _outputs(h, calls: list[CallPlan], segments: list[Segment], logits):
-        """(logits, streams) per segment from the joined streams: one head call over the rows kept."""
-        streams = split(h, [call.shape for call in calls])
-        kept = [last_rows(x, s.length) if s.last_only else x for x, s in zip(streams, segments)]
-        return list(zip(split(logits(join(kept)), [x.shape[:2] for x in kept]), streams))
+    def mtp_logits(self, x):
+        """fp32 logits from the MTP layer's streams, through the shared LM head."""
+        return self.mtp[0].logits(x, self.head)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, return_hidden: bool = False):
-        """Logits [B,S,V] (fp32) for fresh sequences starting at position 0."""
+        """Logits [B,S,V] (fp32) for fresh sequences starting at position 0 (and the streams)."""
         B, S = input_ids.shape
-        state = DecodeState(self, B, S, max_draft=0)
         start = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        logits, hidden = self.forward_chunk(input_ids, start, state)
+        (hidden,) = self.forward_segments([Segment(input_ids, start, DecodeState(self, B, S, max_draft=0))])
+        logits = self.logits(hidden)
         return (logits, hidden) if return_hidden else logits
 
     @torch.no_grad()
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """MTP logits [B,S,V]: row p from trunk streams at p and token next_ids[:, p] = t_{p+1}."""
+        """MTP logits [B,S,V] of fresh sequences: row p from trunk streams at p and token next_ids[:, p] = t_{p+1}."""
         B, S = next_ids.shape
-        state = DecodeState(self, B, S, max_draft=0)
         start = torch.zeros(B, dtype=torch.long, device=next_ids.device)
-        return self.mtp_forward_chunk(hidden, next_ids, start, state)[0]
+        (x,) = self.mtp_forward_segments([hidden], [Segment(next_ids, start, DecodeState(self, B, S, max_draft=0))])
+        return self.mtp_logits(x)

@@ -1,19 +1,18 @@
 """The device-specific choices, one platform per device type, in a registry.
 
 A platform says whether its device is usable, the dtype a model runs in by default, the
-torch.distributed backend, how to capture a step graph, the torch.compile backend, which kernel
-module runs the ops (`dsv4cli.kernels`), whether routed experts read their routing on the host,
-and how to query free memory and synchronise. Nothing else in dsv4cli branches on the device
-type: a new accelerator is a new module here with a `Platform` subclass and one `BUILTIN` entry.
+torch.distributed backend, how to capture a step graph, the torch.compile backend and whether it can
+compile here, which kernel module runs the ops (`dsv4cli.kernels`), whether routed experts read their
+routing on the host, whether the host's thread count is the model's, and how to query free memory and
+synchronise. Nothing else in dsv4cli branches on the device type (a test checks): a new accelerator is
+a new module here with a `Platform` subclass and one `BUILTIN` entry.
 
 The registry loads without torch (the settings list its names as --device choices, and `dsv4 --help`
 and `dsv4 config show` must start fast): the built-in platforms are imported on the first lookup.
 """
 from __future__ import annotations
 
-import functools
 import importlib
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,25 +27,20 @@ class Platform:
     default_dtype = "bfloat16"      # a torch dtype name, the `--dtype auto` choice
     dist_backend = "gloo"
     compile_backend = "inductor"
+    kernels = "reference"           # the kernel module in dsv4cli.kernels that runs the ops on this device
     # Whether routed experts read their routing on the host: where tensors live in host memory that
     # costs no device sync, and each expert runs on its own rows with its own (packed) weights;
     # accelerators keep routing on the device and run grouped GEMMs over stacked experts.
     routes_on_host = False
+    # Whether the model's ops run on the host's cores: then torch's thread count is the model's
+    # (`--threads`), and a second copy of the model (a compiling process's) fits in host memory.
+    on_host_cores = False
 
     def is_available(self) -> bool:
         raise NotImplementedError
 
     def unavailable_reason(self) -> str:
         return f"no {self.name} device is available"
-
-    @functools.cached_property
-    def kernels(self) -> ModuleType:
-        """The kernel module for tensors on this device (imported on first use)."""
-        return self.load_kernels()
-
-    def load_kernels(self) -> ModuleType:
-        from dsv4cli.kernels import reference
-        return reference
 
     def device(self, index: int | None = None) -> torch.device:
         import torch
@@ -59,6 +53,10 @@ class Platform:
 
     def graph_api(self):
         """(graph class, capture context manager) for step-graph capture, or None to run eagerly."""
+        return None
+
+    def compile_unavailable_reason(self) -> str | None:
+        """One line saying why torch.compile can't build steps for this device here, or None."""
         return None
 
     def free_memory(self, device: torch.device) -> int:
@@ -102,15 +100,6 @@ def for_device(device: torch.device | str) -> Platform:
     if platform is None:
         raise ValueError(f"no platform is registered for device type {device_type!r} (known: {', '.join(names())})")
     return platform
-
-
-def kernels_for(device_type: str) -> ModuleType:
-    """The kernel module for tensors of a device type; the reference for unregistered types (meta)."""
-    platform = _registry().get(device_type)
-    if platform is None:
-        from dsv4cli.kernels import reference
-        return reference
-    return platform.kernels
 
 
 def pick(name: str) -> Platform:

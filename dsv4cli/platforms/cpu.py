@@ -1,5 +1,7 @@
-"""The host CPU: fp32 by default (bf16 matmuls are slow on most CPUs), gloo, eager steps."""
+"""The host CPU: fp32 by default (bf16 matmuls are slow on most CPUs), gloo, eager steps, the CPU kernel
+module (`kernels/cpu.py`: packed few-row GEMMs, the native indexer scan, experts routed on the host)."""
 import os
+import shutil
 
 import torch
 
@@ -23,7 +25,9 @@ class CpuPlatform(Platform):
     priority = 0
     default_dtype = "float32"
     dist_backend = "gloo"
+    kernels = "cpu"
     routes_on_host = True
+    on_host_cores = True
 
     def is_available(self) -> bool:
         return True
@@ -38,3 +42,9 @@ class CpuPlatform(Platform):
 
     def free_memory(self, device) -> int:
         return _available_bytes()
+
+    def compile_unavailable_reason(self) -> str | None:
+        compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")      # inductor's C++ code needs one
+        if not any(c and shutil.which(c) for c in compilers):
+            return "compile: no C++ compiler found (install g++ or set CXX); running eager"
+        return None

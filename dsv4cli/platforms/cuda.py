@@ -9,6 +9,7 @@ class CudaPlatform(Platform):
     name = "cuda"
     priority = 10
     dist_backend = "nccl"
+    kernels = "cuda"
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
@@ -19,10 +20,6 @@ class CudaPlatform(Platform):
     def set_device(self, rank: int, world: int) -> torch.device:
         torch.cuda.set_device(rank)
         return self.device(rank)
-
-    def load_kernels(self):
-        from dsv4cli.kernels import cuda
-        return cuda
 
     def graph_api(self):
         return torch.cuda.CUDAGraph, torch.cuda.graph

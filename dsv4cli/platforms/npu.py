@@ -13,6 +13,7 @@ class NpuPlatform(Platform):
     priority = 20
     dist_backend = "hccl"
     compile_backend = "npu"
+    kernels = "npu"
 
     def is_available(self) -> bool:
         try:
@@ -25,10 +26,6 @@ class NpuPlatform(Platform):
         if importlib.util.find_spec("torch_npu") is None:
             return "--device npu: torch_npu is not installed (pip install -e '.[npu]')"
         return "--device npu: no NPU is available"
-
-    def load_kernels(self):
-        from dsv4cli.kernels import npu
-        return npu
 
     def set_device(self, rank: int, world: int) -> torch.device:
         torch.npu.set_device(rank)

@@ -1,17 +1,13 @@
 """`dsv4 inspect`: what a checkpoint holds and what it needs, from config.json and the safetensors
 headers alone (no tensor data is read)."""
-import re
-
 import torch
 from rich.table import Table
 
 from dsv4cli.errors import UsageError
-from dsv4cli.model.loader import Checkpoint, LoadError, keep_fp32, open_checkpoint, plan
+from dsv4cli.model.footprint import count_parameters, tp_problem, weight_bytes_per_card
+from dsv4cli.model.loader import Checkpoint, LoadError, open_checkpoint, plan
 from dsv4cli.model.model import Transformer
-
-# What model.py splits across tensor-parallel ranks (heads, output groups, experts, vocabulary rows);
-# everything else is replicated on every card.
-TP_SPLIT = re.compile(r"^(embed|head)\.|\.(wq_b|wo_a|wo_b|weights_proj)\.|attn_sink|\.experts\.")
+from dsv4cli.units import human_bytes, human_count
 
 
 def is_quantized(ckpt: Checkpoint, name: str) -> bool:
@@ -20,35 +16,17 @@ def is_quantized(ckpt: Checkpoint, name: str) -> bool:
     return ckpt.dtype(name) in ("F8_E4M3", "F8_E8M0", "I8") or name.endswith(".scale")
 
 
-def count_parameters(model: Transformer) -> tuple[int, int]:
-    """(all parameters, those one token uses): every routed expert but the top-k is idle per token. A loaded
-    W8A8 model's per-row weight scales are not counted, so it counts as its checkpoint's config does."""
-    cfg = model.cfg
-    total = sum(p.numel() for name, p in model.named_parameters() if not name.endswith("weight_scale"))
-    idle = (cfg.n_layers + cfg.n_mtp_layers) * (cfg.n_routed_experts - cfg.n_activated_experts)
-    return total, total - idle * 3 * cfg.dim * cfg.moe_inter_dim
-
-
 def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
     """Format, sizes, parameter counts, layer schedule and the memory a card needs with `tp` cards
     (float weights loaded as `float_bytes`-byte values: 2 for bf16, 4 for float32)."""
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
-    for what, n in (("attention heads", cfg.n_heads), ("output groups", cfg.o_groups),
-                    ("routed experts", cfg.n_routed_experts), ("vocabulary rows", cfg.vocab_size)):
-        if n % tp:
-            raise UsageError(f"--tp {tp} must divide the {n} {what}")
+    if problem := tp_problem(cfg, tp):
+        raise UsageError(f"--tp {tp}: {problem}")
     with torch.device("meta"):
         model = Transformer(cfg)
     total, active = count_parameters(model)
-
-    def loaded_bytes(name, t):       # as load_model keeps it: int8 + fp32 scale, fp32 or the dtype's floats
-        if ckpt.format == "w8a8" and ckpt.label(name) == "W8A8_DYNAMIC":
-            return t.numel() + 4 * t.shape[0]
-        return t.numel() * (4 if keep_fp32(name) or not t.is_floating_point() else float_bytes)
-
-    per_card = sum(loaded_bytes(n, t) // (tp if TP_SPLIT.search(n) else 1)
-                   for n, t in [*model.named_parameters(), *model.named_buffers()])
+    per_card = weight_bytes_per_card(ckpt, model, tp, float_bytes)
     ratios = cfg.compress_ratios[: cfg.n_layers]
     quantized = sum(is_quantized(ckpt, n) for n in ckpt.tensors)
     return {
@@ -73,21 +51,6 @@ def check(path) -> list[str]:
     with torch.device("meta"):
         model = Transformer(ckpt.config)
     return plan(ckpt, model)[1]
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.4g} {unit}"
-        n /= 1024
-    return f"{n:.4g} TiB"
-
-
-def human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return str(n)
 
 
 FORMATS = {"w8a8": "W8A8_DYNAMIC (msModelSlim)", "fp8": "FP8 + FP4 experts (official release)",

@@ -1,0 +1,198 @@
+"""The engine's device side: the model, every slot's state, the drafter, and the one step function.
+
+A step is a list of segments, [prefill chunks; decode rows], run in one trunk pass
+(`Transformer.forward_segments`): the chunks write their slots' state, and a chunk that ends its prompt
+gives the prompt's first token; the decode rows [last, K drafts] of slots [0, batch) give the target
+distributions, the verifier commits tokens (`verify.py`), and the drafter drafts again from the committed
+rows (`drafter.py`). "Prefill alone" is the same call with no decode rows. Everything stays on the
+device; the step returns one packed tensor, the host's one read (StepKey says what it holds).
+
+A step's static arguments are its StepKey, so a compiled engine compiles one graph per key
+(`compiled.py`: the chunks padded to buckets by the scheduler, each in a call of its own) and captures the
+decode-only ones (`graphs.py`); the tensors a chunk reads and writes come in as its slot's views.
+"""
+import functools
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from dsv4cli.model import Segment, Transformer
+from dsv4cli.model.model import join, rows_at, split
+
+from .compiled import CompiledSteps
+from .drafter import Drafter, DraftRows
+from .graphs import DecodeGraphs
+from .mtp import MTPDrafter
+from .sampling import SamplingParams
+from .slots import SlotState, SlotView
+from .verify import commit_rows
+
+
+class ChunkKey(NamedTuple):
+    rows: int         # the chunk's rows (padded to a bucket when compiled)
+    context: int      # a bound on its positions + 1 (the compressed blocks it reads)
+    last: bool        # it ends its prompt: the first token and first drafts come out of it
+
+
+class StepKey(NamedTuple):
+    """A step's static arguments. The packed tensor it returns holds a row per decode slot [0, batch) (its
+    K+1 candidate tokens, then the number of accepted drafts), then a row per chunk that ends its prompt
+    (its first token as candidate 0, no drafts accepted); with `logprobs`, float64, each row followed by
+    what token_logprobs gives for each candidate."""
+    chunks: tuple[ChunkKey, ...]
+    batch: int        # decode rows for slots [0, batch); 0: none
+    context: int      # a bound on the decode rows' positions + 1
+    sort: bool        # some committing request filters by top-k / top-p / min-p (the vocabulary is sorted)
+    logprobs: bool    # some committing request asked for logprobs
+    greedy: bool      # every committing request is `plain_greedy`: its tokens are the logits' argmax
+
+
+class ChunkInputs(NamedTuple):
+    ids: torch.Tensor             # [1, rows+1]: the chunk's tokens, then the one after it (or padding)
+    start: torch.Tensor           # [1] the chunk's first position
+    length: torch.Tensor | None   # [1] its real rows when padded to a bucket, else None
+    slot: SlotView
+
+
+class StepRunner:
+    """The device side of an engine for `max_batch` slots of `max_seq_len` tokens with `depth` drafts a step
+    (the checkpoint's drafter). `compile`: steps compiled per key, in the `background` (eager until ready,
+    built by a process of its own made with `remake`, a picklable call that builds this runner again
+    compiling in the foreground: `remade`); `graphs`: decode-only steps captured where the platform can."""
+
+    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool = False,
+                 graphs: bool = True, compile: bool = False, background: bool = False, remake=None):
+        self.model, self.depth, self.max_batch = model, depth, max_batch
+        self.device = model.embed.weight.device
+        self.drafter = make_drafter(model, depth)
+        self.state = SlotState(model, max_batch, max_seq_len, depth, reuse_prefix)
+        self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
+        self.compile_tag = (depth, max_batch, max_seq_len, self.state.cache.ring)     # what else shapes a graph
+        # the decode step's keys first: a chunk key's compile waits until one is ready
+        self.compiled = (CompiledSteps(self, self.device, background, remake,
+                                       may_start=lambda key, c: key.batch > 0 or (not c.busy and any(
+                                           k.batch > 0 for k in c.ready)))
+                         if compile else None)
+
+    def __getstate__(self) -> dict:
+        """What a saved compiled step keeps of the runner (its guards' view): what the step reads."""
+        return {k: self.__dict__[k] for k in ("model", "depth", "device", "drafter", "state")}
+
+    # ---- host-side writes between steps --------------------------------------------------------
+
+    def admit(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int], start: int) -> None:
+        """A request takes `slot`, its prefill starting at position `start` (a resumed prefix before it)."""
+        self.state.sampling.set(slot, params, seed, torch.tensor(prompt_ids, device=self.device))
+        self.state.pos[slot] = start      # where decode steps write this inactive slot's rows (see `step`)
+
+    def free(self, slot: int) -> None:
+        self.state.active[slot] = False
+
+    def chunk_inputs(self, slot: int, prompt: list[int], a: int, b: int, rows: int) -> ChunkInputs:
+        """Prompt positions [a, b) of the request in `slot` as a chunk of `rows` rows (padded when more)."""
+        ids = prompt[a:b + 1]
+        ids = torch.tensor(ids + [0] * (rows + 1 - len(ids)), device=self.device)[None]
+        start = torch.tensor([a], device=self.device)
+        length = torch.tensor([b - a], device=self.device) if rows > b - a or self.compiled is not None else None
+        return ChunkInputs(ids, start, length, self.state.view(slot))
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def run(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor:
+        """`step`, compiled once its key is ready, captured as a graph once it runs compiled (decode rows
+        only, no compile running beside the capture: a worker's device work would spoil it)."""
+        fused = (functools.partial(self.step, key) if self.compiled is None
+                 else functools.partial(self.compiled, key))
+        if chunks or self.graphs is None or (self.compiled is not None and not (
+                self.compiled.is_ready(key) and not self.compiled.busy)):
+            return fused(*chunks)
+        return self.graphs.run(key, fused)
+
+    def step(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor:
+        """One step on the device (see StepKey for what it returns). Without chunks it reads and writes only
+        preallocated tensors, so it can be captured as a graph.
+
+        A chunk runs before the decode rows in every layer, and its slot's `pos` moves to the chunk's end
+        first: the decode rows [0, batch) include inactive slots (free, or prefilling), which act as a
+        slot whose drafts were all rejected and write only positions pos..pos+K, rewritten before
+        anything reads them (position-addressed state); run before the chunk, or at its start, they would
+        land on rows the chunk reads or writes."""
+        st, k = self.state, self.depth
+        ends = [c.length if c.length is not None else torch.full_like(c.start, ck.rows)
+                for ck, c in zip(key.chunks, chunks)]
+        for c, n in zip(chunks, ends):
+            c.slot.pos.copy_(c.start + n)
+        segments = [Segment(c.ids[:, :ck.rows], c.start, c.slot.cache, ck.context, c.length)
+                    for ck, c in zip(key.chunks, chunks)]
+        if key.batch:
+            b = slice(0, key.batch)
+            pos, last, active, drafts = st.pos[b], st.last[b], st.active[b], st.drafts[b, :k]
+            segments.append(Segment(torch.cat([last[:, None], drafts], 1), pos, st.cache, key.context))
+        hidden = self.model.forward_segments(segments)
+        # one head call over the rows that commit: a prompt's last real row, every decode row
+        ending = [i for i, ck in enumerate(key.chunks) if ck.last]
+        scored = [rows_at(hidden[i], ends[i] - 1) for i in ending] + hidden[len(chunks):]
+        logits = split(self.model.logits(join(scored)), [x.shape[:2] for x in scored]) if scored else []
+        flags = (key.sort, key.logprobs, key.greedy)
+        firsts, rows = [], []         # per prompt that ends: (its inputs, first token [1,1], its logprobs)
+        for i, (ck, c) in enumerate(zip(key.chunks, chunks)):
+            nxt = c.ids[:, 1:ck.rows + 1]
+            if ck.last:
+                first, _, scored_first = commit_rows(logits[ending.index(i)], nxt[:, :0], c.slot.sampling, slice(0, 1),
+                                                     c.start + ends[i] - 1, *flags)
+                firsts.append((c, first, scored_first))
+                nxt = nxt.scatter(1, (ends[i] - 1)[:, None], first)
+            rows.append(DraftRows(hidden[i], nxt, c.start, c.slot.cache, ends[i], c.length, ck.last))
+        if key.batch:
+            tokens, n_acc, scored_rows = commit_rows(logits[-1], drafts, st.sampling, b, pos, *flags)
+            n_acc = torch.where(active, n_acc, 0)
+            if self.drafter is not None:
+                nxt = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
+                rows.append(DraftRows(hidden[-1], nxt, pos, st.cache, n_acc + 1, None, True))
+        proposed = self.drafter.propose(rows) if self.drafter is not None else []
+        if key.batch:
+            if self.drafter is not None:
+                st.drafts[b, :k] = torch.where(active[:, None], proposed[-1], drafts)
+            st.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), last)
+            st.pos[b] = pos + torch.where(active, n_acc + 1, 0)
+            committed = (torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]
+            st.sampling.output_counts[b].scatter_add_(1, tokens, committed.float())
+        for j, (c, first, _) in enumerate(firsts):      # after the decode rows' updates: the slot joins them
+            c.slot.last.copy_(first[:, 0])
+            c.slot.active.fill_(True)
+            if self.drafter is not None:
+                c.slot.drafts[:, :k] = proposed[j]
+            c.slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
+        packed = ([torch.cat([tokens, n_acc[:, None]], 1)] if key.batch else []) + \
+                 [F.pad(first, (0, k + 1)) for _, first, _ in firsts]
+        if not packed:
+            return torch.empty(0, k + 2, dtype=torch.long, device=self.device)
+        packed = torch.cat(packed)
+        if not key.logprobs:
+            return packed
+        lps = ([scored_rows.flatten(1)] if key.batch else []) + [lp.flatten(1) for _, _, lp in firsts]
+        width = (k + 1) * lps[-1].shape[1] if not key.batch else lps[0].shape[1]
+        return torch.cat([packed.double(), torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in lps])], 1)
+
+    def example_inputs(self, key: StepKey) -> tuple:
+        """Tensor inputs to trace the step `key` with: each chunk's rows, start and real length, and slot
+        0's views (every slot's views share its graph)."""
+        zeros = [torch.zeros(1, ck.rows + 1, dtype=torch.long, device=self.device) for ck in key.chunks]
+        return tuple(ChunkInputs(z, z[0, :1].clone(), z[0, :1] + 1, self.state.view(0)) for z in zeros)
+
+
+def make_drafter(model: Transformer, depth: int) -> Drafter | None:
+    """The drafter of the model's checkpoint for `depth` drafts a step, or None for plain decoding."""
+    if not depth:
+        return None
+    if not model.cfg.n_mtp_layers:
+        raise ValueError("this checkpoint has no MTP layer; use mtp 0")
+    return MTPDrafter(model, depth)
+
+
+def remade(reload, options: dict) -> StepRunner:
+    """In a compiling process: this runner again, on a fresh load of its model, compiling in the foreground."""
+    model, _ = reload()
+    return StepRunner(model, **options, compile=True)

@@ -1,0 +1,300 @@
+"""The engine's host side, its scheduler: requests in, streamed tokens out, continuous batching.
+
+Each step: waiting requests take free slots (with prefix reuse, the slot whose state a prompt resumes
+furthest: `prefix.py`), admitted prompts are cut into chunks within the prefill budget, and the step's
+segments [prefill chunks; decode rows] go to the device side in one call (`runner.py`) — a compiled
+engine runs each chunk, padded to a bucket, in a call of its own first, since its graphs have static
+shapes. The host reads each call's packed tensor once and does the bookkeeping: metrics, detokenising
+and stop rules (`output.py`). Requests join and leave between steps.
+"""
+import functools
+import itertools
+import random
+import time
+
+from dsv4cli.model import Transformer
+from dsv4cli.tokenizer import StreamDecoder, Tokenizer
+
+from .api import ModelInfo
+from .output import append_output
+from .prefix import SlotHistory
+from .request import Event, Metrics, Sequence, TokenLogprob
+from .runner import ChunkKey, StepKey, StepRunner, remade
+from .sampling import TOP_LOGPROBS, SamplingParams, needs_sort, plain_greedy
+
+# Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
+# failed): `step` then raises EngineFailed, and a server exits so its supervisor restarts it.
+MAX_FAILED_STEPS = 3
+CONTEXT_BUCKET = 512    # eager: compressed-KV reads are bounded to a multiple of this many tokens
+# Compiled steps have static shapes, each one a compile: their shapes are powers of two, so a run compiles
+# a handful of keys and none in steady state.
+MIN_CONTEXT = 512       # the smallest context bucket
+MIN_CHUNK = 16          # the smallest prefill chunk bucket (rows)
+
+
+def batch_bucket(nb: int, max_batch: int) -> int:
+    return min(1 << (nb - 1).bit_length(), max_batch)
+
+
+def context_bucket(bound: int) -> int:
+    return max(MIN_CONTEXT, 1 << (bound - 1).bit_length())
+
+
+def chunk_bucket(rows: int, longest: int) -> int:
+    """A compiled prefill chunk's rows: the next power of two from MIN_CHUNK, at most `longest`, the
+    longest chunk the scheduler cuts (the commonest: every chunk of a long prompt but its last)."""
+    return min(max(MIN_CHUNK, 1 << (rows - 1).bit_length()), longest)
+
+
+class EngineFailed(RuntimeError):
+    """The engine cannot go on: its steps keep failing whatever requests they hold."""
+
+
+class Engine:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
+                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
+                 reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
+                 reload=None, isolate_failures: bool = True):
+        """`mtp`: drafts verified per step (0: plain decoding). `reuse_prefix`: a new prompt starts where
+        a free slot's state stops matching it (a chat turn resumes the previous one); off by default, as
+        batch output must not depend on slot history. `compile`: steps compiled per key, in the background
+        when `compile_in_background` (in a process of its own given `reload`, a picklable call that loads
+        this model and tokenizer again: `loading.load_weights`). `isolate_failures`: a step that raises
+        fails the requests in it and the engine goes on (`step`); off, it raises (the ranks of --tp must
+        all take the same steps)."""
+        self.tok, self.reload = tokenizer, reload
+        self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
+        # prefill tokens per step: running streams wait at most this much prefill between tokens
+        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
+        self.reuse_prefix, self.isolate_failures = reuse_prefix, isolate_failures
+        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=mtp, reuse_prefix=reuse_prefix)
+        remake = (functools.partial(remade, reload, {**shape, "graphs": False})
+                  if compile and compile_in_background and reload is not None else None)
+        self.runner = StepRunner(model, **shape, graphs=graphs, compile=compile, background=compile_in_background,
+                                 remake=remake)
+        self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
+        self.graphs = graphs
+        self.slots: list[Sequence | None] = [None] * max_batch
+        self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
+        self.waiting: list[Sequence] = []
+        self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
+        self.totals = Metrics()
+        self.failed_steps = 0          # in a row
+        self._ids = itertools.count()
+
+    # ---- API ---------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
+        if problem := params.problem():
+            raise ValueError(problem)
+        if params.logprobs is not None and not 0 <= params.logprobs <= TOP_LOGPROBS:
+            raise ValueError(f"logprobs: must be 0..{TOP_LOGPROBS}, got {params.logprobs}")
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})")
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
+        seq.metrics.t_submit = time.perf_counter()
+        seq.metrics.prompt_tokens = len(prompt_ids)
+        seq.decoder = StreamDecoder(self.tok)
+        self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if not seq.finished:
+            seq.finish_reason = "cancelled"
+        if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
+            self._free(seq.slot)
+
+    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
+        """A new engine on the same loaded model with another batch size or MTP depth."""
+        return Engine(self.model, self.tok, max_batch, self.max_seq_len, mtp, self.prefill_chunk, self.prefill_budget,
+                      self.graphs, self.reuse_prefix, self.compiled is not None if compile is None else compile,
+                      self.compiled is not None and self.compiled.background, self.reload, self.isolate_failures)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    def close(self) -> None:
+        """Stop what runs beside the engine (a compile)."""
+        if self.compiled is not None:
+            self.compiled.close()
+
+    @functools.cached_property
+    def model_info(self) -> ModelInfo:
+        return ModelInfo.of(self.model)
+
+    def step(self) -> list[Event]:
+        """Admit waiting requests, then prefill chunks within the token budget (a request whose last chunk
+        runs gives its first token and joins decoding) and one decode step for the streams running before
+        the step. With no stream running, the step ends after the prefill, so a first token streams
+        without waiting for a decode step (nor for its compile).
+
+        A request only fails itself: one whose admission raises, and the requests of a step that raises,
+        end with finish reason "error" (in an event) and free their slots, and the engine goes on (every
+        other slot's state is position-addressed, so a half-run step leaves nothing it reads). After
+        MAX_FAILED_STEPS failed steps in a row it raises EngineFailed."""
+        events = []
+        while self.waiting and None in self.slots:
+            seq = self.waiting.pop(0)
+            try:
+                self._assign(seq)
+            except Exception as e:      # noqa: BLE001 - this request fails, the others go on
+                if not self.isolate_failures:
+                    raise
+                events.append(self._fail(seq, e))
+        running = [s for s in self.slots if s is not None and s not in self.prefilling]
+        chunks = self._prefill_chunks(self.prefill_budget)
+        try:
+            if self.compiled is None:             # one call: the chunks, then the decode rows
+                events += self._call(chunks, decode=bool(running))
+            else:                                 # static shapes: each chunk in a call of its own
+                for chunk in chunks:
+                    events += self._call([chunk], decode=False)
+                if running:
+                    events += self._call([], decode=True)
+        except Exception as e:          # noqa: BLE001 - the step's requests fail, the engine goes on
+            if not self.isolate_failures:
+                raise
+            self.failed_steps += 1
+            if self.failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFailed(f"{self.failed_steps} engine steps in a row failed; the last: "
+                                   f"{type(e).__name__}: {e}") from e
+            failed = {id(seq): seq for seq in [*running, *(seq for seq, _, _ in chunks)]}
+            return [ev for ev in events if id(ev.seq) not in failed] + [self._fail(seq, e) for seq in failed.values()]
+        self.failed_steps = 0
+        return events
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Sequence]:
+        seqs = [self.submit(p, params) for p in prompts]
+        while self.has_work():
+            self.step()
+        return seqs
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def _assign(self, seq: Sequence) -> None:
+        """A free slot for a waiting request (with prefix reuse, the one whose state it resumes
+        furthest); its prefill starts at the next step."""
+        cache = self.runner.state.cache
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        starts = {i: self.history[i].resume_point(seq.prompt_ids, cache.lookback, cache.ring)
+                  if self.reuse_prefix else 0 for i in free}
+        slot = max(free, key=lambda i: (starts[i], -i))
+        reused = starts[slot]
+        self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
+        self.history[slot] = self.history[slot].resumed(reused, cache.ring)
+        self.slots[slot], seq.slot = seq, slot
+        seq.metrics.cached_tokens = seq.prefilled = reused
+        self.prefilling.append(seq)
+
+    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
+        """This step's prefill chunks (request, a, b), oldest request first, up to `budget` tokens (a
+        chunk is cut to fit)."""
+        chunks = []
+        for seq in self.prefilling:
+            a, n = seq.prefilled, len(seq.prompt_ids)
+            while budget > 0 and a < n:
+                b = min(a + self.prefill_chunk, a + budget, n)
+                chunks.append((seq, a, b))
+                budget, a = budget - (b - a), b
+        return chunks
+
+    # ---- a call of the step ------------------------------------------------------------------
+
+    def _call(self, chunks: list[tuple[Sequence, int, int]], decode: bool) -> list[Event]:
+        """One call of the device step: these prefill chunks, then (with `decode`) the decode rows of the
+        slots decoding now; its key (the shapes bucketed when compiled) and inputs, its one read, its events."""
+        compiled = self.compiled is not None
+        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
+        decoding = [decode and s is not None and s not in self.prefilling for s in self.slots]
+        nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
+        committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
+        logprobs = any(p.logprobs is not None for p in committing)
+        keys, inputs = [], []
+        for seq, a, b in chunks:
+            seq.prefilled = b
+            rows, context = b - a, b
+            if compiled:
+                rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
+            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids)))
+            inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows))
+        context = self._context_bound(nb) if nb else 0
+        if compiled and nb:
+            nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
+        key = StepKey(tuple(keys), nb, context, needs_sort(committing), logprobs, plain_greedy(committing))
+        packed = self.runner.run(key, *inputs)
+        if not (ending or nb):
+            return []                       # nothing committed: nothing to read
+        packed = packed.tolist()            # the one host read
+        k = self.mtp_depth
+        width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on
+        events = [self._first_event(seq, int(row[0]), row[k + 2: k + 2 + width] if seq.params.logprobs is not None
+                                    else None)
+                  for seq, row in zip(ending, packed[nb:])]
+        now = time.perf_counter()
+        for i, row in enumerate(packed[:nb]):
+            seq = self.slots[i]
+            if not decoding[i]:                 # free or prefilling
+                continue
+            tokens, n = [int(t) for t in row[: k + 1]], int(row[k + 1])
+            scored = None
+            if seq.params.logprobs is not None:
+                scored = [TokenLogprob.from_scored(tokens[j], row[k + 2 + j * width: k + 2 + (j + 1) * width],
+                                                   seq.params.logprobs)
+                          for j in range(n + 1)]
+            if k:
+                seq.metrics.count_drafts(k, n)
+            seq.metrics.t_last = now
+            self._record(i, tokens[: n + 1])
+            events.append(self._emit(seq, tokens[: n + 1], scored))
+        return events
+
+    def _context_bound(self, nb: int) -> int:
+        """A bound on every position the decode rows of slots [0, nb) touch, from host-side lengths, rounded
+        up to a bucket so shapes (and captured graphs) repeat."""
+        longest = max(len(s.prompt_ids) + len(s.output_ids) for s in self.slots[:nb] if s is not None)
+        return -(-(longest + self.mtp_depth + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
+
+    # ---- host bookkeeping --------------------------------------------------------------------
+
+    def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
+        self.prefilling.remove(seq)
+        self._record(seq.slot, seq.prompt_ids + [first])
+        logprobs = None if scored is None else [TokenLogprob.from_scored(first, scored, seq.params.logprobs)]
+        seq.metrics.t_first = seq.metrics.t_last = time.perf_counter()
+        return self._emit(seq, [first], logprobs)
+
+    def _record(self, slot: int, tokens: list[int]) -> None:
+        if self.reuse_prefix:
+            self.history[slot].record(tokens, self.mtp_depth)
+
+    def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
+        """Committed tokens into the request's output (stop rules); a finished request frees its slot."""
+        event = append_output(seq, tokens, logprobs, self.tok.eos_id, self.max_seq_len)
+        if event.finished:
+            self._free(seq.slot)
+            self.totals.merge(seq.metrics)
+        return event
+
+    def _fail(self, seq: Sequence, error: Exception) -> Event:
+        """End a request the engine failed: its error, an event saying so, its slot freed."""
+        seq.finish_reason, seq.error = "error", f"engine step failed: {type(error).__name__}: {error}"
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
+        if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
+            self._free(seq.slot)
+        return Event(seq, "", [], True)
+
+    def _free(self, slot: int) -> None:
+        self.slots[slot] = None
+        self.runner.free(slot)

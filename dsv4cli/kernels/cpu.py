@@ -1,0 +1,263 @@
+"""The CPU's kernel module: the reference's ops, with weights of 2 MiB and more packed for the project's
+few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, built on first use) or oneDNN's, the
+indexer's scan in one native pass, and each MoE layer's experts routed on the host.
+
+On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their cost
+is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
+packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
+native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
+take oneDNN's prepacked layout where torch has it, else stay plain, and the reference's ops run.
+Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
+the kernel is called directly (an op's dispatch costs ~20 us a call).
+"""
+import functools
+
+import torch
+
+from . import native
+from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
+from .reference import indexer_scan_op, quantize_per_token, swiglu
+from .reference import indexer_scores as indexer_scores_bmm
+from .reference import routed_experts as reference_routed_experts
+
+# Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
+# for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
+PACK_MIN_BYTES = 2 << 20
+CHECK_ROWS = 256      # rows per slice of pack_linear_fp32's bf16 check: no full-size temporaries at load
+# The indexer's [batch x rows x heads x blocks] products held at once by torch's scan: small enough to stay
+# in cache.
+INDEXER_SLICE = 1 << 20
+
+
+# ---- packed weights ----------------------------------------------------------------------------
+
+def pack_w8a8(weight: torch.Tensor):
+    """The int8 weight [out, in] in a packed layout, or None where none is available or the weight is
+    small: the native few-row GEMM's (uint8), else oneDNN's blocked layout (an mkldnn tensor). Both give
+    `torch._int_mm`'s int32 sums, so the same results, bit for bit.
+
+    `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count, oneDNN's
+    prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to 16 rows
+    (`benchmarks/cpu_gemm.py`)."""
+    if weight.numel() < PACK_MIN_BYTES:
+        return None
+    if native.packable(weight):
+        return native.pack_int8(weight)
+    return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]]) if _onednn_int8() else None
+
+
+def unpack_w8a8(packed) -> torch.Tensor:
+    """The plain int8 weight [out, in] back from `pack_w8a8`."""
+    if packed.dtype == torch.uint8:
+        return native.unpack_int8(packed)
+    return packed.to_dense().t().contiguous()
+
+
+def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
+    """An fp32 weight [out, in] packed for the native few-row GEMM, or None (no native kernels, a small
+    weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight at 0.9 of the
+    memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16; the native one at 0.9-1.0 with 1-4 rows, 0.7
+    with 8 (`benchmarks/cpu_gemm.py`)."""
+    if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
+            or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
+        return None
+    # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
+    # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
+    exact_bf16 = all(torch.equal(rows.bfloat16().float(), rows) for rows in weight.split(CHECK_ROWS))
+    return native.pack_float(weight, torch.bfloat16 if exact_bf16 else torch.float32)
+
+
+def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
+    return native.unpack_float(packed)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D).
+    Real tensors only: traced, an mkldnn tensor reads as a plain one (modules pass `packed` themselves)."""
+    return weight.is_mkldnn or weight.dim() > 2
+
+
+@functools.cache
+def _onednn_int8() -> bool:
+    try:
+        w = torch.ones(2, 4, dtype=torch.int8)
+        y = packed_int_mm(torch.ones(1, 4, dtype=torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, 4]))
+        return torch.equal(y, torch.full((1, 2), 4.0))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@torch.library.custom_op("dsv4::packed_int_mm", mutates_args=())
+def packed_int_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Exact int32 sums of q [m, in] int8 times a packed weight, as fp32 (unit scales, no zero points)."""
+    if packed.dtype == torch.uint8:
+        return native.int8_mm(q, packed)
+    n = packed.shape[1]
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, _ones(n), _zeros(n), None, 1.0, 0,
+                                              torch.float32, "none", [None], "")
+
+
+@packed_int_mm.register_fake
+def _(q, packed):
+    n = packed.shape[0] * native.BLOCK if packed.dtype == torch.uint8 else packed.shape[1]
+    return q.new_empty(q.shape[0], n, dtype=torch.float32)
+
+
+def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`packed_int_mm`, the native kernel called directly in eager."""
+    if packed.dtype == torch.uint8 and not torch.compiler.is_compiling():
+        return native.int8_mm(q, packed)
+    return packed_int_mm(q, packed)
+
+
+@functools.cache
+def _ones(n: int) -> torch.Tensor:
+    return torch.ones(n)
+
+
+@functools.cache
+def _zeros(n: int) -> torch.Tensor:
+    return torch.zeros(n, dtype=torch.long)
+
+
+@torch.library.custom_op("dsv4::packed_float_mm", mutates_args=())
+def packed_float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x [m, in] times a `pack_linear_fp32` weight, fp32."""
+    return native.float_mm(x, packed)
+
+
+@packed_float_mm.register_fake
+def _(x, packed):
+    return x.new_empty(x.shape[0], packed.shape[0] * native.BLOCK, dtype=torch.float32)
+
+
+def float_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`packed_float_mm`: the custom op in a graph being compiled, the kernel itself in eager."""
+    return packed_float_mm(x, packed) if torch.compiler.is_compiling() else native.float_mm(x, packed)
+
+
+# ---- the ops that read packed weights ----------------------------------------------------------
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
+    """x W^T in fp32; `packed` = pack_linear_fp32(weight), which is then read instead of `weight`."""
+    if packed is not None:
+        return float_packed(x.reshape(-1, x.shape[-1]), packed).view(*x.shape[:-1], -1)
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
+def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
+    """The reference's per-group projection; `packed` = pack_linear_fp32(weight as [G*r, d], G), read
+    instead of weight: group g's rows are its blocks g*r/32 .. (g+1)*r/32."""
+    if packed is None:
+        return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
+    G, r = weight.shape[:2]
+    rows, blocks = x.reshape(-1, G, x.shape[-1]), packed.chunk(G)
+    y = torch.stack([float_packed(rows[:, g], blocks[g]) for g in range(G)], 1)
+    return y.view(*x.shape[:-1], r).to(x.dtype)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None,
+                packed=None) -> torch.Tensor:
+    """The reference's W8A8 linear; `packed` = pack_w8a8(weight), which is then read instead of `weight`."""
+    shape = x.shape
+    q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
+    acc = int8_packed(q, packed) if packed is not None else torch._int_mm(q, weight.t()).float()
+    y = acc * sx * weight_scale.view(1, -1).float()
+    return y.to(x.dtype).view(*shape[:-1], -1)
+
+
+# ---- the indexer's scan ------------------------------------------------------------------------
+
+native_indexer_scores = indexer_scan_op("native_indexer_scores", native.indexer_scores)
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Heads in whole AVX-512 vectors take `native.indexer_scores` (one pass, the relu and weighted sum in
+    registers: 2-3x torch's bmm at V4 Flash's widths); the rest torch's scan in cache-sized slices."""
+    if native.scannable(q, keys):
+        return native_indexer_scores(q, keys, weights)
+    return indexer_scores_bmm(q, keys, weights, INDEXER_SLICE)
+
+
+# ---- routed experts on the host ----------------------------------------------------------------
+
+def projection(x, weight, scale, xq=None):
+    """A float linear (scale None), or W8A8; the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
+    packed = weight if is_packed(weight) else None
+    if scale is None:
+        return torch.nn.functional.linear(x, weight.to(x.dtype)) if packed is None \
+            else linear_fp32(x, weight, packed).to(x.dtype)
+    return w8a8_linear(x, weight, scale, xq, packed)
+
+
+class TensorExpert:
+    """An expert made of its tensors: weights [w1, w3, w2] (float, int8 or packed) and their scales."""
+
+    def __init__(self, weights, scales, limit: float):
+        self.tensors = (list(weights), list(scales))
+        self.limit = limit
+
+    def kernel_tensors(self) -> tuple[list, list]:
+        return self.tensors
+
+    def __call__(self, x, routing_weight=None, xq=None):
+        """`model.Expert`'s arithmetic on these tensors."""
+        (w1, w3, w2), (s1, s3, s2) = self.tensors
+        h = swiglu(projection(x, w1, s1, xq), projection(x, w3, s3, xq), self.limit)
+        return projection((h if routing_weight is None else h * routing_weight).to(x.dtype), w2, s2)
+
+
+def routed_experts(x, weights, local, experts, shared=None, xq=None):
+    """The reference's `routed_experts`, the routing read on the host at no sync. Experts in a fused-kernel
+    table (`expert_table`, built at load) run in one native call: the ~30 small torch ops each expert
+    costs around its GEMMs were a third of the MoE's time at V4 Flash's widths. A compiled graph can't
+    read the routing: there this is one opaque op (`routed_experts_op`), which finds the table again."""
+    if torch.compiler.is_compiling():
+        tensors = [e.kernel_tensors() for e in [*experts, *([shared] if shared is not None else [])]]
+        q, sx = xq if xq is not None else (None, None)
+        return routed_experts_op(x, weights, local, q, sx, [w for ws, _ in tensors for w in ws],
+                                 [s for _, ss in tensors for s in ss], experts[0].limit, shared is not None)
+    if xq is not None and (table := find_table(experts, shared is not None)) is not None:
+        return native.routed_experts(xq[0], xq[1], weights, local, table, experts[0].limit, x.dtype,
+                                     shared is not None)
+    return reference_routed_experts(x, weights, local, experts, shared, xq)
+
+
+@torch.library.custom_op("dsv4::routed_experts", mutates_args=())
+def routed_experts_op(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, xq: torch.Tensor | None,
+                    xs: torch.Tensor | None, expert_weights: list[torch.Tensor],
+                    expert_scales: list[torch.Tensor | None], limit: float, shared: bool) -> torch.Tensor:
+    """`routed_experts` as one op of a compiled graph; the experts' tensors come flat, three each (the
+    shared expert's last, with `shared`)."""
+    experts = [TensorExpert(expert_weights[i: i + 3], expert_scales[i: i + 3], limit)
+               for i in range(0, len(expert_weights), 3)]
+    routed, common = (experts[:-1], experts[-1]) if shared else (experts, None)
+    return routed_experts(x, weights, local, routed, common, None if xq is None else (xq, xs))
+
+
+@routed_experts_op.register_fake
+def _(x, weights, local, xq, xs, expert_weights, expert_scales, limit, shared):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def expert_table(experts, shared=None):
+    """A MoE layer's experts (then the shared one, if given: objects with `kernel_tensors()`) as the native
+    kernel runs them, or None where they aren't W8A8 packed for it (they then run one by one). The table
+    holds their tensors' addresses; a live one is found again by its first weight (`find_table`)."""
+    first = experts[0].kernel_tensors()[0][0]
+    if not (native.available() and first.dtype == torch.uint8):     # not packed for the native kernels
+        return None
+    if (found := find_table(experts, shared is not None)) is not None:
+        return found
+    tensors = [e.kernel_tensors() for e in [*experts, *([shared] if shared is not None else [])]]
+    weights, scales = [ws for ws, _ in tensors], [ss for _, ss in tensors]
+    if not native.ExpertTable.usable(weights, scales):
+        return None
+    return native.ExpertTable(weights, scales, shared is not None)
+
+
+def find_table(experts, shared: bool):
+    """The live table of these experts (holding the shared expert too, with `shared`), or None."""
+    first = experts[0].kernel_tensors()[0][0]
+    found = native.ExpertTable.find(first, len(experts)) if first.dtype == torch.uint8 else None
+    return found if found is not None and found.shared >= shared else None
