@@ -126,54 +126,72 @@ class StepRunner:
             c.slot.pos.copy_(c.start + n)
         segments = [Segment(c.ids[:, :ck.rows], c.start, c.slot.cache, ck.context, c.length)
                     for ck, c in zip(key.chunks, chunks)]
+        b = slice(0, key.batch)
         if key.batch:
-            b = slice(0, key.batch)
-            pos, last, active, drafts = st.pos[b], st.last[b], st.active[b], st.drafts[b, :k]
-            segments.append(Segment(torch.cat([last[:, None], drafts], 1), pos, st.cache, key.context))
+            segments.append(Segment(torch.cat([st.last[b, None], st.drafts[b, :k]], 1), st.pos[b], st.cache,
+                                    key.context))
         hidden = self.model.forward_segments(segments)
         # one head call over the rows that commit: a prompt's last real row, every decode row
         ending = [i for i, ck in enumerate(key.chunks) if ck.last]
         scored = [rows_at(hidden[i], ends[i] - 1) for i in ending] + hidden[len(chunks):]
         logits = split(self.model.logits(join(scored)), [x.shape[:2] for x in scored]) if scored else []
-        flags = (key.sort, key.logprobs, key.greedy)
         firsts, rows = [], []         # per prompt that ends: (its inputs, first token [1,1], its logprobs)
         for i, (ck, c) in enumerate(zip(key.chunks, chunks)):
             nxt = c.ids[:, 1:ck.rows + 1]
             if ck.last:
-                first, _, scored_first = commit_rows(logits[ending.index(i)], nxt[:, :0], c.slot.sampling, slice(0, 1),
-                                                     c.start + ends[i] - 1, *flags)
-                firsts.append((c, first, scored_first))
+                first, _, lp = commit_rows(logits[ending.index(i)], nxt[:, :0], c.slot.sampling, slice(0, 1),
+                                           c.start + ends[i] - 1, key.sort, key.logprobs, key.greedy)
+                firsts.append((c, first, lp))
                 nxt = nxt.scatter(1, (ends[i] - 1)[:, None], first)
             rows.append(DraftRows(hidden[i], nxt, c.start, c.slot.cache, ends[i], c.length, ck.last))
+        decoded = self._verify(key, hidden[-1], logits[-1], rows) if key.batch else None
+        # drafts for each prompt that ends, then for the decode rows (None: plain decoding)
+        proposed = self.drafter.propose(rows) if self.drafter is not None else [None] * (len(firsts) + 1)
         if key.batch:
-            tokens, n_acc, scored_rows = commit_rows(logits[-1], drafts, st.sampling, b, pos, *flags)
-            n_acc = torch.where(active, n_acc, 0)
-            if self.drafter is not None:
-                nxt = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
-                rows.append(DraftRows(hidden[-1], nxt, pos, st.cache, n_acc + 1, None, True))
-        proposed = self.drafter.propose(rows) if self.drafter is not None else []
-        if key.batch:
-            if self.drafter is not None:
-                st.drafts[b, :k] = torch.where(active[:, None], proposed[-1], drafts)
-            st.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), last)
-            st.pos[b] = pos + torch.where(active, n_acc + 1, 0)
-            committed = (torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]
-            st.sampling.output_counts[b].scatter_add_(1, tokens, committed.float())
-        for j, (c, first, _) in enumerate(firsts):      # after the decode rows' updates: the slot joins them
+            self._advance(b, *decoded[:2], proposed[-1])
+        for (c, first, _), drafts in zip(firsts, proposed):     # after the decode rows': the slot joins them
             c.slot.last.copy_(first[:, 0])
             c.slot.active.fill_(True)
-            if self.drafter is not None:
-                c.slot.drafts[:, :k] = proposed[j]
+            if drafts is not None:
+                c.slot.drafts[:, :k] = drafts
             c.slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
-        packed = ([torch.cat([tokens, n_acc[:, None]], 1)] if key.batch else []) + \
+        return self._packed(key, decoded, firsts)
+
+    def _verify(self, key: StepKey, hidden, logits, rows: list[DraftRows]):
+        """The decode rows' committed tokens [B,K+1], accepted drafts [B] and logprobs, and their rows for the
+        drafter (appended to `rows`). Inactive rows commit nothing: they act as all drafts rejected."""
+        st, b, k = self.state, slice(0, key.batch), self.depth
+        pos, drafts = st.pos[b], st.drafts[b, :k]
+        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy)
+        n_acc = torch.where(st.active[b], n_acc, 0)
+        if self.drafter is not None:
+            nxt = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
+            rows.append(DraftRows(hidden, nxt, pos, st.cache, n_acc + 1, None, True))
+        return tokens, n_acc, scored
+
+    def _advance(self, b: slice, tokens, n_acc, drafts) -> None:
+        """The active decode slots past their committed tokens, with their next drafts."""
+        st, k = self.state, self.depth
+        active = st.active[b]
+        if drafts is not None:
+            st.drafts[b, :k] = torch.where(active[:, None], drafts, st.drafts[b, :k])
+        st.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), st.last[b])
+        st.pos[b] = st.pos[b] + torch.where(active, n_acc + 1, 0)
+        committed = (torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]
+        st.sampling.output_counts[b].scatter_add_(1, tokens, committed.float())
+
+    def _packed(self, key: StepKey, decoded, firsts) -> torch.Tensor:
+        """The step's one packed result (StepKey)."""
+        k = self.depth
+        packed = ([torch.cat([decoded[0], decoded[1][:, None]], 1)] if key.batch else []) + \
                  [F.pad(first, (0, k + 1)) for _, first, _ in firsts]
         if not packed:
             return torch.empty(0, k + 2, dtype=torch.long, device=self.device)
         packed = torch.cat(packed)
         if not key.logprobs:
             return packed
-        lps = ([scored_rows.flatten(1)] if key.batch else []) + [lp.flatten(1) for _, _, lp in firsts]
-        width = (k + 1) * lps[-1].shape[1] if not key.batch else lps[0].shape[1]
+        lps = ([decoded[2].flatten(1)] if key.batch else []) + [lp.flatten(1) for _, _, lp in firsts]
+        width = lps[0].shape[1] if key.batch else (k + 1) * lps[0].shape[1]
         return torch.cat([packed.double(), torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in lps])], 1)
 
     def example_inputs(self, key: StepKey) -> tuple:
