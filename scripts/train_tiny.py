@@ -110,7 +110,7 @@ def losses(model: Transformer, rows: torch.Tensor, pad_id: int) -> tuple[torch.T
     targets = rows.masked_fill(rows == pad_id, PAD)
     state = DecodeState(model, B, S, max_draft=0)
     start = torch.zeros(B, dtype=torch.long)
-    (hidden,) = model.forward_segments([Segment(rows[:, :S], start, state)])
+    ((hidden, _),) = model.forward_segments([Segment(rows[:, :S], start, state)])
     (mtp_hidden,) = model.mtp_forward_segments([hidden], [Segment(rows[:, 1:S + 1], start, state)])
     logits, mtp_logits = model.logits(hidden), model.mtp_logits(mtp_hidden)
     main = F.cross_entropy(logits.flatten(0, 1), targets[:, 1:S + 1].flatten(), ignore_index=PAD)

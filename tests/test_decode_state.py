@@ -131,9 +131,9 @@ def test_a_prefill_chunk_and_decode_rows_in_one_pass(model, prefill_first):
     rows = torch.cat([torch.randint(0, 256, (1, 2), generator=g), b[:, 40:42]])
     decode = Segment(rows, torch.tensor([150, 40]), state, 320)
     if prefill_first:
-        chunk_hidden, hidden = model.forward_segments([chunk, decode])
+        (chunk_hidden, _), (hidden, _) = model.forward_segments([chunk, decode])
     else:
-        hidden, chunk_hidden = model.forward_segments([decode, chunk])
+        (hidden, _), (chunk_hidden, _) = model.forward_segments([decode, chunk])
     logits, last = model.logits(hidden), model.logits(chunk_hidden[:, -1:])
     assert torch.allclose(logits[1], full_b[0, 40:42], atol=1e-4, rtol=1e-4)
     right = torch.allclose(last[0], full_a[0, 149:150], atol=1e-4, rtol=1e-4)

@@ -50,11 +50,20 @@ def prompts(n_list, vocab, seed=0) -> list[list[int]]:
 
 def chunk_logits(model: Transformer, tokens, start, state, context=None, length=None):
     """The trunk's logits and streams over one chunk through the cached path (as a step runs it)."""
-    (hidden,) = model.forward_segments([Segment(tokens, start, state, context, length)])
-    return model.logits(hidden), hidden
+    (rows,) = model.forward_segments([Segment(tokens, start, state, context, length)])
+    return model.logits(rows.hidden), rows.hidden
 
 
 def mtp_chunk_logits(model: Transformer, hidden, next_ids, start, state, length=None):
     """The MTP layer's logits and streams over one chunk through the cached path."""
     (x,) = model.mtp_forward_segments([hidden], [Segment(next_ids, start, state, length=length)])
     return model.mtp_logits(x), x
+
+
+def tiny_dspark_config(**overrides) -> dict:
+    """A 0731-layout config: the trunk of `tiny_config` and a DSpark drafter of three stages (the legacy
+    num_nextn_predict_layers still 1; the stages are the compress_ratios past the trunk)."""
+    cfg = tiny_config(compress_ratios=[0, 4, 128, 4, 0, 0, 0], dspark_block_size=5, dspark_noise_token_id=7,
+                      dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)
+    cfg.update(overrides)
+    return cfg

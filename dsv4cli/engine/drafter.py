@@ -3,8 +3,8 @@ the trunk computed over the step's rows and which of them were committed, and ge
 sequence that decodes on. The verifier (`verify.py`) is shared: it checks drafts whatever made them.
 
 Two kinds: the preview checkpoints' MTP layer, chained for depth K (`mtp.py`), and the 0731 checkpoints'
-DSpark block drafter. A drafter keeps its own position-addressed state in the step's DecodeState, so
-rows a step rejects leave nothing it reads later.
+DSpark block drafter (`dspark.py`). A drafter keeps its own position-addressed state in the step's
+DecodeState, so rows a step rejects leave nothing it reads later.
 """
 from typing import NamedTuple, Protocol
 
@@ -12,11 +12,14 @@ import torch
 
 from dsv4cli.model import DecodeState
 
+from .sampling import SlotParams
+
 
 class DraftRows(NamedTuple):
     """One segment of a step as the drafter sees it: rows at positions start[b].. of `cache`.
 
     hidden:    the trunk's streams over the rows [B,S,hc,D]
+    features:  DSpark's target features over the rows [B,S,F] (None for the MTP layer)
     next_ids:  [B,S] the token after each row, p+1: the committed one where there is one
     start:     [B]
     cache:     the segment's DecodeState (or a slot's view)
@@ -24,20 +27,34 @@ class DraftRows(NamedTuple):
                committed-1, at position start+committed: the drafts follow it
     length:    [B] a padded chunk's real rows (model.Segment), or None
     wanted:    whether the segment needs drafts (decode rows; a prefill chunk that ends its prompt)
+    sampling:  the segment's sampling settings, rows `rows` of it (drafts drawn at the request's settings)
     """
     hidden: torch.Tensor
+    features: torch.Tensor | None
     next_ids: torch.Tensor
     start: torch.Tensor
     cache: DecodeState
     committed: torch.Tensor
     length: torch.Tensor | None
     wanted: bool
+    sampling: SlotParams
+    rows: slice
+
+
+class Proposal(NamedTuple):
+    """A segment's next drafts [B, D] (D: the drafter's drafts a step), the distributions they were drawn
+    from [B, D, V] (None: argmaxes, or a step of greedy rows only), and each draft's confidence [B, D]:
+    the chance it is accepted given the ones before it (None: the drafter doesn't say)."""
+    drafts: torch.Tensor
+    q: torch.Tensor | None
+    confidence: torch.Tensor | None
 
 
 class Drafter(Protocol):
-    depth: int      # drafts the step verifies (K)
+    depth: int      # drafts a step proposes (at most that many are verified)
 
-    def propose(self, rows: list[DraftRows]) -> list[torch.Tensor]:
-        """Write this step's rows into the drafter's state and return drafts [B, K] for each segment that
-        wants them, in order."""
+    def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
+        """Write this step's rows into the drafter's state and return a Proposal for each segment that
+        wants one, in order. `greedy`: every request drafting is plain greedy; `sort`: some filters by
+        rank or mass (as StepKey)."""
         ...

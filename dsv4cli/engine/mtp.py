@@ -10,7 +10,7 @@ import torch
 from dsv4cli.model import Segment, Transformer
 from dsv4cli.model.model import join, rows_at, split
 
-from .drafter import DraftRows
+from .drafter import DraftRows, Proposal
 
 
 class MTPDrafter:
@@ -19,13 +19,15 @@ class MTPDrafter:
     def __init__(self, model: Transformer, depth: int):
         self.model, self.depth = model, depth
 
-    def propose(self, rows: list[DraftRows]) -> list[torch.Tensor]:
+    def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
         """Every row of every segment through the MTP layer in one pass (rejected rows leave
-        position-addressed garbage the next step rewrites), then the chained drafts of those that want them."""
+        position-addressed garbage the next step rewrites), then the chained drafts of those that want them
+        (argmaxes whatever the requests' settings)."""
         segments = [Segment(r.next_ids, r.start, r.cache, length=r.length) for r in rows]
         streams = self.model.mtp_forward_segments([r.hidden for r in rows], segments)
         wanted = [(r, rows_at(x, r.committed - 1)) for r, x in zip(rows, streams) if r.wanted]
-        return self._chain([(x, r.start + r.committed, r.cache) for r, x in wanted]) if wanted else []
+        drafts = self._chain([(x, r.start + r.committed, r.cache) for r, x in wanted]) if wanted else []
+        return [Proposal(d, None, None) for d in drafts]
 
     def _chain(self, starts: list[tuple[torch.Tensor, torch.Tensor, object]]) -> list[torch.Tensor]:
         """Greedy drafts [B, K] at positions pos.. for each (streams [B,1,hc,D] of the MTP row before pos,

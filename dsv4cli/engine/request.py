@@ -20,6 +20,7 @@ class Metrics:
     draft_tokens: int = 0           # drafts proposed
     accepted_tokens: int = 0        # drafts accepted
     accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)   # steps that verified a draft there
 
     @property
     def ttft(self) -> float:
@@ -45,17 +46,25 @@ class Metrics:
 
     @property
     def per_position(self) -> list[float]:
-        return [a / self.drafts for a in self.accepted_per_position] if self.drafts else []
+        """Per draft position, the share of its verifications that accepted it (its drafts before it
+        accepted or not: vLLM's definition)."""
+        return [a / p for a, p in zip(self.accepted_per_position, self.proposed_per_position) if p]
 
     def count_drafts(self, proposed: int, accepted: int) -> None:
-        """One step's speculation: `proposed` drafts, of which the first `accepted` were accepted."""
+        """One step's speculation: `proposed` drafts verified (0: a step that verified none is not one),
+        of which the first `accepted` were accepted."""
+        if not proposed:
+            return
         self.drafts += 1
         self.draft_tokens += proposed
         self.accepted_tokens += accepted
-        if not self.accepted_per_position:
-            self.accepted_per_position = [0] * proposed
-        for j in range(accepted):
-            self.accepted_per_position[j] += 1
+        grow = proposed - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(proposed):
+            self.proposed_per_position[j] += 1
+            self.accepted_per_position[j] += j < accepted
 
     def merge(self, other: "Metrics") -> None:
         self.prompt_tokens += other.prompt_tokens
@@ -64,10 +73,13 @@ class Metrics:
         self.drafts += other.drafts
         self.draft_tokens += other.draft_tokens
         self.accepted_tokens += other.accepted_tokens
-        if len(self.accepted_per_position) < len(other.accepted_per_position):
-            self.accepted_per_position += [0] * (len(other.accepted_per_position) - len(self.accepted_per_position))
-        for i, a in enumerate(other.accepted_per_position):
+        grow = len(other.proposed_per_position) - len(self.proposed_per_position)
+        if grow > 0:
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i, (a, p) in enumerate(zip(other.accepted_per_position, other.proposed_per_position)):
             self.accepted_per_position[i] += a
+            self.proposed_per_position[i] += p
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,

@@ -4,8 +4,9 @@ A step is a list of segments, [prefill chunks; decode rows], run in one trunk pa
 (`Transformer.forward_segments`): the chunks write their slots' state, and a chunk that ends its prompt
 gives the prompt's first token; the decode rows [last, K drafts] of slots [0, batch) give the target
 distributions, the verifier commits tokens (`verify.py`), and the drafter drafts again from the committed
-rows (`drafter.py`). "Prefill alone" is the same call with no decode rows. Everything stays on the
-device; the step returns one packed tensor, the host's one read (StepKey says what it holds).
+rows (`drafter.py`: the preview's MTP layer or 0731's DSpark). "Prefill alone" is the same call with no
+decode rows. Everything stays on the device; the step returns one packed tensor, the host's one read
+(StepKey says what it holds).
 
 A step's static arguments are its StepKey, so a compiled engine compiles one graph per key
 (`compiled.py`: the chunks padded to buckets by the scheduler, each in a call of its own) and captures the
@@ -22,6 +23,7 @@ from dsv4cli.model.model import join, rows_at, split
 
 from .compiled import CompiledSteps
 from .drafter import Drafter, DraftRows
+from .dspark import DSparkDrafter
 from .graphs import DecodeGraphs
 from .mtp import MTPDrafter
 from .sampling import SamplingParams
@@ -37,11 +39,13 @@ class ChunkKey(NamedTuple):
 
 class StepKey(NamedTuple):
     """A step's static arguments. The packed tensor it returns holds a row per decode slot [0, batch) (its
-    K+1 candidate tokens, then the number of accepted drafts), then a row per chunk that ends its prompt
-    (its first token as candidate 0, no drafts accepted); with `logprobs`, float64, each row followed by
-    what token_logprobs gives for each candidate."""
+    L+1 candidate tokens, then the number of accepted drafts), then a row per chunk that ends its prompt
+    (its first token as candidate 0, no drafts accepted); each row padded to the drafter's D+1 candidates.
+    Where the runner reports confidences, float64, each row followed by its next drafts' D confidences;
+    with `logprobs`, float64, then what token_logprobs gives for each candidate."""
     chunks: tuple[ChunkKey, ...]
     batch: int        # decode rows for slots [0, batch); 0: none
+    drafts: int       # L: the drafts the decode rows verify (at most the drafter's D a step)
     context: int      # a bound on the decode rows' positions + 1
     sort: bool        # some committing request filters by top-k / top-p / min-p (the vocabulary is sorted)
     logprobs: bool    # some committing request asked for logprobs
@@ -56,19 +60,24 @@ class ChunkInputs(NamedTuple):
 
 
 class StepRunner:
-    """The device side of an engine for `max_batch` slots of `max_seq_len` tokens with `depth` drafts a step
-    (the checkpoint's drafter). `compile`: steps compiled per key, in the `background` (eager until ready,
-    built by a process of its own made with `remake`, a picklable call that builds this runner again
-    compiling in the foreground: `remade`); `graphs`: decode-only steps captured where the platform can."""
+    """The device side of an engine for `max_batch` slots of `max_seq_len` tokens with the checkpoint's
+    drafter drafting `depth` (D) tokens a step (0: plain decoding); `confidences`: the packed result carries
+    the next drafts' confidences (the scheduler chooses how many to verify). `compile`: steps compiled per
+    key, in the `background` (eager until ready, built by a process of its own made with `remake`, a
+    picklable call that builds this runner again compiling in the foreground: `remade`); `graphs`:
+    decode-only steps captured where the platform can."""
 
     def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool = False,
-                 graphs: bool = True, compile: bool = False, background: bool = False, remake=None):
-        self.model, self.depth, self.max_batch = model, depth, max_batch
-        self.device = model.embed.weight.device
+                 confidences: bool = False, graphs: bool = True, compile: bool = False, background: bool = False,
+                 remake=None):
         self.drafter = make_drafter(model, depth)
-        self.state = SlotState(model, max_batch, max_seq_len, depth, reuse_prefix)
+        self.model, self.max_batch = model, max_batch
+        self.depth = self.drafter.depth if self.drafter is not None else 0
+        self.confidences = confidences and self.depth > 0 and model.cfg.drafter == "dspark"
+        self.device = model.embed.weight.device
+        self.state = SlotState(model, max_batch, max_seq_len, self.depth, reuse_prefix)
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
-        self.compile_tag = (depth, max_batch, max_seq_len, self.state.cache.ring)     # what else shapes a graph
+        self.compile_tag = (self.depth, max_batch, max_seq_len, self.state.cache.ring, self.confidences)
         # the decode step's keys first: a chunk key's compile waits until one is ready
         self.compiled = (CompiledSteps(self, self.device, background, remake,
                                        may_start=lambda key, c: key.batch > 0 or (not c.busy and any(
@@ -77,7 +86,7 @@ class StepRunner:
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the runner (its guards' view): what the step reads."""
-        return {k: self.__dict__[k] for k in ("model", "depth", "device", "drafter", "state")}
+        return {k: self.__dict__[k] for k in ("model", "depth", "confidences", "device", "drafter", "state")}
 
     # ---- host-side writes between steps --------------------------------------------------------
 
@@ -116,10 +125,10 @@ class StepRunner:
 
         A chunk runs before the decode rows in every layer, and its slot's `pos` moves to the chunk's end
         first: the decode rows [0, batch) include inactive slots (free, or prefilling), which act as a
-        slot whose drafts were all rejected and write only positions pos..pos+K, rewritten before
+        slot whose drafts were all rejected and write only positions pos..pos+L, rewritten before
         anything reads them (position-addressed state); run before the chunk, or at its start, they would
         land on rows the chunk reads or writes."""
-        st, k = self.state, self.depth
+        st = self.state
         ends = [c.length if c.length is not None else torch.full_like(c.start, ck.rows)
                 for ck, c in zip(key.chunks, chunks)]
         for c, n in zip(chunks, ends):
@@ -128,9 +137,10 @@ class StepRunner:
                     for ck, c in zip(key.chunks, chunks)]
         b = slice(0, key.batch)
         if key.batch:
-            segments.append(Segment(torch.cat([st.last[b, None], st.drafts[b, :k]], 1), st.pos[b], st.cache,
+            segments.append(Segment(torch.cat([st.last[b, None], st.drafts[b, :key.drafts]], 1), st.pos[b], st.cache,
                                     key.context))
-        hidden = self.model.forward_segments(segments)
+        trunk = self.model.forward_segments(segments)
+        hidden = [t.hidden for t in trunk]
         # one head call over the rows that commit: a prompt's last real row, every decode row
         ending = [i for i, ck in enumerate(key.chunks) if ck.last]
         scored = [rows_at(hidden[i], ends[i] - 1) for i in ending] + hidden[len(chunks):]
@@ -143,56 +153,78 @@ class StepRunner:
                                            c.start + ends[i] - 1, key.sort, key.logprobs, key.greedy)
                 firsts.append((c, first, lp))
                 nxt = nxt.scatter(1, (ends[i] - 1)[:, None], first)
-            rows.append(DraftRows(hidden[i], nxt, c.start, c.slot.cache, ends[i], c.length, ck.last))
-        decoded = self._verify(key, hidden[-1], logits[-1], rows) if key.batch else None
-        # drafts for each prompt that ends, then for the decode rows (None: plain decoding)
-        proposed = self.drafter.propose(rows) if self.drafter is not None else [None] * (len(firsts) + 1)
+            rows.append(DraftRows(hidden[i], trunk[i].features, nxt, c.start, c.slot.cache, ends[i], c.length, ck.last,
+                                  c.slot.sampling, slice(0, 1)))
+        decoded = self._verify(key, trunk[-1], logits[-1], rows) if key.batch else None
+        # proposals for each prompt that ends, then for the decode rows (None: plain decoding)
+        proposed = (self.drafter.propose(rows, key.greedy, key.sort) if self.drafter is not None
+                    else [None] * (len(firsts) + 1))
         if key.batch:
             self._advance(b, *decoded[:2], proposed[-1])
-        for (c, first, _), drafts in zip(firsts, proposed):     # after the decode rows': the slot joins them
+        for (c, first, _), proposal in zip(firsts, proposed):     # after the decode rows': the slot joins them
             c.slot.last.copy_(first[:, 0])
             c.slot.active.fill_(True)
-            if drafts is not None:
-                c.slot.drafts[:, :k] = drafts
+            if proposal is not None:
+                self._keep(proposal, c.slot.drafts, c.slot.draft_q, c.slot.confidence)
             c.slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
         return self._packed(key, decoded, firsts)
 
-    def _verify(self, key: StepKey, hidden, logits, rows: list[DraftRows]):
-        """The decode rows' committed tokens [B,K+1], accepted drafts [B] and logprobs, and their rows for the
+    def _verify(self, key: StepKey, trunk, logits, rows: list[DraftRows]):
+        """The decode rows' committed tokens [B,L+1], accepted drafts [B] and logprobs, and their rows for the
         drafter (appended to `rows`). Inactive rows commit nothing: they act as all drafts rejected."""
-        st, b, k = self.state, slice(0, key.batch), self.depth
-        pos, drafts = st.pos[b], st.drafts[b, :k]
-        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy)
+        st, b, L = self.state, slice(0, key.batch), key.drafts
+        pos, drafts = st.pos[b], st.drafts[b, :L]
+        # the draws' distributions: a greedy step's drafts are argmaxes (and its rows one-hot)
+        q = st.draft_q[b, :L] if st.draft_q is not None and not key.greedy else None
+        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy, q)
         n_acc = torch.where(st.active[b], n_acc, 0)
         if self.drafter is not None:
-            nxt = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
-            rows.append(DraftRows(hidden, nxt, pos, st.cache, n_acc + 1, None, True))
+            # row i's next token: draft i+1, the committed one at row n_acc (past it, garbage the next step rewrites)
+            nxt = torch.cat([drafts, tokens[:, -1:]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
+            rows.append(DraftRows(trunk.hidden, trunk.features, nxt, pos, st.cache, n_acc + 1, None, True,
+                                  st.sampling, b))
         return tokens, n_acc, scored
 
-    def _advance(self, b: slice, tokens, n_acc, drafts) -> None:
+    def _advance(self, b: slice, tokens, n_acc, proposal) -> None:
         """The active decode slots past their committed tokens, with their next drafts."""
-        st, k = self.state, self.depth
+        st = self.state
         active = st.active[b]
-        if drafts is not None:
-            st.drafts[b, :k] = torch.where(active[:, None], drafts, st.drafts[b, :k])
+        if proposal is not None:
+            self._keep(proposal, st.drafts[b], None if st.draft_q is None else st.draft_q[b],
+                       None if st.confidence is None else st.confidence[b], active)
         st.last[b] = torch.where(active, tokens.gather(1, n_acc[:, None]).squeeze(1), st.last[b])
         st.pos[b] = st.pos[b] + torch.where(active, n_acc + 1, 0)
-        committed = (torch.arange(k + 1, device=self.device) <= n_acc[:, None]) & active[:, None]
+        committed = (torch.arange(tokens.shape[1], device=self.device) <= n_acc[:, None]) & active[:, None]
         st.sampling.output_counts[b].scatter_add_(1, tokens, committed.float())
+
+    @staticmethod
+    def _keep(proposal, drafts, draft_q, confidence, active=None) -> None:
+        """A proposal into a slot's (or slots') views, for the slots `active` says (None: all)."""
+        def put(dst, src):
+            if dst is not None and src is not None:
+                shape = (-1,) + (1,) * (src.dim() - 1)
+                dst.copy_(src if active is None else torch.where(active.view(shape), src, dst))
+        put(drafts[:, :proposal.drafts.shape[1]], proposal.drafts)
+        put(draft_q, proposal.q)
+        put(confidence, proposal.confidence)
 
     def _packed(self, key: StepKey, decoded, firsts) -> torch.Tensor:
         """The step's one packed result (StepKey)."""
-        k = self.depth
-        packed = ([torch.cat([decoded[0], decoded[1][:, None]], 1)] if key.batch else []) + \
-                 [F.pad(first, (0, k + 1)) for _, first, _ in firsts]
+        st, d = self.state, self.depth
+        packed = ([F.pad(torch.cat([decoded[0], decoded[1][:, None]], 1), (0, d - key.drafts))] if key.batch
+                  else []) + [F.pad(first, (0, d + 1)) for _, first, _ in firsts]
         if not packed:
-            return torch.empty(0, k + 2, dtype=torch.long, device=self.device)
+            return torch.empty(0, d + 2, dtype=torch.long, device=self.device)
         packed = torch.cat(packed)
+        if self.confidences:          # the next drafts' confidences, for the scheduler's choice of L
+            slots = ([st.confidence[:key.batch]] if key.batch else []) + [c.slot.confidence for c, _, _ in firsts]
+            packed = torch.cat([packed.double(), torch.cat(slots).double()], 1)
         if not key.logprobs:
             return packed
-        lps = ([decoded[2].flatten(1)] if key.batch else []) + [lp.flatten(1) for _, _, lp in firsts]
-        width = lps[0].shape[1] if key.batch else (k + 1) * lps[0].shape[1]
-        return torch.cat([packed.double(), torch.cat([F.pad(lp, (0, width - lp.shape[1])) for lp in lps])], 1)
+        lps = ([decoded[2]] if key.batch else []) + [lp for _, _, lp in firsts]     # [B, candidates, W1] each
+        width = (d + 1) * lps[0].shape[-1]                 # every row as wide as D+1 candidates' logprobs
+        scored = torch.cat([F.pad(lp.flatten(1), (0, width - lp[0].numel())) for lp in lps])
+        return torch.cat([packed.double(), scored], 1)
 
     def example_inputs(self, key: StepKey) -> tuple:
         """Tensor inputs to trace the step `key` with: each chunk's rows, start and real length, and slot
@@ -202,11 +234,17 @@ class StepRunner:
 
 
 def make_drafter(model: Transformer, depth: int) -> Drafter | None:
-    """The drafter of the model's checkpoint for `depth` drafts a step, or None for plain decoding."""
+    """The drafter of the model's checkpoint for `depth` drafts a step (DSpark always drafts its whole
+    block), or None for plain decoding."""
+    kind, block = model.cfg.drafter, model.cfg.dspark_block_size
     if not depth:
         return None
-    if not model.cfg.n_mtp_layers:
-        raise ValueError("this checkpoint has no MTP layer; use mtp 0")
+    if kind is None:
+        raise ValueError("this checkpoint has no drafter (no MTP layer or DSpark stages); use mtp 0")
+    if kind == "dspark":
+        if depth > block:
+            raise ValueError(f"mtp {depth}: above the DSpark block size {block} (one pass drafts {block} tokens)")
+        return DSparkDrafter(model)
     return MTPDrafter(model, depth)
 
 

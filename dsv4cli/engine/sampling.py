@@ -82,6 +82,7 @@ class SlotParams:
         if slot not in self._views:
             view = object.__new__(SlotParams)
             view.__dict__.update({k: t[slot:slot + 1] for k, t in vars(self).items() if isinstance(t, torch.Tensor)})
+            view._views = {}
             self._views[slot] = view
         return self._views[slot]
 
@@ -102,6 +103,7 @@ class SlotParams:
 # what a request's uniforms are for: each purpose its own stream, so no two draws share a number
 RNG_ACCEPT = 1      # accepting a draft
 RNG_DRAW = 2        # drawing a token: the first, a correction or a bonus
+RNG_DRAFT = 3       # drawing a draft from the drafter's distribution
 
 
 def uniform(seed: torch.Tensor, pos: torch.Tensor, purpose: int) -> torch.Tensor:
@@ -138,6 +140,14 @@ def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: tor
     logits = logits - pres * (counts > 0) - freq * counts
     temp = sp.temperature[b, None, None]
     return logits / torch.where(temp == 0, 1.0, temp)
+
+
+def draft_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool) -> torch.Tensor:
+    """The distribution a drafter draws a slot's draft from, logits [B,V] (a DSpark slot's Markov-biased
+    ones): at the request's temperature and filters, the penalties left out (any distribution keeps
+    verification exact; this one is close to the target's)."""
+    temp = sp.temperature[b, None]
+    return target_probs((logits / torch.where(temp == 0, 1.0, temp))[:, None], sp, b, sort)[:, 0]
 
 
 def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool = True):

@@ -16,6 +16,7 @@ from dsv4cli.model import Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .api import ModelInfo
+from .draft_length import DraftLength
 from .output import append_output
 from .prefix import SlotHistory
 from .request import Event, Metrics, Sequence, TokenLogprob
@@ -52,27 +53,34 @@ class EngineFailed(RuntimeError):
 
 class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
+                 mtp: int | str = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
                  reload=None, isolate_failures: bool = True):
-        """`mtp`: drafts verified per step (0: plain decoding). `reuse_prefix`: a new prompt starts where
-        a free slot's state stops matching it (a chat turn resumes the previous one); off by default, as
+        """`mtp`: drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step
+        verifying as many as pay off (`draft_length.py`); the MTP layer drafts 1. `reuse_prefix`: a new prompt
+        starts where a free slot's state stops matching it (a chat turn resumes the previous one); off by default, as
         batch output must not depend on slot history. `compile`: steps compiled per key, in the background
         when `compile_in_background` (in a process of its own given `reload`, a picklable call that loads
         this model and tokenizer again: `loading.load_weights`). `isolate_failures`: a step that raises
         fails the requests in it and the engine goes on (`step`); off, it raises (the ranks of --tp must
         all take the same steps)."""
         self.tok, self.reload = tokenizer, reload
-        self.max_batch, self.max_seq_len, self.mtp_depth = max_batch, max_seq_len, mtp
+        self.max_batch, self.max_seq_len, self.mtp = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.reuse_prefix, self.isolate_failures = reuse_prefix, isolate_failures
-        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=mtp, reuse_prefix=reuse_prefix)
+        dspark = model.cfg.drafter == "dspark"
+        depth = (model.cfg.dspark_block_size if dspark else 1) if mtp == "auto" else mtp
+        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth, reuse_prefix=reuse_prefix,
+                     confidences=mtp == "auto" and dspark)
         remake = (functools.partial(remade, reload, {**shape, "graphs": False})
                   if compile and compile_in_background and reload is not None else None)
         self.runner = StepRunner(model, **shape, graphs=graphs, compile=compile, background=compile_in_background,
                                  remake=remake)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
+        self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
+        self.lengths = DraftLength(self.mtp_depth) if self.runner.confidences else None
+        self.confidence: list[list[float]] = [[] for _ in range(max_batch)]   # each slot's next drafts'
         self.graphs = graphs
         self.slots: list[Sequence | None] = [None] * max_batch
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
@@ -218,6 +226,9 @@ class Engine:
         ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
         decoding = [decode and s is not None and s not in self.prefilling for s in self.slots]
         nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
+        drafts = self.mtp_depth if nb else 0
+        if self.lengths is not None and nb:
+            drafts = self.lengths.choose(nb, [c for c, d in zip(self.confidence, decoding) if d])
         committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
         logprobs = any(p.logprobs is not None for p in committing)
         keys, inputs = [], []
@@ -231,29 +242,35 @@ class Engine:
         context = self._context_bound(nb) if nb else 0
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        key = StepKey(tuple(keys), nb, context, needs_sort(committing), logprobs, plain_greedy(committing))
+        key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing))
+        t0 = time.perf_counter()
         packed = self.runner.run(key, *inputs)
         if not (ending or nb):
             return []                       # nothing committed: nothing to read
         packed = packed.tolist()            # the one host read
-        k = self.mtp_depth
-        width = (len(packed[0]) - k - 2) // (k + 1)       # per candidate row, when logprobs are on
-        events = [self._first_event(seq, int(row[0]), row[k + 2: k + 2 + width] if seq.params.logprobs is not None
-                                    else None)
-                  for seq, row in zip(ending, packed[nb:])]
         now = time.perf_counter()
+        if self.lengths is not None and nb and not chunks:
+            self.lengths.observe(nb, drafts, now - t0)
+        d = self.mtp_depth
+        base = d + 2 + (d if self.runner.confidences else 0)      # where a row's logprobs start
+        width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
+        events = []
+        for seq, row in zip(ending, packed[nb:]):
+            self.confidence[seq.slot] = row[d + 2: base]
+            events.append(self._first_event(seq, int(row[0]), row[base: base + width]
+                                            if seq.params.logprobs is not None else None))
         for i, row in enumerate(packed[:nb]):
             seq = self.slots[i]
             if not decoding[i]:                 # free or prefilling
                 continue
-            tokens, n = [int(t) for t in row[: k + 1]], int(row[k + 1])
+            tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
+            self.confidence[i] = row[d + 2: base]
             scored = None
             if seq.params.logprobs is not None:
-                scored = [TokenLogprob.from_scored(tokens[j], row[k + 2 + j * width: k + 2 + (j + 1) * width],
+                scored = [TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width],
                                                    seq.params.logprobs)
                           for j in range(n + 1)]
-            if k:
-                seq.metrics.count_drafts(k, n)
+            seq.metrics.count_drafts(drafts, n)
             seq.metrics.t_last = now
             self._record(i, tokens[: n + 1])
             events.append(self._emit(seq, tokens[: n + 1], scored))

@@ -21,6 +21,8 @@ class SlotView(NamedTuple):
     pos: torch.Tensor
     drafts: torch.Tensor
     active: torch.Tensor
+    draft_q: torch.Tensor | None
+    confidence: torch.Tensor | None
 
 
 class SlotState:
@@ -32,7 +34,9 @@ class SlotState:
                hold rows the next step rewrites
     last:      [B] long, the last committed token, not yet run through the trunk
     pos:       [B] long, its position
-    drafts:    [B, max(K, 1)] long, the drafts the next step verifies
+    drafts:    [B, max(K, 1)] long, the drafts the next step verifies (K: the drafter's drafts a step)
+    draft_q:   [B, K, V] the distributions they were drawn from (a drafter that samples its drafts: DSpark)
+    confidence: [B, K] each draft's chance of acceptance given the earlier ones (DSpark)
     active:    [B] bool, the slot decodes (free and still-prefilling slots are stepped but keep their
                state: their `pos` names where their rows may be written, see StepRunner.step)
     sampling:  SlotParams, the request's settings: [B] temperature, top_p, top_k, min_p, rep,
@@ -47,6 +51,9 @@ class SlotState:
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.drafts = torch.zeros(max_batch, max(depth, 1), dtype=torch.long, device=device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        dspark = depth and model.cfg.drafter == "dspark"
+        self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if dspark else None
+        self.confidence = torch.zeros(max_batch, depth, device=device) if dspark else None
         self.sampling = SlotParams(max_batch, model.cfg.vocab_size, device)
         self._views: dict[int, SlotView] = {}
 
@@ -63,5 +70,6 @@ class SlotState:
         if slot not in self._views:
             one = slice(slot, slot + 1)
             self._views[slot] = SlotView(self.cache.view(slot), self.sampling.view(slot), self.last[one],
-                                         self.pos[one], self.drafts[one], self.active[one])
+                                         self.pos[one], self.drafts[one], self.active[one],
+                                         *(None if t is None else t[one] for t in (self.draft_q, self.confidence)))
         return self._views[slot]

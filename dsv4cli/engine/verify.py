@@ -2,9 +2,12 @@
 verifier every drafter's drafts go through, and the one way a committed token is chosen (a prompt's first
 token is a row with no drafts).
 
-Accept draft d with probability p(d); on rejection draw from p with d removed; when every draft is
-accepted draw a bonus token from the last row. With argmax drafts this keeps the output distributed
-exactly as the target model's, and greedy rows (one-hot p) get exact-match acceptance.
+Drafts drawn from a distribution q (DSpark's Markov-biased one) are accepted with probability
+min(1, p(d)/q(d)); on rejection the token is drawn from the residual max(p - q, 0), renormalised (p where
+it has no mass); when every draft is accepted a bonus token is drawn from the last row. Argmax drafts
+(the MTP layer's) have a one-hot q: accept with probability p(d), on rejection draw from p with d removed.
+Either way the output is distributed exactly as the target model's, and greedy rows (one-hot p) get
+exact-match acceptance.
 """
 import torch
 
@@ -21,12 +24,13 @@ from .sampling import (
 
 
 def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
-                sort: bool, logprobs: bool, greedy: bool):
+                sort: bool, logprobs: bool, greedy: bool, q: torch.Tensor | None = None):
     """The tokens K drafts commit: logits [B,K+1,V] of the rows [last, drafts] at positions pos.. of the
     slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token). `greedy`: every row is `plain_greedy`,
     so its tokens are the logits' argmax (the tokens its distributions give); `sort`: some row filters by
     rank or mass; `logprobs`: score each candidate by its own row's processed distribution (a correction
     token reports its probability under the model, not under the residual it was drawn from).
+    `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes).
     Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
     if greedy:
         return (*verify_greedy(logits.argmax(-1), drafts), None)
@@ -37,31 +41,40 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
         onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
         counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
     processed = processed_logits(logits, sp, b, counts)
-    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos)
+    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos, q)
     return tokens, n_acc, token_logprobs(processed, tokens) if logprobs else None
 
 
-def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor):
+def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
+           q: torch.Tensor | None = None):
     """Speculative verification of K drafts with K+1 target rows.
 
-    probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K];
-    pos [B] the position of row 0. Returns (tokens [B,K+1], n_accepted [B]): the committed tokens
-    are tokens[:, :n_accepted+1] (accepted drafts, then a correction or bonus token).
+    probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K] drawn from q
+    [B,K,V] (None: argmax drafts, q one-hot); pos [B] the position of row 0. Returns (tokens [B,K+1],
+    n_accepted [B]): the committed tokens are tokens[:, :n_accepted+1] (accepted drafts, then a correction
+    or bonus token).
     """
     B, R, _ = probs.shape
     K = R - 1
     rows = pos[:, None] + torch.arange(R, device=probs.device)
     if K:
         p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # [B,K]
+        if q is not None:       # min(1, p/q): a draft q never draws (q = 0) is accepted only where p has it
+            p_draft = p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
         accept = uniform(seed[:, None], rows[:, :K], RNG_ACCEPT) < p_draft
         n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
     else:
         n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
     final_row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, probs.shape[-1])).squeeze(1)
     if K:
-        # rejected at row n: remove the draft from that row's distribution (bonus rows keep all)
-        rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
-        residual = final_row.scatter(-1, rejected[:, None], 0.0)
+        # rejected at row n: the residual of that row's distribution (bonus rows keep all)
+        if q is None:           # argmax drafts: the draft removed
+            rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
+            residual = final_row.scatter(-1, rejected[:, None], 0.0)
+        else:
+            q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, q.shape[-1])).squeeze(1)
+            residual = (final_row - q_row).clamp_(min=0.0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_row)
         final_row = torch.where((n_acc < K)[:, None], residual, final_row)
     final_pos = pos + n_acc
     last = sample_from(final_row, uniform(seed, final_pos, RNG_DRAW))

@@ -49,7 +49,20 @@ class ModelConfig:
     max_position_embeddings: int
     bos_id: int
     eos_id: int
+    # 0731 checkpoints: the DSpark block drafter (its stages are the n_mtp_layers `mtp.N`; 0: none)
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
+    # the drafter reads its own vocabulary tensors (mtp.0.embed, mtp.N-1.head: msModelSlim's unrotated
+    # copies in W8A8); set by the loader from the checkpoint's tensor names
+    dspark_vocab_copies: bool = False
     raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def drafter(self) -> str | None:
+        """The checkpoint's drafter kind: "dspark" (0731), "mtp" (the preview's MTP layer) or None."""
+        return "dspark" if self.dspark_block_size else "mtp" if self.n_mtp_layers else None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
@@ -76,11 +89,17 @@ class ModelConfig:
         if rs and rs.get("type", rs.get("rope_type")) not in ("yarn", None):
             raise ConfigError(f"rope_scaling.type must be 'yarn', got {rs.get('type')!r}")
         eos = d.get("eos_token_id", 1)
+        block = d.get("dspark_block_size", 0)
+        ratios = tuple(need("compress_ratios"))
+        # 0731 keeps the legacy num_nextn_predict_layers = 1: its stages are the compress_ratios past the
+        # trunk (inference/config.json's n_mtp_layers), checked against the mtp.N tensors at load
+        stages = d.get("n_mtp_layers", len(ratios) - need("num_hidden_layers")) if block \
+            else d.get("num_nextn_predict_layers", 0)
         cfg = cls(
             vocab_size=need("vocab_size"),
             dim=need("hidden_size"),
             n_layers=need("num_hidden_layers"),
-            n_mtp_layers=d.get("num_nextn_predict_layers", 0),
+            n_mtp_layers=stages,
             n_heads=need("num_attention_heads"),
             head_dim=need("head_dim"),
             rope_dim=need("qk_rope_head_dim"),
@@ -96,7 +115,7 @@ class ModelConfig:
             n_hash_layers=d.get("num_hash_layers", 0),
             swiglu_limit=float(d.get("swiglu_limit", 0.0)),
             window_size=need("sliding_window"),
-            compress_ratios=tuple(need("compress_ratios")),
+            compress_ratios=ratios,
             index_n_heads=need("index_n_heads"),
             index_head_dim=need("index_head_dim"),
             index_topk=need("index_topk"),
@@ -113,6 +132,10 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 1 << 20),
             bos_id=d.get("bos_token_id", 0),
             eos_id=eos[0] if isinstance(eos, list) else eos,
+            dspark_block_size=block,
+            dspark_noise_token_id=d.get("dspark_noise_token_id", 0),
+            dspark_target_layer_ids=tuple(d.get("dspark_target_layer_ids", ())),
+            dspark_markov_rank=d.get("dspark_markov_rank", 0),
             raw=d,
         )
         cfg.validate(d)
@@ -124,9 +147,21 @@ class ModelConfig:
 
         if d.get("num_key_value_heads", 1) != 1:
             bad(f"num_key_value_heads must be 1 (one shared latent KV), got {d['num_key_value_heads']}")
+        drafter = "n_mtp_layers (DSpark stages)" if self.dspark_block_size else "num_nextn_predict_layers"
         if len(self.compress_ratios) != self.n_layers + self.n_mtp_layers:
             bad(f"compress_ratios has {len(self.compress_ratios)} entries, expected num_hidden_layers + "
-                f"num_nextn_predict_layers = {self.n_layers + self.n_mtp_layers}")
+                f"{drafter} = {self.n_layers + self.n_mtp_layers}")
+        if self.dspark_block_size:
+            if self.dspark_block_size < 1 or self.n_mtp_layers < 1:
+                bad(f"dspark_block_size ({self.dspark_block_size}) needs at least one DSpark stage")
+            targets = self.dspark_target_layer_ids
+            if not targets or not all(0 <= i < self.n_layers for i in targets):
+                bad(f"dspark_target_layer_ids must name trunk layers 0..{self.n_layers - 1}, "
+                    f"got {list(self.dspark_target_layer_ids)}")
+            if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+                bad(f"dspark_noise_token_id ({self.dspark_noise_token_id}) is not a token id")
+            if self.dspark_markov_rank < 1:
+                bad(f"dspark_markov_rank must be >= 1, got {self.dspark_markov_rank}")
         if any(r not in COMPRESS_RATIOS for r in self.compress_ratios):
             bad(f"compress_ratios entries must be 0, 4 or 128, got {sorted(set(self.compress_ratios))}")
         if any(r != 0 for r in self.compress_ratios[self.n_layers:]):

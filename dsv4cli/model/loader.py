@@ -6,6 +6,7 @@ read tensor by tensor: each rank takes only its slice (heads, groups, experts, v
 decodes FP8/FP4 if needed and copies it straight to the target device and dtype. A tensor's mapped
 pages are dropped once it is copied, so host memory stays close to what the rank keeps.
 """
+import dataclasses
 import json
 import math
 import mmap
@@ -26,12 +27,11 @@ from .quant import (
     FP4_BLOCK,
     FP8_BLOCK,
     FP32_TENSORS,
-    MTP_COPIES,
     W8A8_DESCRIPTION,
     W8A8_PREFIX,
     fp4_to_float,
     fp8_to_float,
-    is_w8a8_linear,
+    vocab_copies,
 )
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -190,6 +190,8 @@ def open_checkpoint(path) -> Checkpoint:
         raise LoadError(f"{path}: mixes W8A8 tensors ('{w8a8 or W8A8_DESCRIPTION}') with FP8 tensors ('{fp8}'); "
                         "a W8A8 checkpoint is QuaRot-rotated and cannot take original weights")
     fmt = "w8a8" if w8a8 or description else "fp8" if fp8 else "float"
+    if cfg.drafter == "dspark" and "mtp.0.embed.weight" in tensors:    # the drafter's own vocabulary tensors
+        cfg = dataclasses.replace(cfg, dspark_vocab_copies=True)
     ckpt = Checkpoint(path, cfg, fmt, shards, tensors, description)
     check_config(ckpt)
     return ckpt
@@ -202,9 +204,11 @@ def check_config(ckpt: Checkpoint) -> None:
     def indices(pattern):
         return {int(m.group(1)) for n in names if (m := re.search(pattern, n))}
 
+    stages = ("n_mtp_layers (the DSpark stages past num_hidden_layers in compress_ratios)", "DSpark stages") \
+        if cfg.drafter == "dspark" else ("num_nextn_predict_layers", "MTP layers")
     for field, want, have, what in (
             ("num_hidden_layers", cfg.n_layers, indices(r"^layers\.(\d+)\."), "layers"),
-            ("num_nextn_predict_layers", cfg.n_mtp_layers, indices(r"^mtp\.(\d+)\."), "MTP layers"),
+            (stages[0], cfg.n_mtp_layers, indices(r"^mtp\.(\d+)\."), stages[1]),
             ("n_routed_experts", cfg.n_routed_experts, indices(r"\.experts\.(\d+)\."), "routed experts")):
         if have and have != set(range(want)):
             raise LoadError(f"{where}: {field} is {want} but the checkpoint has {what} "
@@ -223,7 +227,7 @@ class Item:
     """One model tensor and the checkpoint tensors it is read from (the weight first)."""
     name: str
     shape: torch.Size              # this rank's shape
-    kind: str                      # float | index | w8a8 | fp8 | fp4
+    kind: str                      # float | index | w8a8 | w8a8_float | fp8 | fp4
     sources: tuple[str, ...]
 
 
@@ -259,7 +263,9 @@ def is_other_rank_expert(name: str, cfg: ModelConfig) -> bool:
 
 def plan(ckpt: Checkpoint, model: Transformer) -> tuple[list[Item], list[str]]:
     """What to read for each of the model's tensors, and every problem the headers show."""
-    items, problems, used = [], [], set(MTP_COPIES.values())
+    # the drafter's vocabulary copies, where the model reads the trunk's own (the preview's MTP layer)
+    used = set(vocab_copies(ckpt.config).values()) - set(dict(model.named_parameters()))
+    items, problems = [], []
     modules = dict(model.named_modules())
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
@@ -290,12 +296,9 @@ def plan(ckpt: Checkpoint, model: Transformer) -> tuple[list[Item], list[str]]:
         if label not in ("FLOAT", "W8A8_DYNAMIC"):
             problems.append(f"tensor '{name}': labelled {label!r}; only W8A8_DYNAMIC and FLOAT are supported")
             continue
-        if label == "W8A8_DYNAMIC":
-            if not is_w8a8_linear(prefix):
-                problems.append(f"tensor '{name}': labelled W8A8_DYNAMIC, but the W8A8 recipe keeps "
-                                f"'{prefix}' float")
-                continue
-            item = Item(name, meta.shape, "w8a8", (name, f"{prefix}.weight_scale", f"{prefix}.weight_offset"))
+        if label == "W8A8_DYNAMIC":          # decided by the label, never by the name (recipes differ)
+            kind = "w8a8_float" if modules[prefix].float_only else "w8a8"
+            item = Item(name, meta.shape, kind, (name, f"{prefix}.weight_scale", f"{prefix}.weight_offset"))
             if check(name, meta.shape, ("I8",)):
                 rows = ckpt.shape(name)[0]
                 for extra in item.sources[1:]:
@@ -343,6 +346,8 @@ def read_item(ckpt: Checkpoint, item: Item, device, dtype) -> tuple[torch.Tensor
                                 "W8A8_DYNAMIC is supported")
             t = part.to(device, copy=True)
             scale = ckpt.view(item.sources[1])[index[0]].to(device, torch.float32, copy=True)
+            if item.kind == "w8a8_float":          # read in float math of the module's own: held dequantised
+                t, scale = (t.float() * scale).to(dtype), None
     for name in item.sources:
         ckpt.tensors[name].release(name)
     return t, scale

@@ -81,13 +81,15 @@ class Linear(PackedWeight, OpModule):
     """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic).
 
     int8 weights may be packed for the backend's int8 GEMM, fp32 ones for its few-row fp32 GEMM.
-    `groups`: the rows are that many projections of their own (attention's wo_a), packed apart."""
+    `groups`: the rows are that many projections of their own (attention's wo_a), packed apart.
+    `float_only`: the module reads the weight in float math of its own (grouped, fp32), so an int8 weight
+    is held dequantised."""
 
-    def __init__(self, in_features: int, out_features: int, dtype=None, groups: int = 1):
+    def __init__(self, in_features: int, out_features: int, dtype=None, groups: int = 1, float_only: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_parameter("weight_scale", None)
-        self.groups = groups
+        self.groups, self.float_only = groups, float_only
 
     @property
     def quantized(self) -> bool:
@@ -326,6 +328,13 @@ class CallPlan:
         ring.scatter_(1, idx, torch.where(self.write_real, real, ring.gather(1, idx)))
 
 
+class TrunkRows(NamedTuple):
+    """What the trunk gives for a segment: its streams [B,S,hc,D], and the DSpark drafter's target
+    features [B,S,F] (None for other checkpoints)."""
+    hidden: torch.Tensor
+    features: torch.Tensor | None
+
+
 class Segment(NamedTuple):
     """One part of a call: tokens [B,S] at positions start[b].. of `state` (a DecodeState or a view of
     some of its slots). `context` bounds every position + 1 (see CallPlan). `length` [B]: a padded
@@ -379,8 +388,8 @@ class Compressor(OpModule):
         self.span = block_span(ratio)
         self.eps = cfg.norm_eps
         self.ape = nn.Parameter(torch.zeros(ratio, self.span * head_dim, dtype=torch.float32))
-        self.wkv = Linear(cfg.dim, self.span * head_dim)
-        self.wgate = Linear(cfg.dim, self.span * head_dim)
+        self.wkv = Linear(cfg.dim, self.span * head_dim, float_only=True)
+        self.wgate = Linear(cfg.dim, self.span * head_dim, float_only=True)
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
 
     def project(self, x) -> list[torch.Tensor]:
@@ -444,7 +453,7 @@ class Attention(OpModule):
         self.wkv = Linear(cfg.dim, cfg.head_dim)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.wo_a = Linear(cfg.n_heads * cfg.head_dim // cfg.o_groups, self.n_groups * cfg.o_lora_rank,
-                           groups=self.n_groups)
+                           groups=self.n_groups, float_only=True)
         self.wo_b = Linear(self.n_groups * cfg.o_lora_rank, cfg.dim)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
         if self.ratio:
@@ -456,17 +465,24 @@ class Attention(OpModule):
         """x: the rows of every segment of the call (`join`); calls/caches: each segment's plan and cache.
         The projections run once over all rows; attention, and its state writes, per segment in order."""
         qr = self.q_norm(self.wq_a(x))
-        q = self.ops.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.eps)
-        rows = [q, self.kv_norm(self.wkv(x))]
+        rows = [self.query(qr), self.kv_norm(self.wkv(x))]
         if self.ratio:
             rows += self.compressor.project(x)
         if self.ratio == 4:
             rows += self.indexer.project(x, qr)
         shapes = [call.shape for call in calls]
-        o = join([self.attend(call, cache, *seg) for call, cache, *seg
-                  in zip(calls, caches, *(split(t, shapes) for t in rows))])
+        return self.output(join([self.attend(call, cache, *seg) for call, cache, *seg
+                                 in zip(calls, caches, *(split(t, shapes) for t in rows))]))
+
+    def query(self, qr):
+        """The query heads [.., H, D] from the low-rank q, each RMS-normalised without a weight."""
+        return self.ops.rms_norm(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), None, self.eps)
+
+    def output(self, o):
+        """The heads' outputs [B,S,H,D] through the grouped low-rank projection and wo_b."""
         z = self.ops.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
-                                       self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1), self.wo_a.packed)
+                                        self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1),
+                                        self.wo_a.packed)
         return all_reduce(self.wo_b(z.flatten(2)))
 
     def attend(self, call: CallPlan, cache: LayerCache, q, kv, *compress_rows):
@@ -639,12 +655,12 @@ class MoE(OpModule):
 # --------------------------------------------------------------------------------------------------
 
 class Block(OpModule):
-    def __init__(self, layer_id: int, cfg: ModelConfig):
+    def __init__(self, layer_id: int, cfg: ModelConfig, attention=None):
         super().__init__()
         self.cfg = cfg
         mix, width = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult * cfg.dim
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(layer_id, cfg)
+        self.attn = (attention or Attention)(layer_id, cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn = MoE(layer_id, cfg)
         for part in ("attn", "ffn"):
@@ -737,6 +753,100 @@ class MTPBlock(Block):
         return head(self.norm(y))
 
 
+class BlockPlan:
+    """What a DSpark block's stages share: its slots' positions n..n+S-1 after the anchor's position n
+    (RoPE rows, theta without YaRN as every ratio-0 layer), and the ring rows every query of the block
+    sees: the target features of the last `window` committed positions n-window..n-1."""
+
+    def __init__(self, anchor_pos: torch.Tensor, size: int, state: DecodeState, cfg: ModelConfig):
+        B, dev = anchor_pos.shape[0], anchor_pos.device
+        cos, sin = state.rope["main"]
+        p = (anchor_pos[:, None] + torch.arange(size, device=dev)).clamp(max=cos.shape[0] - 1)
+        self.cos, self.sin = cos[p].unsqueeze(2), sin[p].unsqueeze(2)
+        q, R = anchor_pos[:, None] - 1, state.ring                               # the newest committed position
+        slot_pos = q - (q - torch.arange(R, device=dev)) % R                      # [B,R] position each slot holds
+        seen = (slot_pos >= 0) & (slot_pos > q - cfg.window_size)
+        self.ring_mask = seen[:, None].expand(B, size, R)
+        self.block_mask = torch.ones(B, size, size, dtype=torch.bool, device=dev)   # non-causal within the block
+
+
+class DSparkAttention(Attention):
+    """A DSpark stage's attention (ratio 0): a block's queries attend, non-causally, to the block's own keys
+    and to the stage's window ring, which holds RoPE(kv_norm(wkv(main_x))) of committed positions only."""
+
+    def write(self, main_x, call: CallPlan, cache: LayerCache) -> None:
+        """The ring rows of a segment's committed positions (`call`'s real rows) from its main_x [B,S,D]."""
+        cos, sin = call.rope["main"]
+        call.write_ring(cache.win, self.ops.rope(self.kv_norm(self.wkv(main_x)), cos[:, :, 0], sin[:, :, 0]))
+
+    def block(self, x, plan: BlockPlan, cache: LayerCache):
+        B = x.shape[0]
+        q = self.ops.rope(self.query(self.q_norm(self.wq_a(x))), plan.cos, plan.sin)
+        kv = self.ops.rope(self.kv_norm(self.wkv(x)), plan.cos[:, :, 0], plan.sin[:, :, 0])
+        sources = [(cache.win[:B], plan.ring_mask, None), (kv, plan.block_mask, None)]
+        o = self.ops.sparse_attention(q, sources, self.attn_sink, self.scale)
+        return self.output(self.ops.rope(o, plan.cos, -plan.sin))
+
+
+class MarkovHead(OpModule):
+    """A token's Markov embedding (markov_w1, looked up by the previous token) and the bias it adds to the
+    next slot's logits (markov_w2, stored [vocab, rank]); both split along the vocabulary."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.markov_w1 = ParallelEmbedding(cfg.vocab_size, cfg.dspark_markov_rank)
+        self.markov_w2 = ParallelHead(cfg.vocab_size, cfg.dspark_markov_rank)
+
+    def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the embedding [B, rank] of the tokens prev [B], the bias fp32 [B, V] they give the next slot)."""
+        e = self.markov_w1(prev)
+        return e, self.markov_w2(e)
+
+
+class ConfidenceHead(OpModule):
+    """A logit per block slot: sigmoid of it estimates the chance the slot's draft is accepted, given that
+    the drafts before it were."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.proj = Linear(cfg.dim + cfg.dspark_markov_rank, 1, float_only=True)
+
+    def forward(self, x, e):
+        """x [B,S,D]: the drafter's hidden after hc_head (before its norm); e [B,S,rank]: each slot's
+        Markov embedding (of the token before its draft)."""
+        return self.ops.linear_fp32(torch.cat([x, e], -1), self.proj.weight)[..., 0]
+
+
+class DSparkStage(Block):
+    """One of the 0731 drafter's stages (`mtp.N`): a trunk block whose attention is DSparkAttention. The
+    first stage also projects the target features (main_proj, main_norm); the last holds the drafter's
+    hc_head and norm, the Markov and confidence heads; W8A8 checkpoints give the first its own embedding
+    and the last its own head (unrotated copies of the trunk's)."""
+
+    def __init__(self, stage: int, cfg: ModelConfig):
+        super().__init__(cfg.n_layers + stage, cfg, DSparkAttention)
+        first, last = stage == 0, stage == cfg.n_mtp_layers - 1
+        if first:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * cfg.dim, cfg.dim)
+            self.main_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            if cfg.dspark_vocab_copies:
+                self.embed = ParallelEmbedding(cfg.vocab_size, cfg.dim)
+        if last:
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
+            self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
+            self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+            self.markov_head = MarkovHead(cfg)
+            self.confidence_head = ConfidenceHead(cfg)
+            if cfg.dspark_vocab_copies:
+                self.head = ParallelHead(cfg.vocab_size, cfg.dim)
+
+    def forward(self, h, plan: BlockPlan, cache: LayerCache):
+        """A block's streams h [B,S,hc,D] through the stage (its MoE routes every slot on its own state)."""
+        h = self.hyper_connection(h, "attn", lambda x: self.attn.block(self.attn_norm(x), plan, cache))
+        return self.hyper_connection(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), None))
+
+
 class Transformer(OpModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -748,7 +858,8 @@ class Transformer(OpModule):
         self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        self.mtp = nn.ModuleList([MTPBlock(cfg.n_layers + i, cfg) for i in range(cfg.n_mtp_layers)])
+        stage = DSparkStage if cfg.drafter == "dspark" else lambda i, cfg: MTPBlock(cfg.n_layers + i, cfg)
+        self.mtp = nn.ModuleList([stage(i, cfg) for i in range(cfg.n_mtp_layers)])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -769,17 +880,25 @@ class Transformer(OpModule):
             moe.prepare_experts(on_host)
         return self
 
-    def forward_segments(self, segments: list[Segment]) -> list[torch.Tensor]:
+    def forward_segments(self, segments: list[Segment]) -> list["TrunkRows"]:
         """The trunk over several chunks in one pass (a step's prefill chunks and decode rows; the model's
         one cached entry point): the token-wise work (embedding, mHC, norms, projections, MoE) runs once
         over all their rows, attention per segment, in the order given, so a later segment's state writes
-        land after an earlier one's. Returns each segment's streams [B,S,hc,D] (before hc_head: `logits`)."""
+        land after an earlier one's. Returns each segment's streams [B,S,hc,D] (before hc_head: `logits`)
+        and, for a DSpark drafter, its target features [B,S,len(target layers)*D]: the mean over the hc
+        streams of each target layer's output."""
         calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context, length=s.length) for s in segments]
         tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
+        targets = self.cfg.dspark_target_layer_ids if self.cfg.drafter == "dspark" else ()
+        features = []
         for i, layer in enumerate(self.layers):
             h = layer(h, calls, [s.state.layers[i] for s in segments], tokens)
-        return split(h, [call.shape for call in calls])
+            if i in targets:
+                features.append(h.mean(2))
+        shapes = [call.shape for call in calls]
+        feats = split(torch.cat(features, -1), shapes) if features else [None] * len(segments)
+        return [TrunkRows(x, f) for x, f in zip(split(h, shapes), feats)]
 
     def logits(self, h):
         """fp32 logits from the trunk's streams h [..., hc, D]."""
@@ -800,14 +919,43 @@ class Transformer(OpModule):
         """fp32 logits from the MTP layer's streams, through the shared LM head."""
         return self.mtp[0].logits(x, self.head)
 
+    def dspark_context(self, features):
+        """The drafter's view of target features [B,S,3D]: main_x [B,S,D] = main_norm(main_proj(features)),
+        the rows every stage projects into its ring."""
+        first = self.mtp[0]
+        return first.main_norm(first.main_proj(features))
+
+    def dspark_write(self, main_x, segment: Segment) -> None:
+        """Each stage's ring gets the segment's real rows of main_x (`segment.length`: the committed ones)."""
+        call = CallPlan(segment.tokens, segment.start, segment.state, self.cfg, compressed=False,
+                        length=segment.length)
+        for stage, cache in zip(self.mtp, segment.state.mtp):
+            stage.attn.write(main_x, call, cache)
+
+    def dspark_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, state: DecodeState):
+        """One draft pass: the block [anchor, noise x (size-1)] at positions anchor_pos.. through the stages,
+        each attending to its ring of state (the slots' views). Returns (base logits fp32 [B,size,V], the
+        drafter's hidden after hc_head and before its norm [B,size,D]); slot k's logits are for the
+        position after its own."""
+        c, size = self.cfg, self.cfg.dspark_block_size
+        noise = torch.full_like(anchor[:, None], c.dspark_noise_token_id).expand(-1, size - 1)
+        ids = torch.cat([anchor[:, None], noise], 1)
+        first, last = self.mtp[0], self.mtp[-1]
+        h = getattr(first, "embed", self.embed)(ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
+        plan = BlockPlan(anchor_pos, size, state, c)
+        for stage, cache in zip(self.mtp, state.mtp):
+            h = stage(h, plan, cache)
+        y = self.ops.mhc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.norm_eps, c.hc_eps)
+        return getattr(last, "head", self.head)(last.norm(y)), y
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, return_hidden: bool = False):
         """Logits [B,S,V] (fp32) for fresh sequences starting at position 0 (and the streams)."""
         B, S = input_ids.shape
         start = torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        (hidden,) = self.forward_segments([Segment(input_ids, start, DecodeState(self, B, S, max_draft=0))])
-        logits = self.logits(hidden)
-        return (logits, hidden) if return_hidden else logits
+        (rows,) = self.forward_segments([Segment(input_ids, start, DecodeState(self, B, S, max_draft=0))])
+        logits = self.logits(rows.hidden)
+        return (logits, rows.hidden) if return_hidden else logits
 
     @torch.no_grad()
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,11 @@ from .model import Linear
 # compressors and weights_proj, and on every FFN linear except the gate.
 _W8A8_LINEAR = re.compile(
     r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])")
+# 0731's DSpark stages (msModelSlim's deepseek_v4_dspark adapter, as vllm-ascend's descriptor labels them):
+# every attention linear, wo_a/wo_b included (UNCONFIRMED: the trunk recipe keeps those float), every FFN
+# linear but the gate, and main_proj
+_W8A8_DSPARK = re.compile(r"mtp\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123]"
+                          r"|main_proj)")
 # Copies of embed / head that msModelSlim writes for the MTP layer (the model shares the originals).
 MTP_COPIES = {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.head.weight"}
 W8A8_PREFIX = "quant_model_weights"
@@ -31,9 +36,19 @@ FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3
 FP32_TENSORS = ("hc_", ".ape", "attn_sink", "gate.bias")   # stored fp32 in every layout; the rest bf16
 
 
-def is_w8a8_linear(prefix: str) -> bool:
-    """Whether the linear `prefix` (e.g. 'layers.3.attn.wq_a') is int8 in the W8A8 recipe."""
-    return _W8A8_LINEAR.fullmatch(prefix) is not None
+def is_w8a8_linear(prefix: str, dspark: bool = False) -> bool:
+    """Whether the linear `prefix` (e.g. 'layers.3.attn.wq_a') is int8 in the W8A8 recipe (of a checkpoint
+    with a DSpark drafter, with `dspark`)."""
+    recipe = _W8A8_DSPARK if dspark and prefix.startswith("mtp.") else _W8A8_LINEAR
+    return recipe.fullmatch(prefix) is not None
+
+
+def vocab_copies(cfg) -> dict[str, str]:
+    """The copies of the trunk's embed / head a W8A8 checkpoint holds for its drafter (unrotated, where the
+    trunk's are QuaRot-rotated): msModelSlim's names for the preview MTP layer and for 0731's DSpark."""
+    if cfg.drafter == "dspark":
+        return {"embed.weight": "mtp.0.embed.weight", "head.weight": f"mtp.{cfg.n_mtp_layers - 1}.head.weight"}
+    return MTP_COPIES if cfg.drafter == "mtp" else {}
 
 
 def as_stored(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -65,10 +80,15 @@ def dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module) -> nn.Module:
-    """Swap the recipe's linears to int8 weights + `weight_scale`, in place."""
+    """Swap the recipe's linears to int8 weights + `weight_scale`, in place, as `load_model` holds a W8A8
+    checkpoint: a `float_only` linear keeps its dequantised weights."""
+    dspark = model.cfg.drafter == "dspark"
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and is_w8a8_linear(name) and not module.quantized:
+        if isinstance(module, Linear) and is_w8a8_linear(name, dspark) and not module.quantized:
             q, scale = quantize_weight(module.weight)
+            if module.float_only:
+                module.weight.copy_(q.float() * scale)
+                continue
             module.weight = nn.Parameter(q, requires_grad=False)
             module.weight_scale = nn.Parameter(scale, requires_grad=False)
     return model
@@ -148,9 +168,10 @@ def write_config(out_dir, config: dict, extra_files: dict[str, str] | None = Non
 class W8A8Writer:
     """Streams a checkpoint out in the msModelSlim W8A8_DYNAMIC layout and its description file."""
 
-    def __init__(self, out_dir, max_shard_bytes: int = 4 << 30, mtp: bool = True):
+    def __init__(self, out_dir, max_shard_bytes: int = 4 << 30, copies: dict[str, str] | None = None):
+        """`copies`: float tensors written twice, under a second name too (`vocab_copies`)."""
         self.shards = ShardWriter(out_dir, W8A8_PREFIX, max_shard_bytes)
-        self.mtp, self.labels = mtp, {}
+        self.copies, self.labels = copies or {}, {}
 
     def _add(self, name: str, t: torch.Tensor, label: str) -> None:
         self.shards.add(name, t)
@@ -163,11 +184,13 @@ class W8A8Writer:
         self._add(f"{prefix}.weight_offset", torch.zeros_like(scale), "W8A8_DYNAMIC")
 
     def tensor(self, name: str, t: torch.Tensor) -> None:
-        """A float tensor (or the hash routing table), labelled FLOAT."""
+        """A float tensor (or the hash routing table), labelled FLOAT; a copy the writer makes is written once."""
+        if name in self.labels:
+            return
         t = as_stored(name, t)
         self._add(name, t, "FLOAT")
-        if self.mtp and name in MTP_COPIES:
-            self._add(MTP_COPIES[name], t.clone(), "FLOAT")
+        if name in self.copies:
+            self._add(self.copies[name], t.clone(), "FLOAT")
 
     def close(self, config: dict, extra_files: dict[str, str] | None = None) -> None:
         self.shards.close()
@@ -183,7 +206,8 @@ def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 
     """Write `model` in the msModelSlim W8A8_DYNAMIC layout: the recipe's linears as W8A8_DYNAMIC
     (int8 ones as they are, float ones quantised on the way out), everything else as FLOAT;
     config.json loses its quantization_config."""
-    writer = W8A8Writer(out_dir, max_shard_bytes, mtp=config.get("num_nextn_predict_layers", 0) > 0)
+    writer = W8A8Writer(out_dir, max_shard_bytes, vocab_copies(model.cfg))
+    dspark = model.cfg.drafter == "dspark"
     state = model.state_dict()
     for name, t in state.items():
         prefix, _, attr = name.rpartition(".")
@@ -191,7 +215,7 @@ def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 
             continue                                        # written with its weight
         if t.dtype == torch.int8:
             writer.linear(prefix, t, state[f"{prefix}.weight_scale"])
-        elif attr == "weight" and is_w8a8_linear(prefix):
+        elif attr == "weight" and is_w8a8_linear(prefix, dspark):
             writer.linear(prefix, *quantize_weight(t))
         else:
             writer.tensor(name, t)

@@ -16,6 +16,7 @@ from dsv4cli.model.quant import (
     as_stored,
     is_w8a8_linear,
     quantize_weight,
+    vocab_copies,
     write_config,
 )
 
@@ -42,7 +43,7 @@ def convert(src, dst, to: str = "w8a8", progress: bool = True, max_shard_bytes: 
     tmp = dst.with_name(dst.name + ".partial")        # renamed to dst only once complete
     shutil.rmtree(tmp, ignore_errors=True)
     if to == "w8a8":
-        out = W8A8Writer(tmp, max_shard_bytes, mtp=ckpt.config.n_mtp_layers > 0)
+        out = W8A8Writer(tmp, max_shard_bytes, vocab_copies(ckpt.config))
     else:
         out = ShardWriter(tmp, "model", max_shard_bytes)
     items.sort(key=lambda it: ckpt.position(it.sources[0]))
@@ -53,7 +54,7 @@ def convert(src, dst, to: str = "w8a8", progress: bool = True, max_shard_bytes: 
             prefix, _, attr = item.name.rpartition(".")
             if to == "bf16":
                 out.add(item.name, as_stored(item.name, t))
-            elif attr == "weight" and is_w8a8_linear(prefix):
+            elif attr == "weight" and is_w8a8_linear(prefix, ckpt.config.drafter == "dspark"):
                 out.linear(prefix, *quantize_weight(t))
             else:
                 out.tensor(item.name, t)

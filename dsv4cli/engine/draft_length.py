@@ -1,0 +1,55 @@
+"""How many of DSpark's drafts a step verifies under `mtp = auto`: the length L that gives the most
+tokens per second, from what each draft is expected to add and what a step of L drafts costs here.
+
+A step that verifies L drafts commits, per slot, 1 + sum_{k<=L} prod_{i<=k} a_i tokens on average, where
+a_i is the chance draft i is accepted given the ones before it: the confidence head's sigmoid. It costs
+the seconds a step of L+1 rows takes on this device, measured: on accelerators the rows are nearly free
+up to a few, on a CPU each row reads the routed experts it picks, so the union grows with L and a long
+block can cost more than it brings (ktransformers measured that). L = 0 (plain decoding) is a candidate,
+so auto never picks what it expects to be slower than plain. Each length is first measured once (in order,
+at the start), then re-measured now and then (costs drift: a compiled step takes over, the batch grows).
+"""
+import math
+
+REFRESH_STEPS = 64     # steps between re-measuring the length measured longest ago
+EMA = 0.3              # weight of a new measurement in a length's cost
+
+
+class DraftLength:
+    def __init__(self, most: int):
+        self.most = most
+        self.cost: dict[tuple[int, int], float] = {}       # (batch, L) -> seconds per step
+        self.seen: dict[tuple[int, int], int] = {}          # (batch, L) -> the step it was last measured at
+        self.steps = 0
+        self.chosen: dict[int, int] = {}                    # L -> steps that verified it (for reports)
+
+    def choose(self, batch: int, confidences: list[list[float]]) -> int:
+        """The drafts to verify at `batch` rows, for the running slots' next drafts' confidences."""
+        self.steps += 1
+        lengths = range(self.most + 1)
+        unmeasured = [n for n in lengths if (batch, n) not in self.cost]
+        if unmeasured:
+            return self._pick(unmeasured[0])
+        if self.steps % REFRESH_STEPS == 0:
+            return self._pick(min(lengths, key=lambda n: self.seen[batch, n]))
+        return self._pick(max(lengths, key=lambda n: self.expected_tokens(n, confidences) / self.cost[batch, n]))
+
+    def _pick(self, n: int) -> int:
+        self.chosen[n] = self.chosen.get(n, 0) + 1
+        return n
+
+    @staticmethod
+    def expected_tokens(n: int, confidences: list[list[float]]) -> float:
+        """Tokens a step of n drafts commits over the slots, by the confidences (prefix survival)."""
+        return sum(1 + sum(math.prod(c[:k]) for k in range(1, n + 1)) for c in confidences)
+
+    def observe(self, batch: int, n: int, seconds: float) -> None:
+        """A step of n drafts at `batch` rows took `seconds`."""
+        old = self.cost.get((batch, n))
+        self.cost[batch, n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.seen[batch, n] = self.steps
+
+    def report(self) -> dict:
+        """The cost model and the choices so far (bench, status lines)."""
+        return {"chosen": dict(sorted(self.chosen.items())),
+                "step_ms": {f"{b}x{n}": round(s * 1e3, 3) for (b, n), s in sorted(self.cost.items())}}
