@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from meta import stamp
 
 
 def passes(mode: str, requests: int, max_tokens: int, batch: int, repeat: int) -> dict:
@@ -66,7 +67,8 @@ def main() -> None:
     rows = [passes(m, args.requests, args.max_tokens, args.batch, args.repeat) for m in args.modes.split(",")]
     for r in rows:         # greedy outputs against the first mode's, request by request
         r["outputs_as_first_mode"] = sum(a == b for a, b in zip(r["outputs"], rows[0]["outputs"]))
-    result = {"meta": {"requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch,
+    result = {"meta": {**stamp(vars(args)),
+                       "requests": args.requests, "max_tokens": args.max_tokens, "batch": args.batch,
                        "threads": 1, "torch": torch.__version__}, "results": rows}
     text = json.dumps(result, indent=2)
     if args.out:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import torch
+from meta import stamp
 
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import encode_messages, parse_completion
@@ -68,7 +69,8 @@ def main() -> None:
         print(f"turn {row['turn']:2d}: prompt {row['prompt_tokens']:5d} tok ({row['reuse_cached_tokens']} reused)  "
               f"TTFT fresh {row['fresh_ttft_ms']:7.1f} ms  reuse {row['reuse_ttft_ms']:6.1f} ms  "
               f"({row['ttft_speedup']}x)", file=sys.stderr)
-    result = {"meta": {"model": args.model, "device": "cpu", "threads": torch.get_num_threads(), "mtp": args.mtp,
+    result = {"meta": {**stamp(vars(args)),
+                       "model": args.model, "device": "cpu", "threads": torch.get_num_threads(), "mtp": args.mtp,
                        "reply_tokens": args.reply_tokens}, "turns": turns}
     text = json.dumps(result, indent=2)
     print(text)

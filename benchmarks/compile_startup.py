@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meta import stamp
+
 
 def run_chat(compile_mode: str, cache: str, message: str, max_tokens: int) -> dict:
     env = {**os.environ, "XDG_CACHE_HOME": cache, "DSV4_COMPILE": compile_mode}
@@ -107,7 +109,7 @@ def main():
                 r["takeover"] = run_takeover(mode, cache, a.reply_tokens)
             results.append(r)
             print(json.dumps(results[-1]), file=sys.stderr)
-    report = {"benchmark": "compile_startup", "message": a.message, "max_tokens": a.max_tokens,
+    report = {"meta": stamp(vars(a)), "benchmark": "compile_startup", "message": a.message, "max_tokens": a.max_tokens,
               "reply_tokens": a.reply_tokens, "results": results}
     text = json.dumps(report, indent=2)
     if a.out:

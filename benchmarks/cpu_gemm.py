@@ -19,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from meta import stamp
 from real_width import StreamRead
 
 from dsv4cli.kernels import native, reference
@@ -72,7 +73,8 @@ def main() -> None:
         results.append({"kernel": name, "rows": m, "gb_s": {"median": round(med, 2), "max": round(max(v), 2)},
                         "of_stream": round(med / bw, 3)})
         print(f"{name:20s} rows {m:2d}: {med:6.2f} GB/s (best {max(v):6.2f}) = {med / bw:.2f} of the streaming read")
-    report = {"benchmark": "cpu_gemm", "machine": {"cpu": platform.processor() or platform.machine(),
+    report = {"meta": stamp(vars(a)),
+              "benchmark": "cpu_gemm", "machine": {"cpu": platform.processor() or platform.machine(),
                                                    "cores": os.cpu_count(), "threads": a.threads},
               "torch": torch.__version__, "stream_read_gb_s": round(bw, 2), "reps": a.reps, "results": results}
     if a.out:

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from meta import stamp
+
 SYNTHETIC = {   # a small V4-shaped model dominated by its experts, like the real one
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 32768,
     "hidden_size": 2048, "num_hidden_layers": 4, "num_nextn_predict_layers": 1, "num_attention_heads": 16,
@@ -116,7 +118,8 @@ def main() -> None:
             path = Path(tmp)
             child("write", tmp)
         child("raw", str(path))                                     # warm the page cache
-        report = {"path": str(args.path or "synthetic W8A8"), "device": args.device, "dtype": args.dtype,
+        report = {"meta": stamp(vars(args)),
+                  "path": str(args.path or "synthetic W8A8"), "device": args.device, "dtype": args.dtype,
                   "threads": args.threads, "load_average": os.getloadavg()[0],
                   "raw_read": child("raw", str(path)),
                   "load": child("load", str(path), args.device, args.dtype, str(args.threads))}

@@ -32,6 +32,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from meta import stamp
 from torch import nn
 
 import dsv4cli.kernels
@@ -459,6 +460,7 @@ def main():
               "stream_read_gb_s": round(first_bw / 1e9, 3), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
               "dtype": a.dtype, "layers": ratios,
               "experts": a.experts, "vocab": a.vocab, "results": results}
+    report["meta"] = stamp(vars(a))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=2))

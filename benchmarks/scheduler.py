@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+from meta import stamp
 
 from dsv4cli.bench import LOAD_TEXT, first_token_s, under_load
 from dsv4cli.config import BUNDLED_MODEL_DIR
@@ -40,7 +41,8 @@ def main() -> None:
     ids = tok.encode(LOAD_TEXT * (args.prompt_tokens // 10))
     prompt = ids[: args.prompt_tokens]
     streams = [tok.encode(f"Story {i}: " + LOAD_TEXT) for i in range(8)]
-    result = {"prompt_tokens": len(prompt), "streams": len(streams), "mtp": args.mtp, "threads": 1,
+    result = {"meta": stamp(vars(args)),
+              "prompt_tokens": len(prompt), "streams": len(streams), "mtp": args.mtp, "threads": 1,
               "prefill_chunk": 256, "repeat": args.repeat, "budgets": {}}
     idle_engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=512)
     first_token_s(idle_engine, streams[0][:8])                                 # warm-up

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from meta import stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["Tell me a story.", "Can you tell me a short story?", "Tell me a story about a fox.",
            "Please tell me a story.", "What is the capital of France?", "What is 7 plus 12?",
@@ -139,7 +141,8 @@ def main() -> None:
         runs.append({"batch": batch, "serve": serve,
                      "serve_over_batch": round(serve["tokens_per_s"] / batch["tokens_per_s"], 3)})
     best = {kind: max((run[kind] for run in runs), key=lambda r: r["tokens_per_s"]) for kind in ("batch", "serve")}
-    result = {"model": args.model or "dsv4-tiny (bundled)", "requests": args.requests, "max_batch": args.max_batch,
+    result = {"meta": stamp(vars(args)),
+              "model": args.model or "dsv4-tiny (bundled)", "requests": args.requests, "max_batch": args.max_batch,
               "max_tokens": args.max_tokens, "cpu_cores": len(os.sched_getaffinity(0)), "best": best,
               "serve_over_batch": round(best["serve"]["tokens_per_s"] / best["batch"]["tokens_per_s"], 3),
               "greedy_texts_identical": same, "runs": runs}

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from meta import stamp
+
 DSV4 = Path(sys.executable).parent / "dsv4"
 BUSY = [sys.executable, "-c", "while True: pass"]
 
@@ -68,7 +70,8 @@ def main() -> None:
     best_fixed_idle = max(r["median"] for r in rows if not r["busy_core"] and r["threads"] != "default")
     default_idle = next(r["median"] for r in rows if not r["busy_core"] and r["threads"] == "default")
     default_busy = next(r["median"] for r in rows if r["busy_core"] and r["threads"] == "default")
-    result = {"meta": {"model": args.model or "dsv4-tiny (bundled)", "cores": cores, "tokens": args.tokens,
+    result = {"meta": {**stamp(vars(args)),
+                       "model": args.model or "dsv4-tiny (bundled)", "cores": cores, "tokens": args.tokens,
                        "repeats": args.repeats, "load_average_at_end": os.getloadavg()[0]},
               "default_idle_vs_best_fixed_idle": default_idle / best_fixed_idle,
               "default_busy_vs_default_idle": default_busy / default_idle,

@@ -2,7 +2,7 @@
 vllm-ascend calls them for W8A8_DYNAMIC.
 
 Ops not defined here, and shapes or dtypes an op does not take, run the reference (plain torch ops
-run on the NPU too). What stays in the reference and why (docs/design.md has the table):
+run on the NPU too). What stays in the reference and why (docs/decisions.md has the op table):
 - the router: npu_moe_gating_top_k always applies its own softmax or sigmoid to x (renorm 0 only),
   so neither DeepSeek V4's sqrt-softplus scores nor precomputed scores can be passed, in hash
   mode (input_ids + tid2eid) either: its weights would be softmax/sigmoid of the logits;

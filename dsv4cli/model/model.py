@@ -1,6 +1,6 @@
 """DeepSeek V4 Flash: the whole model in one file.
 
-Follows the official `inference/model.py` forward pass (see docs/design.md): 4 hyper-connection
+Follows the official `inference/model.py` forward pass (docs/decisions.md says what differs): 4 hyper-connection
 streams mixed by mHC, low-rank q with a weight-less per-head norm, one shared 512-d latent used as K
 and V, interleaved partial RoPE, attention sinks, a sliding window plus compressed KV (ratio 4 with
 the lightning indexer, ratio 128 dense), grouped low-rank output, hash / biased sqrt-softplus MoE and
