@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from meta import stamp
 from real_width import StreamRead
 
-from dsv4cli.kernels import native, reference
+from dsv4cli.kernels import cpu, native
 
 
 def timed(fn) -> float:
@@ -46,12 +46,12 @@ def main() -> None:
     w8 = torch.randint(-127, 128, (32768, 8192), generator=g, dtype=torch.int8)
     w32 = torch.randn(65536, 4096, generator=g)
     packed8, packed32, packed16 = native.pack_int8(w8), native.pack_float(w32), native.pack_float(w32, torch.bfloat16)
-    onednn = torch.ops.onednn.qlinear_prepack(w8, [1, w8.shape[1]]) if reference._onednn_int8() else None
+    onednn = torch.ops.onednn.qlinear_prepack(w8, [1, w8.shape[1]]) if cpu._onednn_int8() else None
     q = torch.randint(-127, 128, (max(rows), w8.shape[1]), generator=g, dtype=torch.int8)
     x = torch.randn(max(rows), w32.shape[1], generator=g)
     kernels = {
         "int8 native": (w8.numel(), lambda m: native.int8_mm(q[:m], packed8)),
-        "int8 onednn": (w8.numel(), lambda m: reference.packed_int_mm(q[:m], onednn)) if onednn is not None else None,
+        "int8 onednn": (w8.numel(), lambda m: cpu.packed_int_mm(q[:m], onednn)) if onednn is not None else None,
         "int8 torch._int_mm": (w8.numel(), lambda m: torch._int_mm(q[:m], w8.t())),
         "fp32 native": (w32.numel() * 4, lambda m: native.float_mm(x[:m], packed32)),
         "fp32 mkl": (w32.numel() * 4, lambda m: F.linear(x[:m], w32)),
