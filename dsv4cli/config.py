@@ -61,6 +61,7 @@ class Key:
     path: bool = False  # a relative path in a config file is relative to that file's directory
     file_only: bool = False  # no flag, no environment variable
     secret: bool = False  # `config show` prints it redacted
+    auto: bool = False  # the string "auto" is a value too (an integer key that can be left to the engine)
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -79,6 +80,8 @@ class Key:
 
     @property
     def rule(self) -> str:
+        if self.auto:
+            return "auto, or " + dataclasses.replace(self, auto=False).rule
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.lo is not None and self.hi is not None:
@@ -96,6 +99,8 @@ class Key:
 
     def problem(self, value: Any) -> str | None:
         """Why a value of the right type breaks this key's rule (each item, for a list), or None."""
+        if self.auto and value == "auto":
+            return None
         is_list = isinstance(value, list)
         for v in value if is_list else [value]:
             if not self.allows(v):
@@ -188,8 +193,14 @@ class Settings:
         "sampling", None, "Report each output token's logprob and this many alternatives (unset: off)", lo=0, hi=20
     )
     # [speculative]
-    mtp: int = _key(
-        "speculative", 1, "Tokens drafted per step by the MTP head; 0 = plain decoding", lo=0, hi=8
+    mtp: int | str = _key(
+        "speculative",
+        "auto",
+        "Drafts verified per step: the MTP layer's chain (preview checkpoints) or DSpark's block (0731, at most "
+        "its block size); 0 = plain decoding; auto: DSpark verifies per step as many as pay off, MTP 1",
+        lo=0,
+        hi=8,
+        auto=True,
     )
     # [chat]
     system: str = _key("chat", "", "System prompt")
@@ -246,7 +257,10 @@ def _spec() -> dict[str, Key]:
     hints = typing.get_type_hints(Settings)
     spec = {}
     for f in fields(Settings):
-        key = dataclasses.replace(f.metadata["key"], name=f.name, type=_base_type(hints[f.name]))
+        base = _base_type(hints[f.name])
+        if f.metadata["key"].auto:          # `int | str`: an integer, or the string auto
+            base = next(a for a in typing.get_args(base) if a is not str)
+        key = dataclasses.replace(f.metadata["key"], name=f.name, type=base)
         if not key.flags and not key.file_only:
             dash = f.name.replace("_", "-")
             key = dataclasses.replace(
@@ -296,6 +310,13 @@ def check(name: str, value: Any, place: str) -> Any:
     key = SPEC[name]
     if isinstance(value, tuple):
         value = list(value)
+    if key.auto and isinstance(value, str):       # a flag's text, or auto
+        if value.strip() == "auto":
+            return "auto"
+        try:
+            value = int(value)
+        except ValueError:
+            raise UsageError(f"{place}: must be auto or an integer, got {format_value(value)}") from None
     if not _is(value, key.type):
         raise UsageError(f"{place}: must be {_TYPE_NAMES[key.type]}, got {format_value(value)}")
     if key.type is float and not math.isfinite(value):
@@ -311,6 +332,8 @@ def check(name: str, value: Any, place: str) -> Any:
 def parse_value(name: str, text: str, place: str) -> Any:
     """Parse and check a value given as text (an environment variable, a chat /set). Lists are JSON."""
     tp = SPEC[name].type
+    if SPEC[name].auto:
+        return check(name, text, place)
     try:
         if typing.get_origin(tp) is list:
             value = json.loads(text)
@@ -449,7 +472,7 @@ def reference_markdown() -> str:
     rows = ["| Key | Type | Default | Allowed | Flag | Description |", "|---|---|---|---|---|---|"]
     for key in SPEC.values():
         flags = ", ".join(f"`{f}`" for f in key.flags) or "config file only"
-        kind = "path" if key.path else _TYPE_NAMES[key.type].split(" ", 1)[1]
+        kind = "path" if key.path else _TYPE_NAMES[key.type].split(" ", 1)[1] + (" or auto" if key.auto else "")
         rows.append(
             f"| `{key.place}` | {kind} | `{format_value(key.default)}` | {key.rule} | {flags} | {key.help} |"
         )

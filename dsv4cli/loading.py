@@ -13,6 +13,7 @@ from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, EngineAPI, SamplingParams
+from dsv4cli.engine.runner import drafter_depth
 from dsv4cli.engine.slots import SlotState
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
@@ -78,8 +79,8 @@ def decode_state_bytes(cfg: ModelConfig, s: Settings, dtype: torch.dtype) -> int
     """What the engine's DecodeState will take, measured on the meta device (nothing is allocated)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = SlotState.decode_state(model, s.max_batch, s.max_seq_len, s.mtp, reuse_prefix=s.mode == "chat",
-                                   device="meta", dtype=dtype)
+    state = SlotState.decode_state(model, s.max_batch, s.max_seq_len, drafter_depth(cfg, s.mtp),
+                                   reuse_prefix=s.mode == "chat", device="meta", dtype=dtype)
     return state.nbytes()
 
 
@@ -176,8 +177,12 @@ def build_engine(s: Settings, device: torch.device, compile_apart: bool = False)
     `compile_apart`: step shapes compile beside the run in a process of its own (`compiles_apart`);
     else a shape's first step compiles it."""
     model, tokenizer = load_weights(s, device)
-    if s.mtp and not model.cfg.n_mtp_layers:
-        raise UsageError(f"{s.model_dir}: the checkpoint has no MTP layer; use --mtp 0")
+    cfg = model.cfg
+    if s.mtp != "auto" and s.mtp and cfg.drafter is None:
+        raise UsageError(f"{s.model_dir}: the checkpoint has no drafter (no MTP layer or DSpark stages); use --mtp 0")
+    if s.mtp != "auto" and cfg.drafter == "dspark" and s.mtp > cfg.dspark_block_size:
+        raise UsageError(f"--mtp {s.mtp}: above the checkpoint's DSpark block size {cfg.dspark_block_size} (one "
+                         f"pass drafts {cfg.dspark_block_size} tokens; verifying more can't use them)")
     # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",

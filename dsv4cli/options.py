@@ -52,7 +52,8 @@ def _option(name: str) -> inspect.Parameter:
         rich_help_panel=key.section.title(),
         metavar=f"<{item.__name__}>" if item else None,  # a repeatable option takes one value each time
     )
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=key.type | None)
+    kind = str if key.auto else key.type        # "auto" or a number, read by config.check
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind | None)
 
 
 _CONFIG = inspect.Parameter(

@@ -36,8 +36,9 @@ def encode_fp4(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Te
 
 
 def is_official_fp8(prefix: str) -> bool:
-    """The release's FP8 linears: everything but compressors and weights_proj (bf16); routed experts FP4."""
-    return "compressor" not in prefix and "weights_proj" not in prefix
+    """The release's FP8 linears: everything but compressors, weights_proj and DSpark's confidence head
+    (bf16); routed experts FP4."""
+    return not any(k in prefix for k in ("compressor", "weights_proj", "confidence_head"))
 
 
 @torch.no_grad()

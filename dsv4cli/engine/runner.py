@@ -233,6 +233,14 @@ class StepRunner:
         return tuple(ChunkInputs(z, z[0, :1].clone(), z[0, :1] + 1, self.state.view(0)) for z in zeros)
 
 
+def drafter_depth(cfg, mtp: int | str) -> int:
+    """The drafts a step drafts for the setting `mtp`: K, or auto's: DSpark's whole block, the MTP layer's 1,
+    none without a drafter."""
+    if mtp != "auto":
+        return mtp
+    return cfg.dspark_block_size if cfg.drafter == "dspark" else 1 if cfg.drafter == "mtp" else 0
+
+
 def make_drafter(model: Transformer, depth: int) -> Drafter | None:
     """The drafter of the model's checkpoint for `depth` drafts a step (DSpark always drafts its whole
     block), or None for plain decoding."""

@@ -20,7 +20,7 @@ from .draft_length import DraftLength
 from .output import append_output
 from .prefix import SlotHistory
 from .request import Event, Metrics, Sequence, TokenLogprob
-from .runner import ChunkKey, StepKey, StepRunner, remade
+from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import TOP_LOGPROBS, SamplingParams, needs_sort, plain_greedy
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
@@ -69,10 +69,8 @@ class Engine:
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
         self.reuse_prefix, self.isolate_failures = reuse_prefix, isolate_failures
-        dspark = model.cfg.drafter == "dspark"
-        depth = (model.cfg.dspark_block_size if dspark else 1) if mtp == "auto" else mtp
-        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=depth, reuse_prefix=reuse_prefix,
-                     confidences=mtp == "auto" and dspark)
+        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=drafter_depth(model.cfg, mtp),
+                     reuse_prefix=reuse_prefix, confidences=mtp == "auto" and model.cfg.drafter == "dspark")
         remake = (functools.partial(remade, reload, {**shape, "graphs": False})
                   if compile and compile_in_background and reload is not None else None)
         self.runner = StepRunner(model, **shape, graphs=graphs, compile=compile, background=compile_in_background,

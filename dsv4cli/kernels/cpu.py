@@ -16,7 +16,8 @@ import torch
 
 from . import native
 from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
-from .reference import indexer_scan_op, quantize_per_token, swiglu
+from .reference import ExpertStack, indexer_scan_op, quantize_per_token, swiglu
+from .reference import grouped_experts as reference_grouped_experts
 from .reference import indexer_scores as indexer_scores_bmm
 from .reference import routed_experts as reference_routed_experts
 
@@ -238,6 +239,33 @@ def routed_experts_op(x: torch.Tensor, weights: torch.Tensor, local: torch.Tenso
 @routed_experts_op.register_fake
 def _(x, weights, local, xq, xs, expert_weights, expert_scales, limit, shared):
     return x.new_empty(x.shape, dtype=torch.float32)
+
+
+def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
+    """The reference's grouped experts, the same sums. Eager, with the routing read on the host at no sync,
+    each expert's rows go through its own slice of the stack in one GEMM a projection: the reference's
+    int8 path gathers an expert's weight for every row (a 2,048-row prefill copied 670 MB a projection
+    of the bundled model). A compiled graph keeps the reference's static shapes."""
+    if torch.compiler.is_compiling():
+        return reference_grouped_experts(x, weights, local, experts, xq)
+    T, k = local.shape
+    E = experts.w13.shape[0]
+    key = torch.where((local >= 0) & (local < E), local, E).flatten()
+    order = key.argsort(stable=True)
+    counts = torch.bincount(key, minlength=E + 1).tolist()
+    y = torch.zeros(T, experts.w2.shape[1], device=x.device, dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(counts[:-1]):
+        if n:
+            sel = order[start: start + n]
+            rows = sel // k
+            rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
+            s13, s2 = (None, None) if experts.s13 is None else (experts.s13[e], experts.s2[e])
+            h = projection(x[rows], experts.w13[e], s13, rows_q)
+            h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[sel, None]    # weight before w2
+            y.index_add_(0, rows, projection(h.to(x.dtype), experts.w2[e], s2).float())
+        start += n
+    return y
 
 
 def expert_table(experts, shared=None):

@@ -8,9 +8,11 @@ from .config import ModelConfig
 from .loader import Checkpoint, keep_fp32, open_checkpoint
 from .model import Transformer
 
-# What model.py splits across tensor-parallel ranks (heads, output groups, experts, vocabulary rows);
-# everything else is replicated on every card.
-TP_SPLIT = re.compile(r"^(embed|head)\.|\.(wq_b|wo_a|wo_b|weights_proj)\.|attn_sink|\.experts\.")
+# What model.py splits across tensor-parallel ranks (heads, output groups, experts, vocabulary rows: the
+# trunk's embed and head, the drafter's copies of them and DSpark's Markov tables); everything else is
+# replicated on every card.
+TP_SPLIT = re.compile(r"(^|\.)(embed|head|markov_w1|markov_w2)\.|\.(wq_b|wo_a|wo_b|weights_proj)\.|attn_sink"
+                      r"|\.experts\.")
 
 
 def tp_problem(cfg: ModelConfig, tp: int) -> str | None:
