@@ -1,8 +1,11 @@
-"""`dsv4 bench`: decode speed of plain vs MTP speculative decoding, in one process.
+"""`dsv4 bench`: decode speed of plain vs speculative decoding, in one process.
 
-Every configuration (MTP depth x batch x prompt length) runs on the same loaded model; speed-ups are
-ratios against plain decoding (K = 0) measured in the same run. When transformers is installed its
-`generate` runs on the same weights (dequantised to float if the checkpoint is W8A8) as a peer.
+Every configuration (drafts verified per step x batch x prompt length) runs on the same loaded model; speed-ups
+are ratios against plain decoding (K = 0, eager) measured in the same run. A 0731 checkpoint's DSpark drafter
+runs at each fixed length and at `auto` (the lengths it chose are reported); `--peer-model` runs a second
+checkpoint alongside (by default, beside the bundled DSpark model, the bundled preview-layout one, whose MTP
+layer chains to each depth). When transformers is installed its `generate` runs on the same weights
+(dequantised to float if the checkpoint is W8A8; trunk only: it has no drafter) as a peer.
 `--under-load N`: the scheduler instead, an N-token prompt arriving while streams decode.
 """
 import dataclasses
@@ -18,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dsv4cli import platforms
-from dsv4cli.config import SPEC
+from dsv4cli.config import BUNDLED_MODEL_DIR, SPEC
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import EngineAPI, SamplingParams
 from dsv4cli.engine.compiled import cache_dir
@@ -45,7 +48,7 @@ def bench_prompts(tok, kind: str, n: int) -> list[list[int]]:
                 history += [{"role": "user", "content": QUESTIONS[(i + j) % len(QUESTIONS)]},
                             {"role": "assistant", "content": "Let me think about that. " * 3}]
             messages = history + messages
-        prompts.append(tok.encode(encode_messages(messages)))
+        prompts.append(tok.encode(encode_messages(messages, encoding=tok.encoding)))
     return prompts
 
 
@@ -129,10 +132,16 @@ def bench_under_load(engine: EngineAPI, streams: int, prompt_tokens: int, around
 
 
 def float_copy(engine: EngineAPI, out_dir) -> None:
-    """The engine's weights in the official float layout (W8A8 linears dequantised), for transformers."""
-    tensors = {name: t.float() for name, t in dequantized(engine.model.state_dict()).items()}
-    config = {k: v for k, v in engine.model.cfg.raw.items() if k != "quantization_config"}
-    save_checkpoint(tensors, config, out_dir)
+    """The engine's trunk in the official float layout (W8A8 linears dequantised), for transformers (which has
+    no DSpark drafter: a 0731 checkpoint goes without its stages)."""
+    cfg = engine.model.cfg
+    state = dequantized(engine.model.state_dict())
+    if cfg.drafter == "dspark":
+        state = {name: t for name, t in state.items() if not name.startswith("mtp.")}
+    config = {k: v for k, v in cfg.raw.items() if k != "quantization_config" and not k.startswith("dspark_")}
+    if cfg.drafter == "dspark":
+        config |= {"compress_ratios": list(cfg.compress_ratios[: cfg.n_layers]), "num_nextn_predict_layers": 0}
+    save_checkpoint({name: t.float() for name, t in state.items()}, config, out_dir)
 
 
 def run_transformers(engine: EngineAPI, prompts, max_tokens: int) -> dict | None:
@@ -191,45 +200,59 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
     return n
 
 
+def depths_for(model, depths: list) -> list:
+    """The depths a checkpoint's drafter runs at: DSpark's up to its block and auto, the MTP layer's numbers
+    (its auto is 1), none but 0 without a drafter."""
+    cfg = model.cfg
+    if cfg.drafter == "dspark":
+        return [d for d in depths if d == "auto" or d <= cfg.dspark_block_size]
+    return [d for d in depths if d != "auto" and (d == 0 or cfg.drafter)]
+
+
 def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool,
-          compile_modes=(False,)) -> list[dict]:
+          compile_modes=(False,), peer: EngineAPI | None = None) -> list[dict]:
     rows = []
     for kind in kinds:
         for batch in batches:
             prompts = bench_prompts(engine.tok, kind, batch)
             base = None
-            for compile_on in compile_modes:
-                for depth in depths:
-                    eng = engine.resized(batch, depth, compile_on)
-                    t0 = time.perf_counter()
-                    run_config(eng, prompts, 2)       # warm-up: compiles the batch's step and chunk shapes
-                    warmup_s = time.perf_counter() - t0
-                    r = run_config(eng, prompts, max_tokens)
-                    base = r["tokens_per_s"] if depth == 0 and not compile_on else base
-                    launches = launches_per_step(eng, prompts[0])
-                    r.update(impl="dsv4", compile=compile_on, mtp=depth, batch=batch, prompt=kind,
-                             prompt_tokens=len(prompts[0]), speedup=r["tokens_per_s"] / base if base else None,
-                             warmup_s=warmup_s, launches_per_step=launches,
-                             launches_per_layer=launches / (eng.model.cfg.n_layers + depth),
-                             recompiles=eng.compiled.recompiles if compile_on else None)
-                    rows.append(r)
+            for model_engine in [engine, *([peer] if peer is not None else [])]:
+                for compile_on in compile_modes:
+                    for depth in depths_for(model_engine.model, depths):
+                        if model_engine is peer and depth == 0:
+                            continue          # the peer's trunk is the same model's: plain decoding ran above
+                        eng = model_engine.resized(batch, depth, compile_on)
+                        t0 = time.perf_counter()
+                        run_config(eng, prompts, 2)       # warm-up: compiles the batch's step and chunk shapes
+                        warmup_s = time.perf_counter() - t0
+                        r = run_config(eng, prompts, max_tokens)
+                        base = r["tokens_per_s"] if depth == 0 and not compile_on else base
+                        launches = launches_per_step(eng, prompts[0])
+                        layers = eng.model.cfg.n_layers + (eng.model.cfg.n_mtp_layers if eng.mtp_depth else 0)
+                        r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, mtp=depth,
+                                 batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
+                                 speedup=r["tokens_per_s"] / base if base else None, warmup_s=warmup_s,
+                                 launches_per_step=launches, launches_per_layer=launches / layers,
+                                 recompiles=eng.compiled.recompiles if compile_on else None,
+                                 draft_lengths=eng.lengths.report() if getattr(eng, "lengths", None) else None)
+                        rows.append(r)
             if with_hf and batch == 1:
                 hf = run_transformers(engine, prompts, max_tokens)
                 if hf:
-                    rows.append({**hf, "impl": "transformers", "compile": False, "mtp": 0, "batch": 1,
+                    rows.append({**hf, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
                                  "prompt": kind, "prompt_tokens": len(prompts[0]),
                                  "speedup": hf["tokens_per_s"] / base})
     return rows
 
 
 def render(rows: list[dict], console: Console) -> None:
-    table = Table("impl", "compile", "prompt", "batch", "MTP K", "tok/s", "step ms", "TTFT ms", "accept", "mean len",
-                  "launches/layer", "vs K=0")
+    table = Table("impl", "drafter", "compile", "prompt", "batch", "K", "tok/s", "step ms", "TTFT ms", "accept",
+                  "mean len", "launches/layer", "vs K=0")
     def fmt(r, key, spec):
         return "-" if r.get(key) is None else format(r[key], spec)
 
     for r in rows:
-        table.add_row(r["impl"], "on" if r["compile"] else "off", f"{r['prompt']} ({r['prompt_tokens']})",
+        table.add_row(r["impl"], r["model"], "on" if r["compile"] else "off", f"{r['prompt']} ({r['prompt_tokens']})",
                       str(r["batch"]), str(r["mtp"]), fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"),
                       fmt(r, "ttft_ms", ".1f"), fmt(r, "acceptance_rate", ".2f"),
                       fmt(r, "mean_acceptance_length", ".2f"), fmt(r, "launches_per_layer", ".0f"),
@@ -246,12 +269,14 @@ def render_under_load(r: dict, console: Console) -> None:
     console.print(table)
 
 
-def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int]:
+def parse_list(text: str, name: str, lo: int, hi: int | None = None, allow_empty: bool = False) -> list[int]:
     """Comma-separated integers, each in [lo, hi]."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UsageError(f"{name}: expected comma-separated integers, got {text!r}") from None
+        raise UsageError(f"{name}: expected comma-separated integers (or auto), got {text!r}") from None
+    if allow_empty and not values:
+        return []
     if not values or min(values) < lo or hi is not None and max(values) > hi:
         rule = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
         raise UsageError(f"{name}: expected integers {rule}, got {text!r}")
@@ -261,7 +286,11 @@ def parse_list(text: str, name: str, lo: int, hi: int | None = None) -> list[int
 @model_options()
 def bench_command(
     opts: CliOptions,
-    depths: str = typer.Option("0,1,2,3,4", "--depths", help="MTP depths to compare (0 = plain)"),
+    depths: str = typer.Option("0,1,2,3,4,5,auto", "--depths",
+                               help="Drafts verified per step to compare (0 = plain; auto: DSpark's choice per step)"),
+    peer_model: str = typer.Option(None, "--peer-model",
+                                   help="A second checkpoint to run alongside (default, with the bundled model: its "
+                                        "preview-layout twin, dsv4-tiny-mtp)"),
     batches: str = typer.Option("1,4,16", "--batches", help="Batch sizes"),
     prompts: str = typer.Option("short,long", "--prompts", help="Prompt lengths: short, long"),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON"),
@@ -278,7 +307,10 @@ def bench_command(
     if not kinds or set(kinds) - {"short", "long"}:
         raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
     mtp = SPEC["mtp"]
-    depth_list, batch_list = parse_list(depths, "--depths", mtp.lo, mtp.hi), parse_list(batches, "--batches", 1)
+    auto = "auto" in [d.strip() for d in depths.split(",")]
+    depth_list = parse_list(",".join(d for d in depths.split(",") if d.strip() != "auto"), "--depths", mtp.lo, mtp.hi,
+                            allow_empty=auto) + (["auto"] if auto else [])
+    batch_list = parse_list(batches, "--batches", 1)
     if 0 not in depth_list:
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
     if sources["max_tokens"] == "default":
@@ -286,14 +318,19 @@ def bench_command(
     if load_prompt:
         return bench_command_under_load(settings, load_prompt, streams, as_json)
     engine = load_engine(settings, "bench", compile_in_background=False)
+    if peer_model is None and settings.model is None:
+        peer_model = str(BUNDLED_MODEL_DIR.with_name("dsv4-tiny-mtp"))
+    peer = load_engine(dataclasses.replace(settings, model=peer_model), "bench", compile_in_background=False) \
+        if peer_model and settings.tp == 1 else None
     # compile = auto or on: the compiled step against eager in the same run
     can_compile = settings.compile != "off" and not platforms.for_device(engine.device).compile_unavailable_reason()
     compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
         rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf and settings.tp == 1,
-                     compile_modes)
-    meta = {"model": str(settings.model_dir), "device": str(engine.device), "dtype": str(engine.model.dtype),
+                     compile_modes, peer)
+    meta = {"model": str(settings.model_dir), "peer_model": peer_model, "device": str(engine.device),
+            "dtype": str(engine.model.dtype),
             "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens,
             "compile_cache": str(cache_dir()) if True in compile_modes else None}
     if as_json:

@@ -206,7 +206,11 @@ class Settings:
     system: str = _key("chat", "", "System prompt")
     thinking: bool = _key("chat", False, "Let the model think before it answers")
     reasoning_effort: str | None = _key(
-        "chat", None, "How hard to think (unset: the model's default)", choices=("high", "max")
+        "chat",
+        None,
+        "How hard to think (unset: the model's default: 0731 low, the preview high); OpenAI's minimal, medium and "
+        "xhigh map to low, high and max",
+        choices=("low", "high", "max", "minimal", "medium", "xhigh"),
     )
     # [generate]
     prompt: str | None = _key(

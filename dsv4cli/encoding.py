@@ -23,7 +23,11 @@ TOOL_CALLS_END = f"</{DSML}tool_calls>"
 TOOL_CALLS_OPENING = f"\n\n{TOOL_CALLS_START}"  # how an assistant turn's tool calls start
 
 ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
-REASONING_EFFORTS = (None, "high", "max")  # "high" is the default effort: no prompt text
+# The chat encodings: the April preview's, and 0731's (whose reasoning efforts differ, below).
+ENCODINGS = ("preview", "0731")
+# OpenAI-style efforts as peers map them onto the model's three.
+EFFORT_ALIASES = {"minimal": "low", "medium": "high", "xhigh": "max"}
+REASONING_EFFORTS = (None, "low", "high", "max", *EFFORT_ALIASES)
 # A message's `task` asks for a one-off classification right after it, instead of a normal reply.
 TASK_TOKENS = {
     "action": "<｜action｜>",
@@ -44,6 +48,22 @@ REASONING_EFFORT_MAX = (
     "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
     "unchecked.\n\n"
 )
+REASONING_EFFORT_BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: exhaustively "
+    "decompose the problem into its most fundamental components, trace every causal chain to its root, and "
+    "resolve the underlying cause rather than any surface symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple angles and are "
+    "certain that no assumption remains unchecked and no error remains undiscovered.\n\n"
+)
+# What each effort puts before the first message in thinking mode, per encoding, and the default: the
+# preview renders its one text at max only (high, its default, adds none); 0731 defaults to low (none),
+# renders the preview's max text at high and a new one at max.
+REASONING_EFFORT_PROMPTS = {
+    "preview": {"low": "", "high": "", "max": REASONING_EFFORT_MAX},
+    "0731": {"low": "", "high": REASONING_EFFORT_MAX, "max": REASONING_EFFORT_BEYOND_MAX},
+}
+DEFAULT_REASONING_EFFORT = {"preview": "high", "0731": "low"}
 
 TOOLS_PROMPT = """## Tools
 
@@ -79,7 +99,8 @@ RESPONSE_FORMAT_PROMPT = "## Response Format:\n\nYou MUST strictly adhere to the
 
 
 def encode_messages(
-    messages, thinking=False, reasoning_effort=None, drop_thinking=True, context=None, add_bos=True
+    messages, thinking=False, reasoning_effort=None, drop_thinking=True, context=None, add_bos=True,
+    encoding="preview",
 ) -> str:
     """Render a conversation as one prompt string.
 
@@ -88,10 +109,12 @@ def encode_messages(
     its task token there instead. In thinking mode with `drop_thinking`, reasoning before the last user
     turn is left out, unless a message defines tools (tools and response formats are rendered on system
     and developer messages only). With `context` (messages already rendered), only `messages` are
-    rendered, to be appended to it.
+    rendered, to be appended to it. `encoding`: the checkpoint's ("preview" or "0731": `checkpoint_encoding`),
+    which decides what a reasoning effort renders.
     """
     if reasoning_effort not in REASONING_EFFORTS:
-        raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS}, got {reasoning_effort!r}")
+        raise ValueError(f"reasoning_effort must be one of {REASONING_EFFORTS[1:]}, got {reasoning_effort!r}")
+    effort = EFFORT_ALIASES.get(reasoning_effort, reasoning_effort) or DEFAULT_REASONING_EFFORT[encoding]
     context = context or []
     if not messages:
         raise ValueError("cannot encode an empty conversation")
@@ -109,8 +132,8 @@ def encode_messages(
     last_user = _last_user_index(msgs)
 
     prompt = BOS if add_bos and not context else ""
-    if n_context == 0 and thinking and reasoning_effort == "max":
-        prompt += REASONING_EFFORT_MAX
+    if n_context == 0 and thinking:
+        prompt += REASONING_EFFORT_PROMPTS[encoding][effort]
     for i in range(n_context, len(msgs)):
         m, role = msgs[i], msgs[i]["role"]
         if role == "system":
@@ -324,3 +347,21 @@ def _parse_tool_calls(block):
             params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
         calls.append({"type": "function", "function": {"name": name, "arguments": "{" + ", ".join(params) + "}"}})
     return calls
+
+
+def checkpoint_encoding(model_dir) -> str:
+    """The chat encoding of the checkpoint in `model_dir`: that of the official encoder it ships
+    (`encoding/encoding_dsv4.py`: 0731's defines REASONING_EFFORT_PROMPTS), else 0731's for a config
+    with a DSpark drafter (released together), else the preview's."""
+    from pathlib import Path
+
+    model_dir = Path(model_dir)
+    encoder = model_dir / "encoding" / "encoding_dsv4.py"
+    if encoder.is_file():
+        return "0731" if "REASONING_EFFORT_PROMPTS" in encoder.read_text(encoding="utf-8", errors="replace") \
+            else "preview"
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return "preview"
+    return "0731" if isinstance(config, dict) and config.get("dspark_block_size") else "preview"

@@ -45,7 +45,7 @@ def prompt_ids(engine, s: Settings, prompt: str, tools: list[dict]) -> list[int]
         return [tok.bos_id, *tok.encode(prompt)]
     system = {"role": "system", "content": s.system} | ({"tools": tools} if tools else {})
     messages = ([system] if s.system or tools else []) + [{"role": "user", "content": prompt}]
-    text = encode_messages(messages, thinking=s.thinking, reasoning_effort=s.reasoning_effort)
+    text = encode_messages(messages, thinking=s.thinking, reasoning_effort=s.reasoning_effort, encoding=tok.encoding)
     return tok.encode(text)
 
 

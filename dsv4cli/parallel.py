@@ -56,6 +56,7 @@ class Leader:
         # the local engine's (totals is its object, which it updates in place)
         self.tok, self.device, self.model, self.totals = engine.tok, engine.device, engine.model, engine.totals
         self.max_batch, self.max_seq_len, self.mtp_depth = engine.max_batch, engine.max_seq_len, engine.mtp_depth
+        self.mtp, self.lengths = engine.mtp, engine.lengths
         self.compiled = engine.compiled
 
     @property

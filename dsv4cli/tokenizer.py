@@ -5,6 +5,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsv4cli.encoding import checkpoint_encoding
+
 # DeepSeek V4 special tokens (docs §5). Only those present in a given vocab show up in `special_ids`.
 SPECIAL_TOKENS = (
     "<｜begin▁of▁sentence｜>",
@@ -34,10 +36,14 @@ DEFAULT_EOS = "<｜end▁of▁sentence｜>"
 
 
 class Tokenizer:
-    def __init__(self, tokenizer: HFTokenizer, bos_token: str = DEFAULT_BOS, eos_token: str = DEFAULT_EOS):
+    def __init__(self, tokenizer: HFTokenizer, bos_token: str = DEFAULT_BOS, eos_token: str = DEFAULT_EOS,
+                 encoding: str = "preview"):
+        """`encoding`: the checkpoint's chat encoding (`encoding.checkpoint_encoding`), for the front ends'
+        prompts."""
         self._tok = tokenizer
         self.bos_id = self._require_id(bos_token)
         self.eos_id = self._require_id(eos_token)
+        self.encoding = encoding
         self.special_ids = {t: i for t in SPECIAL_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
 
     @classmethod
@@ -59,7 +65,7 @@ class Tokenizer:
                 raise ValueError(f"cannot read tokenizer config {config_file}: {e}") from e
             bos = _token_string(config.get("bos_token")) or bos
             eos = _token_string(config.get("eos_token")) or eos
-        return cls(tokenizer, bos, eos)
+        return cls(tokenizer, bos, eos, checkpoint_encoding(path))
 
     @property
     def vocab_size(self) -> int:

@@ -221,7 +221,7 @@ def run_chat(s: Settings) -> int:
         return 130
     if tty:
         setup_readline()
-    return Chat(engine, ChatSession(s), tty).run()
+    return Chat(engine, ChatSession(s, engine.tok.encoding), tty).run()
 
 
 @model_options("system", "thinking", "reasoning_effort")

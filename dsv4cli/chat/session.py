@@ -85,8 +85,9 @@ class Totals:
 class ChatSession:
     """The messages so far (user and assistant; the system prompt lives in `settings.system`)."""
 
-    def __init__(self, settings: Settings):
-        self.settings = settings
+    def __init__(self, settings: Settings, encoding: str = "preview"):
+        """`encoding`: the checkpoint's chat encoding (`Tokenizer.encoding`)."""
+        self.settings, self.encoding = settings, encoding
         self.messages: list[dict] = []
         self.totals = Totals()
         self.tools: list[dict] = []                     # rendered on the system message
@@ -102,7 +103,8 @@ class ChatSession:
     def prompt(self) -> str:
         """The conversation in the DSV4 chat format; after a user turn it opens the assistant's reply."""
         s = self.settings
-        return encode_messages(self.conversation, thinking=s.thinking, reasoning_effort=s.reasoning_effort)
+        return encode_messages(self.conversation, thinking=s.thinking, reasoning_effort=s.reasoning_effort,
+                               encoding=self.encoding)
 
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})

@@ -26,15 +26,18 @@ class ModelInfo:
     dtype: str          # the float weights' dtype, e.g. "float32"
     device: str
     layers: int
-    mtp_layers: int
+    mtp_layers: int     # the drafter's layers: the MTP layer, or DSpark's stages
     vocab_size: int
+    drafter: str | None     # "dspark" (0731), "mtp" (the preview) or None
+    block_size: int         # DSpark's drafts a pass (0: none)
 
     @classmethod
     def of(cls, model: Transformer) -> ModelInfo:
         cfg, weight = model.cfg, model.embed.weight
         return cls(parameters=count_parameters(model)[0], w8a8=any(p.dtype == torch.int8 for p in model.parameters()),
                    dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), layers=cfg.n_layers,
-                   mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size)
+                   mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size, drafter=cfg.drafter,
+                   block_size=cfg.dspark_block_size)
 
 
 @runtime_checkable
@@ -45,7 +48,8 @@ class EngineAPI(Protocol):
     device: torch.device
     max_batch: int
     max_seq_len: int
-    mtp_depth: int      # tokens drafted per step (0 = plain decoding)
+    mtp: int | str      # the drafts-per-step setting: K, or "auto"
+    mtp_depth: int      # tokens drafted per step, and verified at most (0 = plain decoding)
     totals: Metrics     # of every finished request
     model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
     compiled: CompiledSteps | None   # the compiled decode step and prefill chunks, and their counts, when compile is on

@@ -158,7 +158,7 @@ class BodyParser:
             first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
             messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
         try:
-            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
+            text = encode_messages(messages, thinking=thinking, reasoning_effort=effort, encoding=self.tok.encoding)
         except ValueError as e:
             raise BadRequest("invalid_messages", f"{place}messages: {e}") from None
         return self.tok.encode(text)

@@ -29,6 +29,12 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
     per_card = weight_bytes_per_card(ckpt, model, tp, float_bytes)
     ratios = cfg.compress_ratios[: cfg.n_layers]
     quantized = sum(is_quantized(ckpt, n) for n in ckpt.tensors)
+    drafter = {"kind": cfg.drafter, "layers": cfg.n_mtp_layers,
+               "bytes_on_disk": sum(ckpt.nbytes(n) for n in ckpt.tensors if n.startswith("mtp."))}
+    if cfg.drafter == "dspark":
+        drafter |= {"block_size": cfg.dspark_block_size, "markov_rank": cfg.dspark_markov_rank,
+                    "target_layers": list(cfg.dspark_target_layer_ids), "noise_token_id": cfg.dspark_noise_token_id,
+                    "own_vocabulary_copies": cfg.dspark_vocab_copies}
     return {
         "path": str(ckpt.path), "format": ckpt.format,
         "shards": len(ckpt.shards), "bytes_on_disk": sum(s.path.stat().st_size for s in ckpt.shards),
@@ -36,7 +42,7 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
         "parameters": total, "active_parameters": active,
         "hidden_size": cfg.dim, "vocab_size": cfg.vocab_size,
         "layers": cfg.n_layers, "schedule": {"SWA": ratios.count(0), "CSA": ratios.count(4), "HCA": ratios.count(128)},
-        "mtp_layers": cfg.n_mtp_layers,
+        "mtp_layers": cfg.n_mtp_layers, "drafter": drafter,
         "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.n_activated_experts,
         "tp": tp, "weight_bytes_per_card": per_card, "kv_bytes_per_token": cfg.kv_bytes_per_token,
     }
@@ -60,8 +66,11 @@ FORMATS = {"w8a8": "W8A8_DYNAMIC (msModelSlim)", "fp8": "FP8 + FP4 experts (offi
 def render(info: dict) -> Table:
     s = info["schedule"]
     params = f"{human_count(info['parameters'])} total, {human_count(info['active_parameters'])} active per token"
-    layers = (f"{info['layers']}: {s['SWA']} sliding-window, {s['CSA']} CSA (ratio 4), {s['HCA']} HCA "
-              f"(ratio 128); {info['mtp_layers']} MTP")
+    layers = f"{info['layers']}: {s['SWA']} sliding-window, {s['CSA']} CSA (ratio 4), {s['HCA']} HCA (ratio 128)"
+    d = info["drafter"]
+    drafter = {None: "none", "mtp": f"MTP layer ({d['layers']}), chained for depth K"}.get(d["kind"]) or (
+        f"DSpark (0731): {d['layers']} stages, block of {d['block_size']}, Markov rank {d['markov_rank']}, "
+        f"target layers {d['target_layers']}" + (", own embed/head copies" if d["own_vocabulary_copies"] else ""))
     table = Table(title=info["path"], show_header=False, title_justify="left")
     for key, value in (
             ("format", FORMATS[info["format"]]),
@@ -69,6 +78,7 @@ def render(info: dict) -> Table:
             ("tensors", f"{info['tensors']} ({info['quantized_tensors']} quantised, {info['float_tensors']} float)"),
             ("parameters", params),
             ("layers", layers),
+            ("drafter", drafter + (f"; {human_bytes(d['bytes_on_disk'])}" if d["kind"] else "")),
             ("experts", f"{info['routed_experts']} routed, {info['experts_per_token']} per token"),
             (f"weights per card (tp={info['tp']})", human_bytes(info["weight_bytes_per_card"])),
             ("KV cache per token", human_bytes(info["kv_bytes_per_token"]))):
