@@ -1,9 +1,10 @@
 """Checkpoint load throughput and peak host memory, against a plain read of the same files.
 
-    python benchmarks/load.py [PATH] [--device cpu] [--dtype bfloat16] [--out load.json]
+    python benchmarks/load.py [PATH] [--layout preview|0731] [--device cpu] [--dtype bfloat16] [--out load.json]
 
 Without PATH it first writes a synthetic W8A8 checkpoint (about 1 GB, random weights) to a temporary
-directory. The raw read and the load each run in a fresh process, after one warm-up read, so both
+directory: the preview's layout (one MTP layer) or 0731's (three DSpark stages, their Markov tables and the
+drafter's own embed/head copies). The raw read and the load each run in a fresh process, after one warm-up read, so both
 see a warm page cache and each peak RSS is its own. `rss_over_weights` is the load's peak RSS above
 the process's RSS before loading, divided by the bytes of weights the model keeps.
 """
@@ -32,6 +33,12 @@ SYNTHETIC = {   # a small V4-shaped model dominated by its experts, like the rea
 }
 
 
+# 0731: the same trunk, three DSpark stages past it (V4 Flash's block, noise token and Markov rank)
+SYNTHETIC_0731 = {**SYNTHETIC, "compress_ratios": SYNTHETIC["compress_ratios"][:4] + [0, 0, 0],
+                  "dspark_block_size": 5, "dspark_noise_token_id": 5, "dspark_target_layer_ids": [1, 2, 3],
+                  "dspark_markov_rank": 256}
+
+
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux reports KiB
 
@@ -40,25 +47,27 @@ def files_of(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def write_synthetic(path: Path) -> dict:
+def write_synthetic(path: Path, layout: str) -> dict:
     """Tensor by tensor from the model's shapes, so writing never holds the whole model."""
     import torch
 
     from dsv4cli.model import ModelConfig, Transformer
-    from dsv4cli.model.quant import W8A8Writer, is_w8a8_linear, quantize_weight
+    from dsv4cli.model.quant import W8A8Writer, is_w8a8_linear, quantize_weight, vocab_copies
 
+    config = SYNTHETIC_0731 if layout == "0731" else SYNTHETIC
     with torch.device("meta"):
-        model = Transformer(ModelConfig.from_dict(SYNTHETIC))
-    writer = W8A8Writer(path, max_shard_bytes=256 << 20)
+        model = Transformer(ModelConfig.from_dict(config))
+    writer = W8A8Writer(path, max_shard_bytes=256 << 20, copies=vocab_copies(model.cfg))
+    dspark = model.cfg.drafter == "dspark"
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         prefix, _, attr = name.rpartition(".")
         if name.endswith("tid2eid"):
-            writer.tensor(name, torch.randint(0, SYNTHETIC["n_routed_experts"], t.shape))
-        elif attr == "weight" and is_w8a8_linear(prefix):
+            writer.tensor(name, torch.randint(0, config["n_routed_experts"], t.shape))
+        elif attr == "weight" and is_w8a8_linear(prefix, dspark):
             writer.linear(prefix, *quantize_weight(torch.randn(t.shape) * 0.02))
         else:
             writer.tensor(name, torch.randn(t.shape) * 0.02)
-    writer.close(SYNTHETIC)
+    writer.close(config)
     return {"bytes": sum(f.stat().st_size for f in files_of(path))}
 
 
@@ -101,6 +110,8 @@ def child(*args: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", nargs="?", type=Path, help="checkpoint directory (default: a synthetic one)")
+    parser.add_argument("--layout", default="preview", choices=["preview", "0731"],
+                        help="the synthetic checkpoint's layout (without PATH)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the load (0: torch's default)")
@@ -116,10 +127,11 @@ def main() -> None:
         path = args.path
         if path is None:
             path = Path(tmp)
-            child("write", tmp)
+            child("write", tmp, args.layout)
         child("raw", str(path))                                     # warm the page cache
         report = {"meta": stamp(vars(args)),
-                  "path": str(args.path or "synthetic W8A8"), "device": args.device, "dtype": args.dtype,
+                  "path": str(args.path or f"synthetic W8A8, {args.layout} layout"), "device": args.device,
+                  "dtype": args.dtype,
                   "threads": args.threads, "load_average": os.getloadavg()[0],
                   "raw_read": child("raw", str(path)),
                   "load": child("load", str(path), args.device, args.dtype, str(args.threads))}

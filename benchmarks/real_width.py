@@ -1,17 +1,20 @@
 """The fused decode step at DeepSeek V4 Flash's real widths, against the memory roofline.
 
     python benchmarks/real_width.py [--layers 4,128] [--experts 64] [--vocab 129280] [--threads 1]
-        [--batches 1,8] [--depths 0,1] [--contexts 1024] [--reps 5] [--out FILE.json]
+        [--batches 1,8] [--depths 0,1] [--contexts 1024] [--reps 5] [--drafter mtp|dspark] [--out FILE.json]
 
 The model has V4 Flash's widths (hidden 4096, 64 heads x 512, q/o rank 1024, 8 output groups,
 experts of width 2048 with 6 routed per token, the indexer's 64 x 128 heads and top-512, vocabulary
 129,280) and the layers given by `--layers` (compress ratios: 0 window-only, 4 CSA, 128 HCA) plus
-the MTP layer, with random W8A8 weights built in memory (no files). The decode state is filled
+the drafter: the preview's MTP layer, or (`--drafter dspark`) 0731's three DSpark stages with block 5,
+Markov rank 256, the last three trunk layers as targets and the W8A8 copies of embed and head; random
+W8A8 weights built in memory (no files). The decode state is filled
 with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
 
-Each (batch, MTP depth, context) runs the engine's fused step (trunk, sampling, verification, MTP
-drafting) `--reps` times; its time is split into attention, MoE, LM head and the rest (mHC, norms,
-embedding, sampling, MTP projections). The bytes each part must read are counted per call: the
+Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
+`--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the block drafts 5 at
+any L). Its time is split into attention, MoE, LM head, the drafter and the rest (mHC, norms,
+embedding, sampling). The bytes each part must read are counted per call: the
 weights it uses (for the MoE: gate, shared expert and only the routed experts), and the decode
 state a query reads (window, compressor rings, indexer keys, the CSA top-k or all HCA blocks).
 They are counted as the tensors are held in memory and as stored (int8, fp32 scales, bf16).
@@ -19,9 +22,13 @@ The bandwidth is measured in the same process, just before each timed step, by s
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
 for the median step against its own reading. The 43-layer
 estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
-layers counted as HCA, slightly over) and keeps the rest of the step (head, MTP, sampling) once.
+layers counted as HCA, slightly over) and keeps the rest of the step (head, drafter, sampling) once.
+With DSpark, each depth also gets the tokens a step yields at the acceptance peers measured on 0731
+(per position 0.579, 0.447, 0.316, 0.237, 0.158: mean length 2.74) and the tokens/s that implies for
+the 43 layers; "auto" is the depth with the most, which the engine's cost-based choice converges to.
 """
 import argparse
+import dataclasses
 import inspect
 import json
 import math
@@ -41,6 +48,13 @@ from dsv4cli.engine import Engine
 from dsv4cli.model import ModelConfig, Transformer
 from dsv4cli.model.loader import keep_fp32
 from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
+
+try:            # an older checkout has no DSpark drafter
+    from dsv4cli.engine.dspark import DSparkDrafter
+    from dsv4cli.engine.mtp import MTPDrafter
+    from dsv4cli.model.model import DSparkAttention
+except ImportError:
+    DSparkDrafter = MTPDrafter = DSparkAttention = None
 from dsv4cli.model.quant import FP32_TENSORS, is_w8a8_linear
 
 V4_FLASH = {
@@ -58,15 +72,17 @@ V4_FLASH = {
     "max_position_embeddings": 1048576, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
 }
 V4_FLASH_CSA, V4_FLASH_OTHER = 21, 22     # of its 43 layers: ratio 4, and ratio 128 or window-only
+DSPARK = {"dspark_block_size": 5, "dspark_noise_token_id": 128799, "dspark_markov_rank": 256}
+DSPARK_ACCEPTANCE = (0.579, 0.447, 0.316, 0.237, 0.158)    # 0731 on prose, k=5 (vLLM PR #41834)
 DEVICE = torch.device("cpu")
 
 
-def decode_step(engine: Engine, batch: int, bound: int):
+def decode_step(engine: Engine, batch: int, depth: int, bound: int):
     """(the slots' device state, a call of the engine's decode step for slots [0, batch) with greedy rows, as
     the engine runs them, its compile key, and its owner); an older checkout's engine was all of them."""
     if hasattr(engine, "runner"):
         from dsv4cli.engine.runner import StepKey
-        key = StepKey((), batch, bound, False, False, True)
+        key = StepKey((), batch, depth, bound, False, False, True)
         return engine.runner.state, lambda: engine.runner.step(key), key, engine.runner
     greedy = {"greedy": True} if "greedy" in inspect.signature(Engine._fused_decode).parameters else {}
     key = ("_fused_decode", batch, bound, False, False, *greedy.values())
@@ -84,18 +100,20 @@ def clock() -> float:
     return time.perf_counter()
 
 
-def build_model(cfg: dict, dtype: torch.dtype) -> Transformer:
+def build_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
     """V4-shaped model with random weights: the W8A8 recipe's linears int8 + per-channel scales,
     the rest float (fp32 where the checkpoints keep fp32), materialised tensor by tensor."""
+    dspark = getattr(cfg, "drafter", None) == "dspark"
     with torch.device("meta"):
-        model = Transformer(ModelConfig.from_dict(cfg))
+        model = Transformer(cfg)
     g = torch.Generator(DEVICE).manual_seed(0)
     for name, module in model.named_modules():
         for attr, p in list(module._parameters.items()):
             if p is None:
                 continue
             full = f"{name}.{attr}"
-            if isinstance(module, Linear) and attr == "weight" and is_w8a8_linear(name):
+            int8 = is_w8a8_linear(name, dspark) if dspark else is_w8a8_linear(name)
+            if isinstance(module, Linear) and attr == "weight" and int8 and not getattr(module, "float_only", False):
                 module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8,
                                                            device=DEVICE),
                                              requires_grad=False)
@@ -179,20 +197,21 @@ class StepProfile:
         self.core_bytes = defaultdict(int)
         self.core_flops = defaultdict(int)
         self.batch_rows, self.query_rows, self.context, self._kind = 1, 1, 0, None
+        self._drafting = False     # within the drafter: what its parts read is the drafter's
         self._patches = []
         moe = model.layers[0].ffn
         self.expert = weight_bytes(moe.experts[moe.first])
         self.kind = {id(b): ("csa" if r == 4 else "hca" if r == 128 else "swa")
                      for b, r in zip(model.layers, cfg.compress_ratios)}
 
-    def _wrap(self, cls, fn):
-        orig = cls.forward
+    def _wrap(self, cls, fn, method="forward"):
+        orig = getattr(cls, method)
 
         def forward(module, *args, **kw):
             return fn(module, orig, args, kw)
 
-        cls.forward = forward
-        self._patches.append((cls, orig))
+        setattr(cls, method, forward)
+        self._patches.append((cls, orig, method))
 
     def _wrap_kernel(self, name):
         kernels = kernel_module(self.model)
@@ -206,6 +225,37 @@ class StepProfile:
 
         setattr(kernels, name, kernel)
         self._patches.append((kernels, orig, name))
+
+    def _wrap_drafter(self):
+        prof = self
+
+        def propose(drafter, orig, args, kw):
+            prof._drafting = True
+            t = clock()
+            try:
+                return orig(drafter, *args, **kw)
+            finally:
+                prof._drafting = False
+                prof.time["drafter"] += clock() - t
+
+        def context(model, orig, args, kw):        # DSpark's projection of the target features
+            first = model.mtp[0]
+            prof._add("drafter", 0.0, [a + b for a, b in zip(weight_bytes(first.main_proj),
+                                                              weight_bytes(first.main_norm))])
+            return orig(model, *args, **kw)
+
+        def block(module, orig, args, kw):         # a DSpark stage's attention: its weights and its ring
+            B, ring = args[0].shape[0], args[2].win
+            state = held_bytes(ring[:B])
+            prof._kind = "dspark"            # its attention core: over the ring and the block
+            prof.core_bytes["dspark"] += state
+            prof._add("drafter", 0.0, weight_bytes(module), (state, state // ring.element_size() * 2))
+            return orig(module, *args, **kw)
+
+        for cls in (MTPDrafter, DSparkDrafter):
+            self._wrap(cls, propose, "propose")
+        self._wrap(Transformer, context, "dspark_context")
+        self._wrap(DSparkAttention, block, "block")
 
     def __enter__(self):
         prof = self
@@ -245,9 +295,10 @@ class StepProfile:
             t = clock()
             out = orig(module, *args, **kw)
             dt = clock() - t
-            held, stored = weight_bytes(module, skip=(module.attn, module.ffn))
-            prof.bytes["other"][0] += held
-            prof.bytes["other"][1] += stored
+            # a DSpark stage's vocabulary tables, heads and target projection are counted where they are used
+            used_apart = [getattr(module, n, None) for n in ("embed", "head", "markov_head", "confidence_head",
+                                                             "main_proj", "main_norm")]
+            prof._add("other", 0.0, weight_bytes(module, skip=(module.attn, module.ffn, *used_apart)))
             if id(module) in prof.kind:      # trunk blocks: kept per kind for the 43-layer estimate
                 grown = [sum(prof.bytes[k][i] - before.get(k, [0, 0])[i] for k in prof.bytes) for i in (0, 1)]
                 prof.block_time[prof.kind[id(module)]].append(dt)
@@ -259,6 +310,8 @@ class StepProfile:
         self._wrap(Gate, gate)
         self._wrap(ParallelHead, head)
         self._wrap(Block, block)
+        if DSparkDrafter is not None:
+            self._wrap_drafter()
         # the attention core: indexer scan and top-k, attention over the gathered / visible blocks
         for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
             if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
@@ -266,10 +319,12 @@ class StepProfile:
         return self
 
     def __exit__(self, *exc):
-        for owner, orig, *name in reversed(self._patches):
-            setattr(owner, name[0] if name else "forward", orig)
+        for owner, orig, name in reversed(self._patches):
+            setattr(owner, name, orig)
 
     def _add(self, part, seconds, weights, state=(0, 0)):
+        if self._drafting:          # the drafter's time is its whole call's
+            part, seconds = "drafter", 0.0
         self.time[part] += seconds
         self.bytes[part][0] += weights[0] + state[0]
         self.bytes[part][1] += weights[1] + state[1]
@@ -311,12 +366,12 @@ class StepProfile:
         self.block_bytes.clear()
 
 
-def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float, int]:
+def compiled_step_times(engine, batch, depth, bound, reps) -> tuple[list[float], float, int]:
     """The same step compiled (torch.compile, as `--compile on` runs it): rep times, compile time and
     kernel calls. Parts are not timed: the compiled graph has no module boundaries left."""
     from dsv4cli.bench import kernel_calls
     from dsv4cli.engine.compiled import CompiledSteps
-    _, _, key, owner = decode_step(engine, batch, bound)
+    _, _, key, owner = decode_step(engine, batch, depth, bound)
     step = CompiledSteps(owner, DEVICE)
     times = []
     for _ in range(reps + 1):                          # the first compiles
@@ -330,7 +385,7 @@ def compiled_step_times(engine, batch, bound, reps) -> tuple[list[float], float,
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compile_too=False) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
     bound = -(-(context + depth + 1) // 512) * 512
-    state, step, _, _ = decode_step(engine, batch, bound)
+    state, step, _, _ = decode_step(engine, batch, depth, bound)
     g = torch.Generator(DEVICE).manual_seed(1)
     for cache in state.cache.layers + state.cache.mtp:
         for t in cache.tensors():
@@ -361,7 +416,7 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
     median, bw = steps[mid], reads[mid]
     times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops = parts[mid]
-    times["other"] = median - sum(times.values())
+    times["other"] = median - sum(v for k, v in times.items() if k != "other")
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
 
     def roof(b, t):
@@ -375,7 +430,7 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
         "parts": {p: {"ms": round(times.get(p, 0.0) * 1e3, 2), "bytes_held": nbytes.get(p, [0, 0])[0],
                       "bytes_stored": nbytes.get(p, [0, 0])[1], "roofline": roof(nbytes.get(p, [0, 0])[0],
                                                                                   times.get(p, 0.0))}
-                  for p in ("attention", "moe", "head", "other")},
+                  for p in ("attention", "moe", "head", "drafter", "other")},
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
         # and against the compute peak: the indexer's scan does 2 x 64 heads flops per key byte in
@@ -386,7 +441,7 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
                            for k in sorted(core_time)},
     }
     if compile_too:
-        times, compile_s, calls = compiled_step_times(engine, batch, bound, reps)
+        times, compile_s, calls = compiled_step_times(engine, batch, depth, bound, reps)
         t = sorted(times)[len(times) // 2]
         result["compiled"] = {"step_ms": {"min": round(min(times) * 1e3, 2), "median": round(t * 1e3, 2)},
                               "roofline": roof(total[0], t), "compile_s": round(compile_s, 1),
@@ -398,6 +453,10 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
         b43 = V4_FLASH_CSA * block_bytes["csa"][0][0] + V4_FLASH_OTHER * block_bytes["hca"][0][0] + rest_b
         result["v4_flash_43_layers"] = {"step_ms": round(t43 * 1e3, 1), "bytes_held": b43, "roofline": roof(b43, t43),
                                         "tokens_per_s": round(batch * (depth + 1) / t43, 2) if depth == 0 else None}
+        if getattr(model.cfg, "drafter", None) == "dspark":
+            tokens = 1 + sum(DSPARK_ACCEPTANCE[:depth])
+            result["v4_flash_43_layers"].update(tokens_per_step=round(tokens, 3),
+                                                tokens_per_s=round(batch * tokens / t43, 3))
     return result
 
 
@@ -427,6 +486,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="also time the compiled step (torch.compile)")
+    ap.add_argument("--drafter", default="mtp", choices=["mtp", "dspark"],
+                    help="the preview's MTP layer, or 0731's DSpark stages (depths: the drafts verified, 0-5)")
     a = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(a.device)
@@ -434,6 +495,13 @@ def main():
     ratios = [int(r) for r in a.layers.split(",")]
     cfg = {**V4_FLASH, "num_hidden_layers": len(ratios), "compress_ratios": ratios + [0],
            "n_routed_experts": a.experts, "vocab_size": a.vocab}
+    if a.drafter == "dspark":
+        cfg.update(DSPARK, compress_ratios=ratios + [0, 0, 0],
+                   dspark_noise_token_id=min(DSPARK["dspark_noise_token_id"], a.vocab - 1),
+                   dspark_target_layer_ids=list(range(len(ratios)))[-3:])
+    cfg = ModelConfig.from_dict(cfg)
+    if a.drafter == "dspark":        # W8A8's own (unrotated) embed and head for the drafter
+        cfg = dataclasses.replace(cfg, dspark_vocab_copies=True)
     t = clock()
     model = build_model(cfg, getattr(torch, a.dtype))
     built = clock() - t
@@ -441,7 +509,7 @@ def main():
     first_bw, peak = stream(), matmul_peak()
     print(f"model built in {built:.1f} s; stream read {first_bw / 1e9:.2f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s "
           f"with {a.threads} thread(s)")
-    results = []
+    results, auto = [], []
     for context in [int(c) for c in a.contexts.split(",")]:
         for batch in [int(b) for b in a.batches.split(",")]:
             for depth in [int(d) for d in a.depths.split(",")]:
@@ -449,17 +517,27 @@ def main():
                 parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
                 core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
                          for k, v in r["attention_core"].items())
-                print(f"ctx {context} batch {batch} K {depth}: step {r['step_ms']['median']} ms, roofline "
+                print(f"ctx {context} batch {batch} depth {depth}: step {r['step_ms']['median']} ms, roofline "
                       f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}"
                       f"  |  compiled: {r.get('compiled')}")
                 results.append(r)
+            if a.drafter == "dspark":
+                rates = {r["mtp"]: r["v4_flash_43_layers"]["tokens_per_s"] for r in results
+                         if r["batch"] == batch and r["context"] == context and "v4_flash_43_layers" in r}
+                if rates:
+                    best = max(rates, key=rates.get)
+                    auto.append({"batch": batch, "context": context, "depth": best, "tokens_per_s": rates[best],
+                                 "vs_plain": round(rates[best] / rates[0], 3) if 0 in rates else None})
+                    print(f"ctx {context} batch {batch} auto: depth {best}, {rates[best]} tok/s (43 layers)")
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else None
     report = {"benchmark": "real_width", "device": gpu or a.device,
               "machine": {"cpu": platform.processor() or platform.machine(),
                                                      "cores": os.cpu_count(), "threads": a.threads},
               "stream_read_gb_s": round(first_bw / 1e9, 3), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
               "dtype": a.dtype, "layers": ratios,
-              "experts": a.experts, "vocab": a.vocab, "results": results}
+              "experts": a.experts, "vocab": a.vocab, "drafter": a.drafter, "results": results}
+    if auto:
+        report["auto"] = auto
     report["meta"] = stamp(vars(a))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

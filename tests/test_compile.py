@@ -85,8 +85,8 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     assert 0 < kernel_calls(engine.compiled.sources[CHUNK]) <= 60 * (cfg["num_hidden_layers"] + 1)
 
 
-STEP = StepKey((), 2, 512, False, False, True)       # decode rows of batch 2, context 512, greedy
-CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
+STEP = StepKey((), 2, 2, 512, False, False, True)    # decode rows of batch 2 verifying 2 drafts, context 512, greedy
+CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
 
 
 def settings_for(model_dir, **flags):
@@ -120,8 +120,8 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     child = engine.compiled.apart[1]
     assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
     engine.compiled.wait()
-    step = StepKey((), 2, 512, False, False, True)
-    chunk = StepKey((ChunkKey(32, 512, True),), 0, 0, False, False, True)
+    step = StepKey((), 2, 0, 512, False, False, True)
+    chunk = StepKey((ChunkKey(32, 512, True),), 0, 0, 0, False, False, True)
     assert run(engine) == want         # the prompts' chunks compile now, the decode step's key being ready
     engine.compiled.wait()
     assert engine.compiled.built[step][0] == engine.compiled.built[chunk][0] == "compiled apart"
