@@ -164,6 +164,26 @@ def test_greedy_with_dspark_equals_greedy_without(model, tok):
     assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain
 
 
+@torch.no_grad()
+def test_a_resumed_chat_turn_leaves_the_drafters_rings_as_a_fresh_prefill_does(model, tok):
+    """Prefix reuse (chat) resumes a slot's state one row before the shared prefix ends: the stages' rings
+    must then hold what a fresh engine's hold (greedy tokens would not show a wrong ring, only acceptance
+    would), and the replies and their acceptance equal a fresh engine's."""
+    eng = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=5, reuse_prefix=True)
+    fresh = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=5)
+    conversation = prompts([40], CFG["vocab_size"])[0]
+    for turn, user in enumerate(prompts([20, 3, 30], CFG["vocab_size"], seed=2)):
+        seq, want = eng.generate([conversation], GREEDY)[0], fresh.generate([conversation], GREEDY)[0]
+        assert seq.output_ids == want.output_ids and (turn == 0 or seq.metrics.cached_tokens > 0)
+        assert seq.metrics.accepted_per_position == want.metrics.accepted_per_position, turn
+        end = len(conversation) + len(seq.output_ids) - 1          # positions the trunk has committed
+        for a, b in zip(eng.runner.state.cache.mtp, fresh.runner.state.cache.mtp):
+            ring = a.win.shape[1]
+            rows = torch.arange(max(0, end - ring), end) % ring
+            torch.testing.assert_close(a.win[0, rows], b.win[0, rows], rtol=1e-5, atol=1e-5)
+        conversation = conversation + seq.output_ids + user
+
+
 def test_verify_with_the_drafts_q_is_distribution_exact():
     """Drafts drawn from q (not argmaxes), accepted with min(1, p/q), the residual max(p - q, 0) on
     rejection: the first token ~ p0, and given the first draft was accepted, the second ~ p1
