@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from .model import Linear, Transformer, world
+from dsv4cli import kernels, platforms
+
+from .model import Linear, PackedWeight, Transformer, world
 from .quant import (
     FP4_BLOCK,
     FP8_BLOCK,
@@ -397,8 +399,17 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None =
         raise LoadError(f"{ckpt.path}: {problems[0]}{more}")
     items.sort(key=lambda it: ckpt.position(it.sources[0]))      # sequential reads, shard by shard
     total = sum(ckpt.nbytes(n) for it in items for n in it.sources)
+    # a weight the device's kernels hold in a layout of their own is packed as soon as it is read, so its
+    # plain copy is freed before the next one is allocated (packing them all after the load held both)
+    ops = kernels.module_for(torch.device(device))
+    packs = platforms.for_device(torch.device(device)).routes_on_host
+    modules = dict(model.named_modules())
     with progress_bar(progress, total, f"loading {ckpt.path.name}") as advance:
         for item in items:
             assign(model, item.name, *read_item(ckpt, item, device, dtype))
+            prefix, _, attr = item.name.rpartition(".")
+            if packs and attr == "weight" and isinstance(modules[prefix], PackedWeight):
+                modules[prefix].ops = ops
+                modules[prefix].pack()
             advance(sum(ckpt.nbytes(n) for n in item.sources))
     return model.eval().prepare()
