@@ -1,17 +1,20 @@
 """Checkpoint load throughput and peak host memory, against a plain read of the same files.
 
-    python benchmarks/load.py [PATH] [--layout preview|0731] [--device cpu] [--dtype bfloat16] [--out load.json]
+    python benchmarks/load.py [PATH] [--layout preview|0731] [--device cpu] [--dtype bfloat16] [--repeats 3]
+        [--out load.json]
 
 Without PATH it first writes a synthetic W8A8 checkpoint (about 1 GB, random weights) to a temporary
 directory: the preview's layout (one MTP layer) or 0731's (three DSpark stages, their Markov tables and the
-drafter's own embed/head copies). The raw read and the load each run in a fresh process, after one warm-up read, so both
-see a warm page cache and each peak RSS is its own. `rss_over_weights` is the load's peak RSS above
+drafter's own embed/head copies). The raw read and the load each run `--repeats` times in fresh processes,
+after one warm-up read, so both see a warm page cache and each peak RSS is its own; the median run is
+reported, and every run. `rss_over_weights` is the load's peak RSS above
 the process's RSS before loading, divided by the bytes of weights the model keeps.
 """
 import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,6 +105,11 @@ def load(path: Path, device: str, dtype: str, threads: str) -> dict:
             "rss_before": before, "peak_rss": peak_rss(), "rss_over_weights": (peak_rss() - before) / kept}
 
 
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run whose `key` is the median (the lower one of an even count)."""
+    return sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+
+
 def child(*args: str) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", *args], check=True, capture_output=True, text=True)
     return json.loads(out.stdout)
@@ -115,6 +123,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the load (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=3, help="raw reads and loads, each in a fresh process")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -129,12 +138,19 @@ def main() -> None:
             path = Path(tmp)
             child("write", tmp, args.layout)
         child("raw", str(path))                                     # warm the page cache
+        raws, loads = [], []
+        for _ in range(args.repeats):      # alternating, each in a fresh process: the machine's drift hits both
+            raws.append(child("raw", str(path)))
+            loads.append(child("load", str(path), args.device, args.dtype, str(args.threads)))
         report = {"meta": stamp(vars(args)),
                   "path": str(args.path or f"synthetic W8A8, {args.layout} layout"), "device": args.device,
                   "dtype": args.dtype,
                   "threads": args.threads, "load_average": os.getloadavg()[0],
-                  "raw_read": child("raw", str(path)),
-                  "load": child("load", str(path), args.device, args.dtype, str(args.threads))}
+                  "raw_read": median_run(raws, "gb_per_s"), "load": median_run(loads, "gb_per_s"),
+                  # the allocator's layout moves the peak from run to run (1.1-1.3x on this machine)
+                  "rss_over_weights": {"min": min(r["rss_over_weights"] for r in loads),
+                                       "median": statistics.median(r["rss_over_weights"] for r in loads)},
+                  "runs": {"raw_read": raws, "load": loads}}
     report["load_over_raw"] = report["load"]["gb_per_s"] / report["raw_read"]["gb_per_s"]
     text = json.dumps(report, indent=2)
     print(text)
