@@ -14,6 +14,7 @@ import traceback
 from dataclasses import dataclass
 
 from dsv4cli.engine import EngineAPI, EngineFailed, Sequence, TokenLogprob
+from dsv4cli.errors import RunError
 from dsv4cli.openai.requests import Request
 
 from .metrics import ServerMetrics
@@ -104,7 +105,7 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._step()
         except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
-            if not isinstance(e, EngineFailed):
+            if not isinstance(e, EngineFailed | RunError):     # those say all there is in their message
                 traceback.print_exc(file=sys.stderr)
             with self.wake:
                 self.error = f"engine failed: {type(e).__name__}: {e}"
