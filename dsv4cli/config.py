@@ -61,6 +61,7 @@ class Key:
     path: bool = False  # a relative path in a config file is relative to that file's directory
     file_only: bool = False  # no flag, no environment variable
     secret: bool = False  # `config show` prints it redacted
+    nonempty: bool = False  # strings (each item, for a list) must not be empty
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -79,6 +80,8 @@ class Key:
 
     @property
     def rule(self) -> str:
+        if self.nonempty:
+            return "non-empty"
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.lo is not None and self.hi is not None:
@@ -88,6 +91,8 @@ class Key:
         return ""
 
     def allows(self, v: Any) -> bool:
+        if self.nonempty:
+            return v != ""
         if self.choices:
             return v in self.choices
         above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
@@ -179,7 +184,8 @@ class Settings:
     max_tokens: int = _key(
         "sampling", 256, "Most tokens to generate per reply", lo=1, flags=("--max-tokens", "-n")
     )
-    stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)")
+    # an empty stop string is in every reply: it would end each one after its first token
+    stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)", nonempty=True)
     stop_token_ids: list[int] = _key(
         "sampling", [], "Stop on this token id (repeatable)", lo=0, flags=("--stop-token-id",)
     )

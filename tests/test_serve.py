@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 
+import httpx2 as httpx  # the openai client's HTTP library, for requests it does not make
 import openai
 import pytest
 from openai.types.chat import ChatCompletionChunk
@@ -21,7 +22,7 @@ from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING
 from dsv4cli.engine import SamplingParams, Sequence
 from dsv4cli.generate import prompt_ids
 from dsv4cli.loading import load_engine, sampling_params
-from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.requests import BadRequest, BodyParser
 from dsv4cli.openai.responses import ChunkStream
 from dsv4cli.tokenizer import Tokenizer
 
@@ -53,6 +54,13 @@ class Server:
             self.stop()
             raise AssertionError(f"no URL from dsv4 serve: {line!r}\n{self.log.read_text()}")
         self.url = match[1]
+
+    def post(self, path: str, body: bytes | dict, key: str | None = KEY, **headers) -> httpx.Response:
+        """A POST of a raw or JSON body (JSON content type unless given), with the key."""
+        headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {}),
+                   **{k.replace("_", "-"): v for k, v in headers.items()}}
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return httpx.post(self.url + path, content=content, headers=headers, timeout=60)
 
     def client(self, key: str | None = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, timeout=60)
@@ -343,3 +351,77 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
             assert client.get("/health").status_code == 503
     finally:
         loop.stop()
+
+
+def user(content: str) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4}
+
+
+# bodies that once gave a bare 500 and a traceback (issue 35), as raw JSON text: (body, the param named)
+BAD_BODIES = [
+    (json.dumps(user("Hi") | {"logit_bias": {"\u00b2": 5}}), "logit_bias"),           # "²".isdigit(), int() fails
+    (json.dumps({"messages": [{"role": "user", "content": "Hi", "tools": 5}]}), "messages"),
+    ('{"messages": [{"role": "user", "content": "Hi \\ud800"}]}', "messages[0].content"),   # a lone surrogate
+    ("[" * 100_000 + "]" * 100_000, None),                                                   # 100k deep
+    (json.dumps(user("Hi") | {"stop": [""]}), "stop"),             # would end every reply after one token
+]
+
+
+def test_bad_inputs_are_400_naming_the_field_and_fail_only_themselves(server, reference):
+    for body, param in BAD_BODIES:
+        for stream in (False, True):
+            raw = body if not stream or body.startswith("[") else body[:-1] + ', "stream": true}'
+            r = server.post("/v1/chat/completions", raw.encode())
+            assert r.status_code == 400, (body[:80], r.text)
+            e = r.json()["error"]
+            assert e["param"] == param and e["type"] == "invalid_request_error" and e["message"], e
+    assert "Traceback" not in server.log.read_text()
+    assert ask(server.client(), PROMPTS[0]).choices[0].message.content == reference(PROMPTS[0])
+    with pytest.raises(openai.BadRequestError) as e:            # a stop string given alone, too
+        ask(server.client(), "Hi", stop="")
+    assert e.value.body["param"] == "stop"
+
+
+def test_batch_writes_those_inputs_as_error_records(tmp_path):
+    """`dsv4 batch` parses lines with the same parser: each bad line is an error record, the run goes on."""
+    lines = [json.dumps({"custom_id": f"bad-{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": json.loads(body)}) if not body.startswith("[") else body
+             for i, (body, _) in enumerate(BAD_BODIES) if "ud800" not in body]
+    lines.append('{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", "body": '
+                 '{"messages": [{"role": "user", "content": "\\ud800"}]}}')
+    lines.append('{"custom_id": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}')
+    lines.append(json.dumps({"custom_id": "ok", **user("Hi")}))
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "batch", str(src), "-o", str(out), "--temperature", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == len(lines)
+    assert [rec["custom_id"] for rec in records if rec["response"]] == ["ok"]
+    errors = {rec["error"]["line"]: rec["error"]["code"] for rec in records if rec["error"]}
+    assert errors == {1: "invalid_parameter", 2: "invalid_messages", 3: "invalid_json", 4: "invalid_parameter",
+                      5: "invalid_json", 6: "invalid_json"}
+
+
+def test_the_bearer_scheme_is_case_insensitive(server):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = httpx.get(server.url + "/v1/models", headers={"authorization": f"{scheme} {KEY}"}, timeout=10)
+        assert r.status_code == 200, scheme
+    assert httpx.get(server.url + "/v1/models", headers={"authorization": f"Basic {KEY}"}).status_code == 401
+
+
+def test_messages_with_fields_of_the_wrong_type_are_bad_requests():
+    """Each of these once raised a TypeError in the prompt's rendering (found by giving every message field
+    every JSON type): the parser's BadRequest now, a 400 or an error record."""
+    parser = BodyParser(Tokenizer.from_dir(BUNDLED_MODEL_DIR), SamplingParams(), 4096)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    hi = {"role": "user", "content": "Hi"}
+    tool = {"role": "tool", "tool_call_id": "c1", "content": "r"}
+    for messages in ([hi | {"tools": 5}], [hi | {"task": []}], [hi, {"role": "assistant", "tool_calls": 5}],
+                     [hi, {"role": "assistant", "tool_calls": [call | {"id": [1]}]}],
+                     [hi, {"role": "assistant", "tool_calls": [call]}, tool | {"tool_call_id": []}]):
+        with pytest.raises(BadRequest) as e:
+            parser.parse({"messages": messages}, chat=True)
+        assert e.value.code == "invalid_messages" and e.value.message.startswith("messages: message "), messages

@@ -45,6 +45,9 @@ REFUSED = {
     "suffix": "insertion (suffix) is not supported",
 }
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
+# what a JSON text holding a lone surrogate has: a \uD800-\uDFFF escape, or one encoded as (invalid) UTF-8, which
+# json.loads passes through too (its lead byte 0xED also starts Hangul; looking for these is memchr-fast)
+SURROGATE_SIGNS = (b"\\ud", b"\\uD", b"\xed")
 
 
 @dataclass
@@ -64,6 +67,48 @@ class BadRequest(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def load_json(raw: bytes):
+    """A request's JSON text -> its value, or BadRequest: not JSON, nested deeper than the decoder goes, or
+    holding a string that is not Unicode (a lone surrogate such as \\ud800, which no tokenizer or UTF-8
+    writer takes)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("invalid_json", "not valid JSON: nested too deeply") from None
+    except ValueError as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest("invalid_json", f"not valid JSON: {e}") from None
+    if any(sign in raw for sign in SURROGATE_SIGNS) and (place := _not_unicode(value)) is not None:
+        raise BadRequest("invalid_json", f"{place}: not valid Unicode (a lone surrogate such as \\ud800)")
+    return value
+
+
+def _not_unicode(value) -> str | None:
+    """Where in a JSON value a string or key holds a lone surrogate, as `messages[0].content` (a key by its
+    ascii(), so the message stays writable); None if nowhere. Iterative: values nest as deep as json.loads goes."""
+    todo = [(value, "")]
+    while todo:
+        v, place = todo.pop()
+        if isinstance(v, str):
+            if not _is_unicode(v):
+                return place or "the body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not _is_unicode(k):
+                    return f"{place}.{ascii(k)}" if place else ascii(k)
+                todo.append((item, f"{place}.{k}" if place else k))
+        elif isinstance(v, list):
+            todo += ((item, f"{place}[{i}]") for i, item in enumerate(v))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BodyParser:
@@ -141,7 +186,7 @@ class BodyParser:
             raise BadRequest("invalid_parameter", f"{place}logit_bias: must be an object of token id -> bias")
         out = {}
         for key, value in bias.items():
-            if not (key.isdigit() and int(key) < self.tok.vocab_size):
+            if not (key.isascii() and key.isdigit() and int(key) < self.tok.vocab_size):   # not "²" nor "٣"
                 raise BadRequest("invalid_parameter", f"{place}logit_bias: {key!r} is not a token id "
                                                    f"(0..{self.tok.vocab_size - 1})")
             if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
@@ -161,6 +206,8 @@ class BodyParser:
             text = encode_messages(messages, thinking=thinking, reasoning_effort=effort)
         except ValueError as e:
             raise BadRequest("invalid_messages", f"{place}messages: {e}") from None
+        except RecursionError:          # a tool's schema or a call's arguments nested deeper than json.dumps goes
+            raise BadRequest("invalid_messages", f"{place}messages: nested too deeply") from None
         return self.tok.encode(text)
 
     def _completion_ids(self, body: dict, place: str) -> list[int]:

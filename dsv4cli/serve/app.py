@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dsv4cli.openai.requests import BadRequest, BodyParser
+from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
 
@@ -109,8 +109,9 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
     def authorized(request: Request) -> bool:
         if api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 7235); compare_digest: no timing tells how much of a key is right
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
     def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
@@ -121,14 +122,11 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         return route
 
     async def completions(request: Request, chat: bool) -> Response | EventStream:
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}", "invalid_json")
+        raw = await request.body()
         if log_prompts:
-            print(f"{request.url.path} body: {json.dumps(body, ensure_ascii=False)}", file=sys.stderr, flush=True)
+            print(f"{request.url.path} body: {raw.decode(errors='replace')}", file=sys.stderr, flush=True)
         try:
-            req = parser.parse(body, chat, streaming=True)
+            req = parser.parse(load_json(raw), chat, streaming=True)
         except BadRequest as e:
             return bad_request(e)
         try:
