@@ -236,6 +236,20 @@ class Settings:
         "serve", 64, "Most requests waiting for a batch slot; beyond it a request gets HTTP 429", lo=0
     )
     log_prompts: bool = _key("serve", False, "Log each request's body (prompts included)")
+    allowed_hosts: list[str] = _key(
+        "serve", [], "Host header names accepted (repeatable; * = any); unset: localhost, 127.0.0.1 and [::1] when "
+        "--host is a loopback address (no DNS rebinding), else any", flags=("--allowed-host",), nonempty=True
+    )
+    cors_origins: list[str] = _key(
+        "serve", [], "Browser origin allowed to call the server, e.g. http://localhost:3000 (CORS; repeatable; "
+        "* = any); unset: none", flags=("--cors-origin",), nonempty=True
+    )
+    max_body_bytes: int = _key("serve", 8 << 20, "Largest request body; a larger one gets HTTP 413", lo=1)
+    max_messages: int = _key("serve", 2048, "Most messages in a chat request", lo=1)
+    max_prompt_tokens: int | None = _key(
+        "serve", None, "Most prompt tokens in a request (unset: max_seq_len - 1); a prompt too long for it by its "
+        "length alone is refused before it is tokenised", lo=1
+    )
 
     @property
     def model_dir(self) -> Path:

@@ -54,6 +54,8 @@ class Server:
             self.stop()
             raise AssertionError(f"no URL from dsv4 serve: {line!r}\n{self.log.read_text()}")
         self.url = match[1]
+        self.address = self.url.removeprefix("http://").rsplit(":", 1)
+        self.address = (self.address[0], int(self.address[1]))
 
     def post(self, path: str, body: bytes | dict, key: str | None = KEY, **headers) -> httpx.Response:
         """A POST of a raw or JSON body (JSON content type unless given), with the key."""
@@ -94,6 +96,15 @@ def server(tmp_path_factory):
 def tiny_queue(tmp_path_factory):
     """One slot and one waiting place: a third request is refused."""
     s = Server(tmp_path_factory.mktemp("serve1"), "--max-batch", "1", "--max-waiting", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def configured(tmp_path_factory):
+    """No key; a CORS origin, another Host name and a small limit on messages."""
+    s = Server(tmp_path_factory.mktemp("serve2"), "--cors-origin", "http://app.example", "--allowed-host", "myhost.lan",
+               "--allowed-host", "127.0.0.1", "--max-messages", "3")
     yield s
     s.stop()
 
@@ -425,3 +436,74 @@ def test_messages_with_fields_of_the_wrong_type_are_bad_requests():
         with pytest.raises(BadRequest) as e:
             parser.parse({"messages": messages}, chat=True)
         assert e.value.code == "invalid_messages" and e.value.message.startswith("messages: message "), messages
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(server):
+    """50 MB: refused by its Content-Length (the client still reads the answer), or, sent in chunks, once
+    8 MiB have come; a client that sends only the head gets the 413 at once. /health answers meanwhile."""
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (50 << 20) + b'"}]}'
+    t0 = time.perf_counter()
+    r = server.post("/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    assert time.perf_counter() - t0 < 10            # generous: about 0.2 s here, and 165 s once
+    chunks = (big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20))
+    r = httpx.post(server.url + "/v1/completions", content=chunks, timeout=60,
+                   headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413
+    with socket.create_connection(server.address, timeout=10) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     f"Authorization: Bearer {KEY}\r\nContent-Length: {len(big)}\r\n\r\n".encode())
+        assert sock.recv(100).startswith(b"HTTP/1.1 413 ")
+        assert server.health()["status"] == "ok"
+
+
+def test_many_messages_or_a_long_prompt_are_refused_before_tokenising(server, configured):
+    r = configured.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}] * 4}, key=None)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages"
+    assert r.json()["error"]["param"] == "messages"
+    # 4 MB: too long by its length alone, so no tokens are counted ("at least"); once this took seconds
+    r = server.post("/v1/completions", {"prompt": "What is the capital of France? " * 130_000})
+    e = r.json()["error"]
+    assert r.status_code == 400 and e["code"] == "prompt_too_long" and "at least" in e["message"], e
+    r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+def test_post_bodies_must_be_json(server):
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        r = server.post("/v1/completions", b'{"prompt": "Hi"}', **headers)
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", headers
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "Hi"}',
+                   headers={"authorization": f"Bearer {KEY}"})
+    assert r.status_code == 415
+    assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2},
+                       content_type="application/json; charset=utf-8").status_code == 200
+
+
+def test_only_loopback_hosts_are_answered_on_loopback(server, configured):
+    """A page of another site that rebinds its name to 127.0.0.1 sends its own Host: refused."""
+    port = server.address[1]
+    for host, status in ((f"evil.example:{port}", 403), ("evil.example", 403), (f"localhost:{port}", 200),
+                         (f"127.0.0.1:{port}", 200), (f"[::1]:{port}", 200), ("LOCALHOST", 200)):
+        r = httpx.get(server.url + "/health", headers={"host": host})
+        assert r.status_code == status, host
+        if status == 403:
+            assert r.json()["error"]["code"] == "host_not_allowed"
+    port = configured.address[1]
+    for host, status in ((f"myhost.lan:{port}", 200), (f"localhost:{port}", 403)):
+        assert httpx.get(configured.url + "/health", headers={"host": host}).status_code == status, host
+
+
+def test_cors_is_off_unless_an_origin_is_allowed(server, configured):
+    preflight = {"origin": "http://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type, authorization"}
+    r = httpx.options(server.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    r = httpx.get(server.url + "/health", headers={"origin": "http://app.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = httpx.options(configured.url + "/v1/chat/completions", headers=preflight)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+    r = httpx.options(configured.url + "/v1/chat/completions", headers=preflight | {"origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    r = configured.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None, origin="http://app.example")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"

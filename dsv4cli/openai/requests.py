@@ -5,6 +5,7 @@ follow one field policy: every body field is honoured, accepted as harmless (HAR
 or refused with an error naming it; no field is silently dropped (README, "Request fields").
 """
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
@@ -112,12 +113,19 @@ def _is_unicode(text: str) -> bool:
 
 
 class BodyParser:
-    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len."""
+    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len, and the
+    limits on a request's size: `max_messages` (None: none) and `max_prompt_tokens` (None: max_seq_len - 1)."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, thinking: bool = False,
-                 reasoning_effort: str | None = None):
+                 reasoning_effort: str | None = None, max_messages: int | None = None,
+                 max_prompt_tokens: int | None = None):
         self.tok, self.defaults, self.max_seq_len = tok, defaults, max_seq_len
         self.thinking, self.reasoning_effort = thinking, reasoning_effort
+        self.max_messages = max_messages
+        fits = max_seq_len - 1                          # the reply needs a position too
+        self.max_prompt_tokens = min(max_prompt_tokens or fits, fits)
+        self.prompt_limit = (f"max_prompt_tokens is {max_prompt_tokens}" if self.max_prompt_tokens < fits
+                             else f"max_seq_len is {max_seq_len}")
 
     def parse(self, body, chat: bool, place: str = "", seed: int | None = None, streaming: bool = False,
               extra: tuple[str, ...] = ()) -> Request:
@@ -152,8 +160,6 @@ class BodyParser:
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
-        if len(ids) >= self.max_seq_len:
-            raise BadRequest("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
         return Request(chat, ids, params, thinking, bool(stream), include_usage)
 
     def _params(self, body: dict, place: str, seed: int | None) -> SamplingParams:
@@ -198,7 +204,12 @@ class BodyParser:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("invalid_messages", f"{place}messages: must be a non-empty list of messages")
+        if self.max_messages is not None and len(messages) > self.max_messages:
+            raise BadRequest("too_many_messages", f"{place}messages: {len(messages)} messages; at most "
+                                                  f"{self.max_messages} (max_messages)")
         messages = [_plain(m) for m in messages]
+        self._refuse_long(sum(len(m["content"]) for m in messages if isinstance(m, dict)
+                              and isinstance(m.get("content"), str)), 0)
         if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
             first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
             messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
@@ -208,13 +219,36 @@ class BodyParser:
             raise BadRequest("invalid_messages", f"{place}messages: {e}") from None
         except RecursionError:          # a tool's schema or a call's arguments nested deeper than json.dumps goes
             raise BadRequest("invalid_messages", f"{place}messages: nested too deeply") from None
-        return self.tok.encode(text)
+        return self._encode(text, [])
 
     def _completion_ids(self, body: dict, place: str) -> list[int]:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise BadRequest("invalid_prompt", f"{place}prompt: must be a string")
-        return [self.tok.bos_id, *self.tok.encode(prompt)]
+        return self._encode(prompt, [self.tok.bos_id])
+
+    def _encode(self, text: str, ids: list[int]) -> list[int]:
+        """`ids` followed by the text's tokens, refused when there are more than max_prompt_tokens."""
+        self._refuse_long(len(text), len(ids))
+        ids = ids + self.tok.encode(text)
+        if len(ids) > self.max_prompt_tokens:
+            raise BadRequest("prompt_too_long", f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} "
+                                                f"fit ({self.prompt_limit})")
+        return ids
+
+    def _refuse_long(self, chars: int, ids: int) -> None:
+        """Refuse a prompt of `ids` tokens and a text of `chars` characters when its length alone makes it too
+        long: before the work of rendering and tokenising it (a 5 MB prompt takes the tokenizer seconds)."""
+        if chars + ids > self.max_prompt_tokens:       # else even a token per character fits
+            least = -(-chars // self._longest_token) + ids
+            if least > self.max_prompt_tokens:
+                raise BadRequest("prompt_too_long", f"the prompt has at least {least} tokens; at most "
+                                                    f"{self.max_prompt_tokens} fit ({self.prompt_limit})")
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token stands for: a text of c characters has at least c / this many tokens."""
+        return max(len(self.tok.decode([i])) for i in range(self.tok.vocab_size))
 
 
 def _check(key: str, value, place: str):

@@ -1,10 +1,19 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and
 /metrics. Handlers parse and answer; the engine thread (`loop.py`) does the rest.
 
+What a handler lets through: a Host header the server answers to (bound to a loopback address: loopback names
+only, so no web page reaches it by DNS rebinding), browser origins on the CORS allow-list only (none by
+default), POST bodies whose Content-Type is application/json (a page may send text/plain anywhere unasked;
+JSON needs a CORS preflight) and whose size is at most max_body_bytes (refused by their Content-Length before
+a byte is read). JSON decoding and tokenising run in a worker thread, never on the event loop (the JSON
+decoder still holds the interpreter lock: a body under the limit can delay other requests by up to about 10 ms
+per MB).
+
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (the
-batch parser's code and message, which names the field), 401 for a missing or wrong key, 404 for an
-unknown route, 429 when too many requests wait. Only method, path, status and time are logged, unless
---log-prompts.
+batch parser's code and message, which names the field), 401 for a missing or wrong key, 403 for a Host not
+answered to, 404 for an unknown route, 413 for a body too large, 415 for one that is not JSON, 429
+when too many requests wait, 500 when the engine failed the request. Only method, path, status and time
+are logged, unless --log-prompts.
 """
 import asyncio
 import hmac
@@ -16,8 +25,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -29,13 +41,22 @@ from dsv4cli.tokenizer import Tokenizer
 from .loop import Delta, EngineLoop, Job, QueueFull
 from .metrics import ServerMetrics
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
 
 
 def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     body = {"message": message, "type": ERROR_TYPES[status], "param": param, "code": code}
     return JSONResponse({"error": body}, status_code=status)
+
+
+class Refusal(Exception):
+    """A request answered with an error (`error`'s arguments) before or instead of its reply."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 def bad_request(e: BadRequest) -> JSONResponse:
@@ -102,7 +123,9 @@ class EventStream:
 
 
 def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, metrics: ServerMetrics,
-               api_key: str | None, log_prompts: bool) -> ASGIApp:
+               api_key: str | None, log_prompts: bool, max_body_bytes: int = 8 << 20,
+               hosts: set[str] | None = None, cors_origins: list[str] = ()) -> ASGIApp:
+    """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed."""
     numbers = itertools.count(1)
     created = int(time.time())
 
@@ -113,29 +136,54 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         # the scheme is case-insensitive (RFC 7235); compare_digest: no timing tells how much of a key is right
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(handler: Callable[[Request], Awaitable[Response]], keyed: bool = True) -> Callable:
         async def route(request: Request) -> Response:
-            if not authorized(request):
-                return error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                             "invalid_api_key")
-            return await handler(request)
+            try:
+                if keyed and not authorized(request):
+                    raise Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                                  "invalid_api_key")
+                return await handler(request)
+            except Refusal as e:
+                return error(e.status, e.message, e.code, e.param)
+            except BadRequest as e:
+                return bad_request(e)
+            except ClientDisconnect:            # gone while sending its body: nobody reads an answer
+                return Response(status_code=499)
         return route
 
-    async def completions(request: Request, chat: bool) -> Response | EventStream:
-        raw = await request.body()
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")      # h11 checked that it is a number
+        if length is not None and int(length) > max_body_bytes:
+            raise Refusal(413, f"the body is {length} bytes; at most {max_body_bytes} (max_body_bytes)",
+                          "body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise Refusal(413, f"the body is over {max_body_bytes} bytes (max_body_bytes)", "body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parsed(request: Request, parse: Callable):
+        """`parse(the JSON body)`, run with the decoding in a worker thread."""
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise Refusal(415, f"Content-Type must be application/json, got {media or 'none'}",
+                          "unsupported_media_type")
+        raw = await read_body(request)
         if log_prompts:
             print(f"{request.url.path} body: {raw.decode(errors='replace')}", file=sys.stderr, flush=True)
-        try:
-            req = parser.parse(load_json(raw), chat, streaming=True)
-        except BadRequest as e:
-            return bad_request(e)
+        return await run_in_threadpool(lambda: parse(load_json(raw)))
+
+    async def completions(request: Request, chat: bool) -> Response | EventStream:
+        req = await parsed(request, lambda body: parser.parse(body, chat, streaming=True))
         try:
             job = loop.submit(req)
         except QueueFull:
-            return error(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
-                         "queue_full")
+            raise Refusal(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
+                          "queue_full") from None
         except RuntimeError as e:           # the engine thread failed earlier
-            return error(500, str(e))
+            raise Refusal(500, str(e)) from None
         number = str(next(numbers))
         gone = asyncio.ensure_future(disconnect(request.receive))
         if req.stream:
@@ -143,7 +191,7 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         try:
             while (delta := await next_delta(job, gone)) is not None:
                 if delta.error is not None:
-                    return error(500, delta.error)
+                    raise Refusal(500, delta.error)
                 if delta.done is not None:
                     return JSONResponse(completion(req, delta.done, model, tok, number))
         finally:
@@ -174,13 +222,34 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             return error(405, f"{request.method} {request.url.path}: method not allowed", "method_not_allowed")
         return error(404, f"{request.method} {request.url.path}: no such route", "not_found")
 
-    routes = [Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-              Route("/v1/completions", guarded(text_completions), methods=["POST"]),
-              Route("/v1/models", guarded(models), methods=["GET"]),
-              Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
+    routes = [Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+              Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
+              Route("/v1/models", endpoint(models), methods=["GET"]),
+              Route("/health", endpoint(health, keyed=False), methods=["GET"]),
+              Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
-    return access_log(app)
+    if cors_origins:
+        app = CORSMiddleware(app, allow_origins=cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    return access_log(host_check(app, hosts))
+
+
+def host_check(app: ASGIApp, hosts: set[str] | None) -> ASGIApp:
+    """Refuse (403) a request whose Host header names none of `hosts` (None: any), with or without a port:
+    a page of another site reaching a loopback server by DNS rebinding sends its own name."""
+    if hosts is None:
+        return app
+
+    async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "").lower()
+            name = host[:host.find("]") + 1] if host.startswith("[") else host.rpartition(":")[0] or host
+            if name not in hosts:
+                answer = error(403, f"Host {host!r} is not answered to (only {', '.join(sorted(hosts))}; add names "
+                                    f"with --allowed-host)", "host_not_allowed")
+                return await answer(scope, receive, send)
+        await app(scope, receive, send)
+
+    return checked
 
 
 def access_log(app: ASGIApp) -> ASGIApp:
