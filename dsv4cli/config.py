@@ -250,6 +250,18 @@ class Settings:
         "serve", None, "Most prompt tokens in a request (unset: max_seq_len - 1); a prompt too long for it by its "
         "length alone is refused before it is tokenised", lo=1
     )
+    read_timeout: float = _key(
+        "serve", 30.0, "Seconds a client has to send a whole request (head and body), from connecting or from its "
+        "previous reply; a slower or idle connection is closed", lo=0, lo_open=True
+    )
+    max_connections: int = _key(
+        "serve", 1024, "Most open connections (and no more than the open-file limit allows); one more closes the "
+        "oldest connection that has not sent a whole request yet", lo=1
+    )
+    shutdown_timeout: float = _key(
+        "serve", 20.0, "Seconds a stopping server (SIGTERM, Ctrl-C) gives running requests to finish; then they end "
+        "with an error", lo=0
+    )
 
     @property
     def model_dir(self) -> Path:

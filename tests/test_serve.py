@@ -1,9 +1,12 @@
 """`dsv4 serve` end to end: real server processes on the bundled model, the real `openai` client, real
 sockets. Each server starts once per module and is killed at the end, also when a test fails."""
+import contextlib
 import copy
 import json
 import os
 import re
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -42,12 +45,14 @@ class Server:
     """`dsv4 serve --port 0 ARGS` in a subprocess (the env, hence 1 thread and no compile, inherited);
     its first stdout line gives the URL. stderr (the access log) goes to a file the tests read."""
 
-    def __init__(self, tmp_path, *args: str, env: dict | None = None):
+    def __init__(self, tmp_path, *args: str, env: dict | None = None, open_files: int | None = None):
+        """`open_files`: the server's open-file limit, soft and hard."""
         self.log = tmp_path / "server.log"
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))) if open_files else None
         with open(self.log, "w") as log:      # the child keeps its own descriptor
             self.proc = subprocess.Popen([sys.executable, "-m", "dsv4cli", "serve", "--port", "0", *args],
                                          stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env={**os.environ, **(env or {})})
+                                         env={**os.environ, **(env or {})}, preexec_fn=limit)
         line = self.proc.stdout.readline()
         match = re.search(r"(http://\S+)/v1", line)
         if match is None:
@@ -75,6 +80,8 @@ class Server:
         return json.loads(self.get("/health"))
 
     def stop(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.proc.terminate()
         try:
             self.proc.wait(10)
@@ -102,9 +109,9 @@ def tiny_queue(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def configured(tmp_path_factory):
-    """No key; a CORS origin, another Host name and a small limit on messages."""
+    """No key; a CORS origin, another Host name, small limits and a short read timeout."""
     s = Server(tmp_path_factory.mktemp("serve2"), "--cors-origin", "http://app.example", "--allowed-host", "myhost.lan",
-               "--allowed-host", "127.0.0.1", "--max-messages", "3")
+               "--allowed-host", "127.0.0.1", "--max-messages", "3", "--read-timeout", "2", "--max-connections", "64")
     yield s
     s.stop()
 
@@ -507,3 +514,127 @@ def test_cors_is_off_unless_an_origin_is_allowed(server, configured):
     assert "access-control-allow-origin" not in r.headers
     r = configured.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None, origin="http://app.example")
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the server closed this connection (the read sees the end, or a reset)."""
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def test_idle_and_slow_connections_are_closed(configured):
+    """--read-timeout 2: connections that send nothing, or a request head a byte at a time, are closed; a
+    client's connections beyond --max-connections 64 close the oldest idle ones, not its requests."""
+    idle = [socket.create_connection(configured.address) for _ in range(20)]
+    slow = [socket.create_connection(configured.address) for _ in range(20)]
+    head = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 100
+    t0 = time.monotonic()
+    for i in range(6):                                     # a byte a half second: over 3 s
+        for sock in slow:
+            with contextlib.suppress(OSError):
+                sock.send(head[i:i + 1])
+        time.sleep(0.5)
+    for sock in idle + slow:
+        sock.setblocking(False)
+    assert all(closed(sock) for sock in idle + slow) and time.monotonic() - t0 < 10
+    crowd = [socket.create_connection(configured.address) for _ in range(100)]
+    assert httpx.get(configured.url + "/health").status_code == 200
+    time.sleep(0.2)
+    for sock in crowd:
+        sock.setblocking(False)
+    assert sum(closed(sock) for sock in crowd) >= 100 - 64
+    for sock in idle + slow + crowd:
+        sock.close()
+
+
+def test_2000_idle_connections_leave_the_server_reachable(tmp_path):
+    """A server allowed only 1024 open files, and 2000 connections that never send a request: /health still
+    answers, and the log does not fill with failed accepts (it once grew by 4 MB a second)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2200:
+        pytest.skip(f"this test opens 2000 connections; the open-file limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    s = Server(tmp_path, open_files=1024)
+    socks = []
+    try:
+        for i in range(2000):
+            socks.append(socket.create_connection(s.address))
+            if i % 2:
+                socks[-1].send(b"GET /health HTTP/1.1\r\nHo")          # half of them a head begun
+        for _ in range(20):
+            t0 = time.perf_counter()
+            assert s.health()["status"] == "ok"
+            assert time.perf_counter() - t0 < 2
+        assert s.log.stat().st_size < 10_000 and "out of system resource" not in s.log.read_text()
+    finally:
+        for sock in socks:
+            sock.close()
+        s.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def open_streams(url: str, sizes: list[int]) -> tuple[list[threading.Thread], dict[int, list[str]]]:
+    """Streamed completions of max_tokens `sizes`, each read in a thread; returns the threads and each
+    stream's data lines (once each has one)."""
+    lines: dict[int, list[str]] = {i: [] for i in range(len(sizes))}
+
+    def read(i: int) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": sizes[i], "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines[i] += (line for line in r.iter_lines() if line.startswith("data: "))
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(len(sizes))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(lines.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return threads, lines
+
+
+def ended_with(lines: list[str]) -> str:
+    """How a stream ended: "done" ([DONE] after the last chunk) or the error code of its last event."""
+    if lines[-1] == "data: [DONE]":
+        return "done"
+    return json.loads(lines[-1].removeprefix("data: "))["error"]["code"]
+
+
+def test_sigterm_lets_running_streams_finish(tmp_path):
+    """SIGTERM with 8 streams open: those that can finish within --shutdown-timeout do (they go on after the
+    signal), the others end with an error event; no traceback, exit code 0."""
+    s = Server(tmp_path, "--shutdown-timeout", "10")
+    try:
+        threads, lines = open_streams(s.url, [120] * 4 + [4000] * 4)
+        s.proc.send_signal(signal.SIGTERM)
+        signalled = {i: len(chunks) for i, chunks in lines.items()}
+        assert s.proc.wait(60) == 0
+        for t in threads:
+            t.join(10)
+        assert [ended_with(lines[i]) for i in range(8)] == ["done"] * 4 + ["server_shutting_down"] * 4
+        assert all(len(lines[i]) > signalled[i] for i in range(4))      # they were answered after the signal
+        log = s.log.read_text()
+        assert "Traceback" not in log and "dsv4 serve: stopped" in log
+    finally:
+        s.stop()
+
+
+def test_ctrl_c_with_a_stream_open_is_clean(tmp_path):
+    """Ctrl-C once printed 4 tracebacks and cut the stream without a word; now the stream gets an error event
+    once --shutdown-timeout is over (a second Ctrl-C: at once)."""
+    s = Server(tmp_path, "--shutdown-timeout", "30")
+    try:
+        threads, lines = open_streams(s.url, [4000])
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(20) == 130
+        threads[0].join(10)
+        assert ended_with(lines[0]) == "server_shutting_down"
+        log = s.log.read_text()
+        assert "Traceback" not in log and "Ctrl-C again" in log
+    finally:
+        s.stop()

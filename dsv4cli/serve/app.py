@@ -1,19 +1,19 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and
 /metrics. Handlers parse and answer; the engine thread (`loop.py`) does the rest.
 
-What a handler lets through: a Host header the server answers to (bound to a loopback address: loopback names
-only, so no web page reaches it by DNS rebinding), browser origins on the CORS allow-list only (none by
-default), POST bodies whose Content-Type is application/json (a page may send text/plain anywhere unasked;
-JSON needs a CORS preflight) and whose size is at most max_body_bytes (refused by their Content-Length before
-a byte is read). JSON decoding and tokenising run in a worker thread, never on the event loop (the JSON
-decoder still holds the interpreter lock: a body under the limit can delay other requests by up to about 10 ms
-per MB).
+What a handler lets through (how long a request may take to arrive is bounded in `http.py`): a Host header the
+server answers to (bound to a loopback address: loopback names only, so no web page reaches it by DNS
+rebinding), browser origins on the CORS allow-list only (none by default), POST bodies whose Content-Type is
+application/json (a page may send text/plain anywhere unasked; JSON needs a CORS preflight) and whose size is
+at most max_body_bytes (refused by their Content-Length before a byte is read). JSON decoding and tokenising
+run in a worker thread, never on the event loop (the JSON decoder still holds the interpreter lock: a body
+under the limit can delay other requests by up to about 10 ms per MB).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (the
 batch parser's code and message, which names the field), 401 for a missing or wrong key, 403 for a Host not
 answered to, 404 for an unknown route, 413 for a body too large, 415 for one that is not JSON, 429
-when too many requests wait, 500 when the engine failed the request. Only method, path, status and time
-are logged, unless --log-prompts.
+when too many requests wait, 500 when the engine failed the request, 503 when the server is stopping. Only
+method, path, status and time are logged, unless --log-prompts.
 """
 import asyncio
 import hmac
@@ -38,12 +38,12 @@ from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
 
-from .loop import Delta, EngineLoop, Job, QueueFull
+from .loop import Delta, EngineLoop, Job, QueueFull, Stopping
 from .metrics import ServerMetrics
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
@@ -63,6 +63,11 @@ def bad_request(e: BadRequest) -> JSONResponse:
     """A parser error; the field it names (`temperature: must be in [0, 100]`) is OpenAI's `param`."""
     field = re.match(r"([\w.\[\]]+):", e.message)
     return error(400, e.message, e.code, field[1] if field else None)
+
+
+def failure(delta: Delta) -> Refusal:
+    """The request's end when the engine failed it (500) or the server stopped first (503)."""
+    return Refusal(delta.status, delta.error, "server_shutting_down" if delta.status == 503 else None)
 
 
 async def disconnect(receive: Receive) -> None:
@@ -97,17 +102,18 @@ class EventStream:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
             await self._send(send, self.chunks.first())
             while (delta := await next_delta(self.job, self.gone)) is not None:
-                if delta.error is not None:     # the engine failed mid-reply: say so in the stream and end
-                    finished = True
-                    await self._send(send, [{"error": {"message": delta.error, "type": "server_error",
-                                                       "param": None, "code": None}}])
+                if delta.error is not None:     # the engine failed it, or the server is stopping: say so and end
+                    e = failure(delta)
+                    await self._send(send, [{"error": {"message": e.message, "type": ERROR_TYPES[e.status],
+                                                       "param": None, "code": e.code}}])
                     break
                 chunks = self.chunks.update(delta.text, delta.logprobs)
                 finished = delta.done is not None
                 await self._send(send, chunks + (self.chunks.finish(delta.done) if finished else []))
                 if finished:
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
                     break
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if finished else b"",
+                        "more_body": False})
         except OSError:                         # the client went away while we wrote
             pass
         finally:
@@ -182,6 +188,8 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         except QueueFull:
             raise Refusal(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
                           "queue_full") from None
+        except Stopping as e:
+            raise Refusal(503, str(e), "server_shutting_down") from None
         except RuntimeError as e:           # the engine thread failed earlier
             raise Refusal(500, str(e)) from None
         number = str(next(numbers))
@@ -191,7 +199,7 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         try:
             while (delta := await next_delta(job, gone)) is not None:
                 if delta.error is not None:
-                    raise Refusal(500, delta.error)
+                    raise failure(delta)
                 if delta.done is not None:
                     return JSONResponse(completion(req, delta.done, model, tok, number))
         finally:

@@ -1,6 +1,7 @@
 """`dsv4 serve`: the model behind an OpenAI-compatible HTTP API (`mode = "serve"` of `dsv4 run` is
 `run_serve`). Loads the engine, starts its thread, binds the socket, prints the URL, runs uvicorn."""
 import ipaddress
+import signal
 import socket
 import sys
 
@@ -38,6 +39,7 @@ def run_serve(s: Settings) -> int:
         import uvicorn
 
         from .app import create_app
+        from .http import BACKLOG, Server, connection_limit, protocol
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          f"pip install 'dsv4cli[serve]'") from None
@@ -57,8 +59,9 @@ def run_serve(s: Settings) -> int:
     host, port = sock.getsockname()[:2]
     app = create_app(loop, parser, engine.tok, s.model_dir.name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
                      answered_hosts(s, host), s.cors_origins)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=2))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
+                            http=protocol(s.read_timeout, connection_limit(s.max_connections)))
+    server = Server(config, loop, s.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
     key = ", API key required" if s.api_key else ""
     print(f"dsv4 serve: {s.model_dir.name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
@@ -71,11 +74,12 @@ def run_serve(s: Settings) -> int:
     if loop.error is not None:
         raise RunError(f"{loop.error}; the server stopped (exit code 1) so that a supervisor restarts it")
     print("dsv4 serve: stopped", file=sys.stderr)
-    return 0
+    return 130 if server.stopped_by == signal.SIGINT else 0
 
 
 @model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort",
-               "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages", "max_prompt_tokens")
+               "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages", "max_prompt_tokens",
+               "read_timeout", "max_connections", "shutdown_timeout")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     streaming), with continuous batching."""

@@ -8,6 +8,7 @@ spinning). What a step produced goes back to each request's asyncio queue with
 Batching is the engine's own: every step admits waiting requests into free slots (continuous batching).
 """
 import asyncio
+import contextlib
 import sys
 import threading
 import traceback
@@ -24,6 +25,10 @@ class QueueFull(Exception):
     """More requests wait for a slot than `max_waiting` allows."""
 
 
+class Stopping(Exception):
+    """The server is stopping: it takes no more requests."""
+
+
 @dataclass
 class Delta:
     """What one step produced for a request: text that can no longer change, the logprobs of its new
@@ -31,7 +36,8 @@ class Delta:
     text: str
     logprobs: list[TokenLogprob]
     done: Sequence | None = None
-    error: str | None = None        # the engine failed; the request is over
+    error: str | None = None        # the request is over: the engine failed it, or the server is stopping
+    status: int = 500               # the HTTP status of that error
 
 
 @dataclass(eq=False)
@@ -43,7 +49,7 @@ class Job:
     seq: Sequence | None = None
 
     def deliver(self, delta: Delta) -> None:
-        self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+        _call_soon(self.aloop, self.queue.put_nowait, delta)
 
 
 class EngineLoop:
@@ -58,6 +64,7 @@ class EngineLoop:
         # lock, so a submit never sees a job that is in neither the inbox nor these counts)
         self.running = self.waiting = 0
         self.stopping = False
+        self.closed: str | None = None      # why no more requests are taken (the server is stopping)
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -71,11 +78,14 @@ class EngineLoop:
         self.thread.join()
 
     def submit(self, request: Request) -> Job:
-        """Queue a request (from the event loop); raises QueueFull when too many already wait."""
+        """Queue a request (from the event loop); raises QueueFull when too many already wait, Stopping once
+        the server stops."""
         job = Job(request, asyncio.Queue(), asyncio.get_running_loop())
         with self.wake:
             if self.error is not None:
                 raise RuntimeError(self.error)
+            if self.closed is not None:
+                raise Stopping(self.closed)
             free_slots = self.engine.max_batch - self.running
             if self.waiting + len(self.inbox) >= self.max_waiting + free_slots:
                 raise QueueFull
@@ -88,6 +98,16 @@ class EngineLoop:
         with self.wake:
             self.cancels.append(job)
             self.wake.notify()
+
+    def close(self, reason: str) -> None:
+        """Take no more requests and end every open one now with `reason` (HTTP 503), on the event loop:
+        a stopping server's last word to requests that did not finish in time. Their handlers cancel them."""
+        with self.wake:
+            self.closed = reason
+            open_jobs = [*self.jobs.values(), *self.inbox]
+            self.inbox.clear()
+        for job in open_jobs:
+            job.queue.put_nowait(Delta("", [], error=reason, status=503))
 
     def _run(self) -> None:
         try:
@@ -147,12 +167,17 @@ class EngineLoop:
         with self.wake:
             self._count()           # before the deltas: a client that got its tokens sees itself running
         if deliveries:      # one wake-up of the (one) event loop per step, not one per request
-            deliveries[0][0].aloop.call_soon_threadsafe(_put_all, deliveries)
+            _call_soon(deliveries[0][0].aloop, _put_all, deliveries)
 
     def _count(self) -> None:
         self.running = sum(job.seq.slot >= 0 for job in self.jobs.values())
         self.waiting = len(self.jobs) - self.running
         self.metrics.set_load(self.running, self.waiting)
+
+
+def _call_soon(aloop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    with contextlib.suppress(RuntimeError):     # the event loop is closed: the server is gone, nobody waits
+        aloop.call_soon_threadsafe(fn, *args)
 
 
 def _put_all(deliveries: list[tuple[Job, Delta]]) -> None:
