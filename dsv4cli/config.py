@@ -236,6 +236,10 @@ class Settings:
         "serve", 64, "Most requests waiting for a batch slot; beyond it a request gets HTTP 429", lo=0
     )
     log_prompts: bool = _key("serve", False, "Log each request's body (prompts included)")
+    served_model_name: str | None = _key(
+        "serve", None, "The model's name in /v1/models and replies (unset: the model id given to --model, else the "
+        "model directory's name)"
+    )
     allowed_hosts: list[str] = _key(
         "serve", [], "Host header names accepted (repeatable; * = any); unset: localhost, 127.0.0.1 and [::1] when "
         "--host is a loopback address (no DNS rebinding), else any", flags=("--allowed-host",), nonempty=True
@@ -266,6 +270,12 @@ class Settings:
     @property
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called in replies and listings: --served-model-name, which `resolve` sets to the
+        model id when it found the model in a hub cache (not its snapshot's hash), else the directory's name."""
+        return self.served_model_name or self.model_dir.name
 
 
 def _base_type(annotation: Any) -> Any:
@@ -469,6 +479,7 @@ def resolve(
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
     if model and not Path(model).exists() and is_model_id(model) and (cached := find_cached(model)):
+        chosen.setdefault("served_model_name", (model, chosen["model"][1]))   # the id, not the snapshot's hash
         model = str(cached)
         chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen

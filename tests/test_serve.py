@@ -59,6 +59,7 @@ class Server:
             self.stop()
             raise AssertionError(f"no URL from dsv4 serve: {line!r}\n{self.log.read_text()}")
         self.url = match[1]
+        self.banner = line
         self.address = self.url.removeprefix("http://").rsplit(":", 1)
         self.address = (self.address[0], int(self.address[1]))
 
@@ -109,9 +110,10 @@ def tiny_queue(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def configured(tmp_path_factory):
-    """No key; a CORS origin, another Host name, small limits and a short read timeout."""
-    s = Server(tmp_path_factory.mktemp("serve2"), "--cors-origin", "http://app.example", "--allowed-host", "myhost.lan",
-               "--allowed-host", "127.0.0.1", "--max-messages", "3", "--read-timeout", "2", "--max-connections", "64")
+    """No key; a served name, a CORS origin, another Host name, small limits and a short read timeout."""
+    s = Server(tmp_path_factory.mktemp("serve2"), "--served-model-name", "tiny-chat", "--cors-origin",
+               "http://app.example", "--allowed-host", "myhost.lan", "--allowed-host", "127.0.0.1",
+               "--max-messages", "3", "--read-timeout", "2", "--max-connections", "64")
     yield s
     s.stop()
 
@@ -202,7 +204,7 @@ def test_tool_calls_stream_as_openai_chunks(server):
     client sees the text before the calls, then the call, never the DSML markup."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], "stream": True}
-    req = BodyParser(tok, SamplingParams(), 4096).parse(body, chat=True, streaming=True)
+    req = BodyParser(tok, SamplingParams(), 4096).parse(body, chat=True, server=True)
     text = (f'I will look.{TOOL_CALLS_OPENING}\n<{DSML}invoke name="get_weather">\n'
             f'<{DSML}parameter name="city" string="true">Paris</{DSML}parameter>\n</{DSML}invoke>\n{TOOL_CALLS_END}')
     stream = ChunkStream(req, tok, "tiny", "7")
@@ -514,6 +516,102 @@ def test_cors_is_off_unless_an_origin_is_allowed(server, configured):
     assert "access-control-allow-origin" not in r.headers
     r = configured.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}, key=None, origin="http://app.example")
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+
+
+def test_n_choices_have_derived_seeds(server):
+    client = server.client()
+    kw = {"model": "x", "prompt": "Once upon a time", "max_tokens": 20, "temperature": 1.5, "seed": 7}
+    r = client.completions.create(n=3, **kw)
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert texts[0] == client.completions.create(**kw).choices[0].text      # the first has the request's seed
+    assert r.usage.completion_tokens == 3 * 20 and r.usage.prompt_tokens == 5
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)]
+    assert streamed == texts
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [60] and not chunks[-1].choices
+    chat = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "Tell me a story."}], n=2,
+                                          max_tokens=8)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.content for c in chat.choices)
+
+
+def test_best_of_returns_the_most_likely_candidates(server):
+    client = server.client()
+    kw = {"model": "x", "prompt": "Once upon a time", "max_tokens": 10, "temperature": 1.5, "seed": 3}
+    every = client.completions.create(n=4, best_of=4, logprobs=0, **kw).choices
+    ranked = sorted(every, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(n=2, best_of=4, **kw)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None and best.usage.completion_tokens == 40     # every candidate ran
+    for extra, param in (({"n": 3, "best_of": 2}, "best_of"), ({"best_of": 2, "stream": True}, "best_of"),
+                         ({"n": 200}, "n")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="x", prompt="Hi", **extra)
+        assert e.value.body["param"] == param, extra
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "Hi", extra_body={"best_of": 2})
+    assert e.value.body["param"] == "best_of"
+
+
+def test_echo_repeats_the_prompt(server):
+    client = server.client()
+    r = client.completions.create(model="x", prompt="Once upon a time", max_tokens=5, echo=True, temperature=0)
+    plain = client.completions.create(model="x", prompt="Once upon a time", max_tokens=5, temperature=0)
+    assert r.choices[0].text == "Once upon a time" + plain.choices[0].text
+    chunks = list(client.completions.create(model="x", prompt="Once upon a time", max_tokens=5, echo=True,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].text == "Once upon a time" and "".join(c.choices[0].text for c in chunks) == \
+        r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="x", prompt="Hi", echo=True, logprobs=1)
+    assert e.value.body["param"] == "echo"
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "Hi", extra_body={"echo": True})
+    assert e.value.body["param"] == "echo"
+
+
+def test_models_by_id_tokenize_and_detokenize(server):
+    client = server.client()
+    assert client.models.retrieve("dsv4-tiny").id == "dsv4-tiny"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    r = server.post("/tokenize", {"prompt": "Once upon a time", "return_token_strs": True}).json()
+    assert r["tokens"] == [tok.bos_id, *tok.encode("Once upon a time")] and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == 4096 and "".join(r["token_strs"]) == tok.decode(r["tokens"])
+    assert server.post("/tokenize", {"prompt": "Hi", "add_special_tokens": False}).json()["tokens"] == tok.encode("Hi")
+    chat = server.post("/tokenize", {"messages": [{"role": "user", "content": PROMPTS[0]}]}).json()
+    assert chat["count"] == ask(client, PROMPTS[0], max_tokens=1).usage.prompt_tokens and chat["token_strs"] is None
+    assert server.post("/detokenize", {"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
+    for path, body, param in (("/detokenize", {"tokens": [10**9]}, "tokens[0]"), ("/tokenize", {"text": "x"}, None),
+                              ("/tokenize", {"prompt": "x", "add_special_tokens": 1}, "add_special_tokens")):
+        r = server.post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body)
+    assert server.post("/tokenize", {"prompt": "x"}, key=None).status_code == 401
+
+
+def test_the_served_model_name(configured):
+    assert "dsv4 serve: tiny-chat on" in configured.banner
+    client = configured.client(None)
+    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+    assert ask(client, "Hi").model == "tiny-chat"
+
+
+def test_a_hub_model_is_named_by_its_id(tmp_path, tiny_model_dir):
+    """A model id found in the Hugging Face cache: named by the id, not by its snapshot's hash."""
+    import shutil
+
+    snapshot = tmp_path / "hf" / "models--acme--tiny" / "snapshots" / "0123abcd"
+    shutil.copytree(tiny_model_dir, snapshot)
+    (tmp_path / "hf" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hf" / "models--acme--tiny" / "refs" / "main").write_text("0123abcd")
+    s = Server(tmp_path, "--model", "acme/tiny", env={"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"})
+    try:
+        assert "dsv4 serve: acme/tiny on" in s.banner
+        assert [m.id for m in s.client().models.list()] == ["acme/tiny"]
+    finally:
+        s.stop()
 
 
 def closed(sock: socket.socket) -> bool:

@@ -1,5 +1,6 @@
-"""The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and
-/metrics. Handlers parse and answer; the engine thread (`loop.py`) does the rest.
+"""The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, vLLM's
+/tokenize and /detokenize, plus /health and /metrics. Handlers parse and answer; the engine thread
+(`loop.py`) does the rest.
 
 What a handler lets through (how long a request may take to arrive is bounded in `http.py`): a Host header the
 server answers to (bound to a loopback address: loopback names only, so no web page reaches it by DNS
@@ -11,11 +12,13 @@ under the limit can delay other requests by up to about 10 ms per MB).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (the
 batch parser's code and message, which names the field), 401 for a missing or wrong key, 403 for a Host not
-answered to, 404 for an unknown route, 413 for a body too large, 415 for one that is not JSON, 429
+answered to, 404 for an unknown route or model, 413 for a body too large, 415 for one that is not JSON, 429
 when too many requests wait, 500 when the engine failed the request, 503 when the server is stopping. Only
 method, path, status and time are logged, unless --log-prompts.
 """
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import itertools
 import json
@@ -34,6 +37,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from dsv4cli.engine import SamplingParams, Sequence
+from dsv4cli.openai import requests as body_requests
 from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
@@ -76,8 +81,8 @@ async def disconnect(receive: Receive) -> None:
         pass
 
 
-async def next_delta(job: Job, gone: asyncio.Task) -> Delta | None:
-    """The request's next delta, or None when its client went away first."""
+async def next_delta(job: Job, gone: asyncio.Task) -> tuple[int, Delta] | None:
+    """The request's next (sequence index, delta), or None when its client went away first."""
     get = asyncio.ensure_future(job.queue.get())
     await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
@@ -86,39 +91,79 @@ async def next_delta(job: Job, gone: asyncio.Task) -> Delta | None:
     return None
 
 
+def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
+    """The params of a request's `count` sequences: the first has the request's seed (so n = 1 samples as
+    before), each other one a seed derived from it, or, unseeded, a random one of its own; `ranked`
+    candidates (best_of) report their tokens' logprobs, which rank them."""
+    if ranked:
+        params = dataclasses.replace(params, logprobs=params.logprobs or 0)
+
+    def seed(i: int) -> int | None:
+        if i == 0 or params.seed is None:
+            return params.seed
+        return int.from_bytes(hashlib.blake2b(f"{params.seed}:{i}".encode(), digest_size=8).digest(), "little") >> 2
+
+    return [dataclasses.replace(params, seed=seed(i)) for i in range(count)]
+
+
+def usage(seqs: list[Sequence]) -> dict:
+    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated)."""
+    prompt, completion_tokens = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+def indexed(chunks: list[dict], index: int) -> list[dict]:
+    """Chunks of one choice, marked as choice `index` of the reply."""
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choice["index"] = index
+    return chunks
+
+
 class EventStream:
     """A streamed reply as server-sent events (`data: {chunk}`, ending with `data: [DONE]`), an ASGI app
-    as a route may return. It cancels its request when the client goes away: the engine frees the slot
-    before its next step."""
+    as a route may return; with n choices their chunks interleave, each marked with its index. It cancels
+    its request when the client goes away: the engine frees the slots before its next step."""
 
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
-    def __init__(self, loop: EngineLoop, job: Job, chunks: ChunkStream, gone: asyncio.Task):
-        self.loop, self.job, self.chunks, self.gone = loop, job, chunks, gone
+    def __init__(self, loop: EngineLoop, job: Job, req: body_requests.Request, streams: list[ChunkStream],
+                 gone: asyncio.Task):
+        self.loop, self.job, self.req, self.streams, self.gone = loop, job, req, streams, gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        finished = False
+        finished: list[Sequence] = []
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self._send(send, self.chunks.first())
-            while (delta := await next_delta(self.job, self.gone)) is not None:
+            opening = []
+            for i, stream in enumerate(self.streams):
+                opening += indexed(stream.first(), i)
+                if self.req.echo is not None:
+                    opening.append(stream.base | {"choices": [{"index": i, "text": self.req.echo, "logprobs": None,
+                                                               "finish_reason": None}]})
+            await self._send(send, opening)
+            while len(finished) < len(self.streams) and (item := await next_delta(self.job, self.gone)) is not None:
+                i, delta = item
                 if delta.error is not None:     # the engine failed it, or the server is stopping: say so and end
                     e = failure(delta)
                     await self._send(send, [{"error": {"message": e.message, "type": ERROR_TYPES[e.status],
                                                        "param": None, "code": e.code}}])
                     break
-                chunks = self.chunks.update(delta.text, delta.logprobs)
-                finished = delta.done is not None
-                await self._send(send, chunks + (self.chunks.finish(delta.done) if finished else []))
-                if finished:
-                    break
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if finished else b"",
+                chunks = self.streams[i].update(delta.text, delta.logprobs)
+                if delta.done is not None:
+                    chunks += self.streams[i].finish(delta.done)
+                    finished.append(delta.done)
+                await self._send(send, indexed(chunks, i))
+            complete = len(finished) == len(self.streams)
+            if complete and self.req.include_usage:
+                await self._send(send, [self.streams[0].base | {"choices": [], "usage": usage(finished)}])
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if complete else b"",
                         "more_body": False})
         except OSError:                         # the client went away while we wrote
             pass
         finally:
             self.gone.cancel()
-            if not finished:
+            if len(finished) < len(self.streams):
                 self.loop.cancel(self.job)
 
     @staticmethod
@@ -134,6 +179,8 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
     """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed."""
     numbers = itertools.count(1)
     created = int(time.time())
+    card = {"id": model, "object": "model", "created": created, "owned_by": "dsv4cli",
+            "max_model_len": parser.max_seq_len}
 
     def authorized(request: Request) -> bool:
         if api_key is None:
@@ -181,10 +228,13 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             print(f"{request.url.path} body: {raw.decode(errors='replace')}", file=sys.stderr, flush=True)
         return await run_in_threadpool(lambda: parse(load_json(raw)))
 
-    async def completions(request: Request, chat: bool) -> Response | EventStream:
-        req = await parsed(request, lambda body: parser.parse(body, chat, streaming=True))
+    def submit(req: body_requests.Request) -> Job:
+        if req.best_of > loop.capacity:
+            name = "best_of" if req.best_of > req.n else "n"
+            raise Refusal(400, f"{name}: {req.best_of} sequences; at most {loop.capacity} fit (max_batch + "
+                               f"max_waiting)", "invalid_parameter", name)
         try:
-            job = loop.submit(req)
+            return loop.submit(req.prompt_ids, sequence_params(req.params, req.best_of, req.best_of > req.n))
         except QueueFull:
             raise Refusal(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
                           "queue_full") from None
@@ -192,20 +242,44 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             raise Refusal(503, str(e), "server_shutting_down") from None
         except RuntimeError as e:           # the engine thread failed earlier
             raise Refusal(500, str(e)) from None
+
+    def reply(req: body_requests.Request, seqs: list[Sequence], number: str) -> dict:
+        """The reply body: n choices (of best_of candidates, the n with the highest cumulative logprob)."""
+        if req.best_of > req.n:
+            seqs = sorted(seqs, key=lambda s: -sum(e.logprob for e in s.logprobs))
+        bodies = [completion(req, seq, model, tok, number) for seq in seqs[:req.n]]
+        body = bodies[0] | {"choices": [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)],
+                            "usage": usage(seqs)}
+        if req.echo is not None:
+            for choice in body["choices"]:
+                choice["text"] = req.echo + choice["text"]
+        return body
+
+    async def completions(request: Request, chat: bool) -> Response | EventStream:
+        req = await parsed(request, lambda body: parser.parse(body, chat, server=True))
+        job = submit(req)
         number = str(next(numbers))
         gone = asyncio.ensure_future(disconnect(request.receive))
         if req.stream:
-            return EventStream(loop, job, ChunkStream(req, tok, model, number), gone)
+            alone = dataclasses.replace(req, include_usage=False)     # one usage chunk for all choices, at the end
+            return EventStream(loop, job, req, [ChunkStream(alone, tok, model, number) for _ in range(req.n)], gone)
+        seqs: list[Sequence | None] = [None] * req.best_of
+        left = req.best_of
         try:
-            while (delta := await next_delta(job, gone)) is not None:
+            while left:
+                item = await next_delta(job, gone)
+                if item is None:            # the client went away: nobody reads the answer
+                    return Response(status_code=499)
+                index, delta = item
                 if delta.error is not None:
                     raise failure(delta)
                 if delta.done is not None:
-                    return JSONResponse(completion(req, delta.done, model, tok, number))
+                    seqs[index], left = delta.done, left - 1
         finally:
             gone.cancel()
-        loop.cancel(job)                    # the client went away: nobody reads the answer
-        return Response(status_code=499)
+            if left:
+                loop.cancel(job)
+        return JSONResponse(reply(req, seqs, number))
 
     async def chat_completions(request: Request) -> Response | EventStream:
         return await completions(request, chat=True)
@@ -214,8 +288,23 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         return await completions(request, chat=False)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                                          "owned_by": "dsv4cli"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model_info(request: Request) -> Response:
+        if request.path_params["model"] != model:
+            raise Refusal(404, f"{request.path_params['model']}: no such model; this server serves {model}",
+                          "model_not_found", "model")
+        return JSONResponse(card)
+
+    def tokenized(ids: list[int], strings: bool) -> dict:
+        return {"count": len(ids), "max_model_len": parser.max_seq_len, "tokens": ids,
+                "token_strs": [tok.decode([i]) for i in ids] if strings else None}
+
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(await parsed(request, lambda body: tokenized(*parser.tokenize(body))))
+
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await parsed(request, lambda body: {"prompt": tok.decode(parser.detokenize(body))}))
 
     async def health(request: Request) -> Response:
         if loop.error is not None:
@@ -233,6 +322,9 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
     routes = [Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
               Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
               Route("/v1/models", endpoint(models), methods=["GET"]),
+              Route("/v1/models/{model:path}", endpoint(model_info), methods=["GET"]),
+              Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+              Route("/detokenize", endpoint(detokenize), methods=["POST"]),
               Route("/health", endpoint(health, keyed=False), methods=["GET"]),
               Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})

@@ -57,14 +57,14 @@ def run_serve(s: Settings) -> int:
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True))
     host, port = sock.getsockname()[:2]
-    app = create_app(loop, parser, engine.tok, s.model_dir.name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
+    app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
                      answered_hosts(s, host), s.cors_origins)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
                             http=protocol(s.read_timeout, connection_limit(s.max_connections)))
     server = Server(config, loop, s.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
     key = ", API key required" if s.api_key else ""
-    print(f"dsv4 serve: {s.model_dir.name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
+    print(f"dsv4 serve: {s.model_name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
           f"MTP {engine.mtp_depth}{key})", flush=True)
     loop.start()
     try:
@@ -78,8 +78,8 @@ def run_serve(s: Settings) -> int:
 
 
 @model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort",
-               "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages", "max_prompt_tokens",
-               "read_timeout", "max_connections", "shutdown_timeout")
+               "served_model_name", "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages",
+               "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     streaming), with continuous batching."""
