@@ -62,6 +62,7 @@ class Key:
     file_only: bool = False  # no flag, no environment variable
     secret: bool = False  # `config show` prints it redacted
     auto: bool = False  # the string "auto" is a value too (an integer key that can be left to the engine)
+    nonempty: bool = False  # strings (each item, for a list) must not be empty
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -80,6 +81,8 @@ class Key:
 
     @property
     def rule(self) -> str:
+        if self.nonempty:
+            return "non-empty"
         if self.auto:
             return "auto, or " + dataclasses.replace(self, auto=False).rule
         if self.choices:
@@ -91,6 +94,8 @@ class Key:
         return ""
 
     def allows(self, v: Any) -> bool:
+        if self.nonempty:
+            return v != ""
         if self.choices:
             return v in self.choices
         above = self.lo is None or (v > self.lo if self.lo_open else v >= self.lo)
@@ -184,7 +189,8 @@ class Settings:
     max_tokens: int = _key(
         "sampling", 256, "Most tokens to generate per reply", lo=1, flags=("--max-tokens", "-n")
     )
-    stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)")
+    # an empty stop string is in every reply: it would end each one after its first token
+    stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)", nonempty=True)
     stop_token_ids: list[int] = _key(
         "sampling", [], "Stop on this token id (repeatable)", lo=0, flags=("--stop-token-id",)
     )
@@ -245,10 +251,46 @@ class Settings:
         "serve", 64, "Most requests waiting for a batch slot; beyond it a request gets HTTP 429", lo=0
     )
     log_prompts: bool = _key("serve", False, "Log each request's body (prompts included)")
+    served_model_name: str | None = _key(
+        "serve", None, "The model's name in /v1/models and replies (unset: the model id given to --model, else the "
+        "model directory's name)"
+    )
+    allowed_hosts: list[str] = _key(
+        "serve", [], "Host header names accepted (repeatable; * = any); unset: localhost, 127.0.0.1 and [::1] when "
+        "--host is a loopback address (no DNS rebinding), else any", flags=("--allowed-host",), nonempty=True
+    )
+    cors_origins: list[str] = _key(
+        "serve", [], "Browser origin allowed to call the server, e.g. http://localhost:3000 (CORS; repeatable; "
+        "* = any); unset: none", flags=("--cors-origin",), nonempty=True
+    )
+    max_body_bytes: int = _key("serve", 8 << 20, "Largest request body; a larger one gets HTTP 413", lo=1)
+    max_messages: int = _key("serve", 2048, "Most messages in a chat request", lo=1)
+    max_prompt_tokens: int | None = _key(
+        "serve", None, "Most prompt tokens in a request (unset: max_seq_len - 1); a prompt too long for it by its "
+        "length alone is refused before it is tokenised", lo=1
+    )
+    read_timeout: float = _key(
+        "serve", 30.0, "Seconds a client has to send a whole request (head and body), from connecting or from its "
+        "previous reply; a slower or idle connection is closed", lo=0, lo_open=True
+    )
+    max_connections: int = _key(
+        "serve", 1024, "Most open connections (and no more than the open-file limit allows); one more closes the "
+        "oldest connection that has not sent a whole request yet", lo=1
+    )
+    shutdown_timeout: float = _key(
+        "serve", 20.0, "Seconds a stopping server (SIGTERM, Ctrl-C) gives running requests to finish; then they end "
+        "with an error", lo=0
+    )
 
     @property
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        """What the model is called in replies and listings: --served-model-name, which `resolve` sets to the
+        model id when it found the model in a hub cache (not its snapshot's hash), else the directory's name."""
+        return self.served_model_name or self.model_dir.name
 
 
 def _base_type(annotation: Any) -> Any:
@@ -464,6 +506,7 @@ def resolve(
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
     if model and not Path(model).exists() and is_model_id(model) and (cached := find_cached(model)):
+        chosen.setdefault("served_model_name", (model, chosen["model"][1]))   # the id, not the snapshot's hash
         model = str(cached)
         chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen

@@ -204,10 +204,16 @@ def _check_message(i, m):
             raise ValueError(f"message {i} (assistant) needs 'content' or 'tool_calls'")
         if content is not None and not isinstance(content, str):
             raise ValueError(f"message {i} (assistant) has non-string 'content'")
+        if not isinstance(m.get("tool_calls") or [], list):
+            raise ValueError(f"message {i} (assistant) has 'tool_calls' that are not a list")
         for call in m.get("tool_calls") or []:
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or "name" not in function:
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise ValueError(f"message {i} (assistant) has a tool call without a function name")
+            if not isinstance(call.get("id") or function.get("id") or "", str):
+                raise ValueError(f"message {i} (assistant) has a tool call whose id is not a string")
+    elif role == "tool" and not isinstance(m.get("tool_call_id", ""), str | None):
+        raise ValueError(f"message {i} (tool) has a 'tool_call_id' that is not a string")
     elif role == "tool" and isinstance(content, list):
         if not all(isinstance(block, dict) for block in content):
             raise ValueError(f"message {i} (tool) has a content block that is not a dict")
@@ -218,8 +224,10 @@ def _check_message(i, m):
     if not isinstance(m.get("reasoning_content") or "", str):
         raise ValueError(f"message {i} ({role}) has non-string 'reasoning_content'")  # noqa: TRY004
     task = m.get("task")
-    if task is not None and task not in TASK_TOKENS:
+    if task is not None and not (isinstance(task, str) and task in TASK_TOKENS):
         raise ValueError(f"message {i} ({role}) has unknown task {task!r}; expected one of {', '.join(TASK_TOKENS)}")
+    if not isinstance(m.get("tools") or [], list):
+        raise ValueError(f"message {i} ({role}) has 'tools' that are not a list")
     for tool in m.get("tools") or []:
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
             raise ValueError(f"message {i} ({role}) has a tool that is not {{'type': 'function', 'function': {{...}}}}")

@@ -143,11 +143,24 @@ def follow(engine, control) -> None:
 def follower_main(rank: int, world: int, port: int, device: torch.device, build) -> None:
     """A follower rank's process: join the group, `build(device)` its engine (a picklable call), follow."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # rank 0 decides when to stop
+    exit_with_parent()
     device, control = init_rank(rank, world, port, device)
     engine = build(device)
     with torch.no_grad():
         follow(engine, control)
     dist.destroy_process_group()
+
+
+def exit_with_parent() -> None:
+    """End this follower as soon as rank 0 (its parent) ends, however it ended: killed while the ranks start
+    up, it sends no stop and its peers wait for it, up to a collective's timeout."""
+    parent = mp.parent_process()
+
+    def wait() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=wait, name="parent", daemon=True).start()
 
 
 def watch(procs, stop: threading.Event) -> None:

@@ -1,5 +1,6 @@
 """--tp N on the CPU: gloo ranks started by the CLI; same logits and tokens as one process; a dead
 rank ends the run with one line instead of a hang."""
+import contextlib
 import json
 import os
 import signal
@@ -110,3 +111,60 @@ def test_killed_rank_ends_the_run(tiny_model_dir):
         assert rc == 1 and "rank 1 exited" in err and "Traceback" not in err
     finally:
         proc.kill()
+
+
+def rank_processes(pid: int) -> list[int]:
+    return [p for p in children(pid) if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_ends_when_a_rank_dies(tiny_model_dir):
+    """serve --tp 2 with a stream open: rank 1 killed, the server exits with one line, no rank left."""
+    import httpx2 as httpx
+
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4cli", "serve", "--port", "0", "--model", str(tiny_model_dir),
+                             "--tp", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = proc.stdout.readline().split(" on ")[1].split()[0]
+        workers = rank_processes(proc.pid)
+        body = {"prompt": "x", "max_tokens": 100000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())
+            os.kill(workers[0], signal.SIGKILL)
+            t0 = time.time()
+            rc = proc.wait(timeout=30)
+        assert time.time() - t0 < 10
+        err = proc.stderr.read()
+        assert rc == 1 and "rank 1 exited" in err and "Traceback" not in err, err
+        assert not any(map(running, workers))
+    finally:
+        proc.kill()
+
+
+def test_killed_rank_0_takes_the_other_ranks_with_it(tiny_model_dir):
+    """Rank 0 killed while the ranks start up (it sends no stop then): rank 1 once waited 10 minutes for it."""
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4cli", "serve", "--port", "0", "--model", str(tiny_model_dir),
+                             "--tp", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not (workers := rank_processes(proc.pid)) and time.time() < deadline:
+            time.sleep(0.1)
+        assert workers, "no rank process found"
+        time.sleep(1)                                   # it is loading
+        proc.kill()
+        proc.wait()
+        t0 = time.time()
+        while any(map(running, workers)) and time.time() - t0 < 30:
+            time.sleep(0.1)
+        assert not any(map(running, workers)) and time.time() - t0 < 10
+    finally:
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dsv4cli.engine import SamplingParams
 from dsv4cli.openai import requests as body_requests
-from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser
+from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser, load_json
 from dsv4cli.tokenizer import Tokenizer
 
 LINE_KEYS = {"custom_id", "method", "url", "body"}     # an OpenAI batch line around its body
@@ -52,10 +52,7 @@ class RequestParser:
         """One non-blank input line (1-based number `line`) -> Request, or raise BadLine."""
         custom_id = None
         try:
-            try:
-                obj = json.loads(raw)
-            except ValueError as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
-                raise BadLine("invalid_json", f"not valid JSON: {e}") from None
+            obj = load_json(raw)
             if not isinstance(obj, dict):
                 raise BadLine("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
             custom_id = self._custom_id(obj)

@@ -5,6 +5,7 @@ follow one field policy: every body field is honoured, accepted as harmless (HAR
 or refused with an error naming it; no field is silently dropped (README, "Request fields").
 """
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 
@@ -21,8 +22,8 @@ CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # for max_tokens
 SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} | {"max_completion_tokens": "max_tokens"}
 # fields read elsewhere in this module
-HONOURED = {"messages", "prompt", "stream", "n", "thinking", "reasoning_effort", "logprobs", "top_logprobs",
-            "tools", "tool_choice", "logit_bias", "response_format"}
+HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", "reasoning_effort", "logprobs",
+            "top_logprobs", "tools", "tool_choice", "logit_bias", "response_format"}
 # accepted and without effect, for this reason
 HARMLESS = {
     "model": "a run serves the one model given by --model",
@@ -40,11 +41,14 @@ REFUSED = {
     "functions": "deprecated; use tools",
     "function_call": "deprecated; use tool_choice",
     "web_search_options": "web search is not supported",
-    "echo": "echoing the prompt is not supported",
-    "best_of": "only one completion per request is supported",
     "suffix": "insertion (suffix) is not supported",
 }
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
+MAX_CHOICES = 128                                     # OpenAI's limit on n
+TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "add_generation_prompt"}
+# what a JSON text holding a lone surrogate has: a \uD800-\uDFFF escape, or one encoded as (invalid) UTF-8, which
+# json.loads passes through too (its lead byte 0xED also starts Hangul; looking for these is memchr-fast)
+SURROGATE_SIGNS = (b"\\ud", b"\\uD", b"\xed")
 
 
 @dataclass
@@ -55,6 +59,9 @@ class Request:
     thinking: bool
     stream: bool = False            # send chunks as they come (dsv4 serve only)
     include_usage: bool = False     # stream_options.include_usage: a last chunk with the usage
+    n: int = 1                      # choices returned (dsv4 serve only)
+    best_of: int = 1                # candidates generated, the n most likely returned (completions, dsv4 serve)
+    echo: str | None = None         # completions with echo: the prompt, which each choice's text starts with
 
 
 class BadRequest(Exception):
@@ -66,30 +73,78 @@ class BadRequest(Exception):
         self.code, self.message = code, message
 
 
+def load_json(raw: bytes):
+    """A request's JSON text -> its value, or BadRequest: not JSON, nested deeper than the decoder goes, or
+    holding a string that is not Unicode (a lone surrogate such as \\ud800, which no tokenizer or UTF-8
+    writer takes)."""
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("invalid_json", "not valid JSON: nested too deeply") from None
+    except ValueError as e:   # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest("invalid_json", f"not valid JSON: {e}") from None
+    if any(sign in raw for sign in SURROGATE_SIGNS) and (place := _not_unicode(value)) is not None:
+        raise BadRequest("invalid_json", f"{place}: not valid Unicode (a lone surrogate such as \\ud800)")
+    return value
+
+
+def _not_unicode(value) -> str | None:
+    """Where in a JSON value a string or key holds a lone surrogate, as `messages[0].content` (a key by its
+    ascii(), so the message stays writable); None if nowhere. Iterative: values nest as deep as json.loads goes."""
+    todo = [(value, "")]
+    while todo:
+        v, place = todo.pop()
+        if isinstance(v, str):
+            if not _is_unicode(v):
+                return place or "the body"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not _is_unicode(k):
+                    return f"{place}.{ascii(k)}" if place else ascii(k)
+                todo.append((item, f"{place}.{k}" if place else k))
+        elif isinstance(v, list):
+            todo += ((item, f"{place}[{i}]") for i, item in enumerate(v))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class BodyParser:
-    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len."""
+    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len, and the
+    limits on a request's size: `max_messages` (None: none) and `max_prompt_tokens` (None: max_seq_len - 1)."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, thinking: bool = False,
-                 reasoning_effort: str | None = None):
+                 reasoning_effort: str | None = None, max_messages: int | None = None,
+                 max_prompt_tokens: int | None = None):
         self.tok, self.defaults, self.max_seq_len = tok, defaults, max_seq_len
         self.thinking, self.reasoning_effort = thinking, reasoning_effort
+        self.max_messages = max_messages
+        fits = max_seq_len - 1                          # the reply needs a position too
+        self.max_prompt_tokens = min(max_prompt_tokens or fits, fits)
+        self.prompt_limit = (f"max_prompt_tokens is {max_prompt_tokens}" if self.max_prompt_tokens < fits
+                             else f"max_seq_len is {max_seq_len}")
 
-    def parse(self, body, chat: bool, place: str = "", seed: int | None = None, streaming: bool = False,
+    def parse(self, body, chat: bool, place: str = "", seed: int | None = None, server: bool = False,
               extra: tuple[str, ...] = ()) -> Request:
         """One body -> Request, or raise BadRequest. `place` prefixes field names in messages ("body."),
-        `seed` is the seed of a body that names none, `streaming` whether `stream` may be true, `extra`
-        fields the caller reads itself."""
+        `seed` is the seed of a body that names none, `server` whether the body came to dsv4 serve (which
+        streams, returns n choices and echoes; batch does not), `extra` fields the caller reads itself."""
         if not isinstance(body, dict):
             raise BadRequest("invalid_request", f"{place.rstrip('.') or 'the body'}: must be a JSON object")
         _check_fields(body, place, extra)
         stream = body.get("stream")
-        if streaming and stream is not None and not isinstance(stream, bool):
+        if server and stream is not None and not isinstance(stream, bool):
             raise BadRequest("invalid_parameter", f"{place}stream: must be true or false")
-        if stream and not streaming:
+        if stream and not server:
             raise BadRequest("unsupported_parameter", f"{place}stream: batch requests cannot stream")
-        include_usage = _stream_options(body, place) if streaming else False
-        if body.get("n") not in (None, 1):
-            raise BadRequest("unsupported_parameter", f"{place}n: only one choice per request is supported")
+        include_usage = _stream_options(body, place) if server else False
+        n, best_of = _choices(body, place, chat, server)
         fmt = body.get("response_format")
         if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
             raise BadRequest("unsupported_parameter", f"{place}response_format: only type text is supported "
@@ -97,6 +152,7 @@ class BodyParser:
         params = self._params(body, place, seed)
         params.logprobs = _logprobs(body, place, chat)
         params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
+        echo = _echo(body, place, chat, server, params.logprobs)
         thinking = False
         if chat:
             thinking, effort = self._thinking(body, place)
@@ -107,9 +163,52 @@ class BodyParser:
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
-        if len(ids) >= self.max_seq_len:
-            raise BadRequest("prompt_too_long", f"the prompt has {len(ids)} tokens; max_seq_len is {self.max_seq_len}")
-        return Request(chat, ids, params, thinking, bool(stream), include_usage)
+        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of,
+                       body["prompt"] if echo else None)
+
+    def tokenize(self, body) -> tuple[list[int], bool]:
+        """A `/tokenize` body (vLLM's) -> the prompt's token ids, and whether each token's text is wanted
+        (`return_token_strs`). `prompt` (with `add_special_tokens`, default true: BOS first) is tokenised as
+        a completion's prompt; `messages` (with `tools`, `tool_choice`, `thinking`, `reasoning_effort`) as
+        a chat request's."""
+        if not isinstance(body, dict):
+            raise BadRequest("invalid_request", "the body: must be a JSON object")
+        chat = "messages" in body
+        if chat == ("prompt" in body):
+            raise BadRequest("invalid_request", "give exactly one of messages or prompt")
+        fields = {"model", "return_token_strs"} | (TOKENIZE_CHAT_FIELDS if chat else {"prompt", "add_special_tokens"})
+        for name in body:
+            if name not in fields:
+                raise BadRequest("unsupported_parameter", f"{name}: not a field of a /tokenize body with "
+                                                          f"{'messages' if chat else 'prompt'}")
+        defaults = {"add_special_tokens": True, "add_generation_prompt": True, "return_token_strs": False}
+        flags = {name: body.get(name, default) for name, default in defaults.items()}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise BadRequest("invalid_parameter", f"{name}: must be true or false")
+        if not flags["add_generation_prompt"]:
+            raise BadRequest("unsupported_parameter", "add_generation_prompt: only true (the template opens the "
+                                                      "reply after a user turn)")
+        if chat:
+            thinking, effort = self._thinking(body, "")
+            return self._chat_ids(body, "", thinking, effort, _tools(body, "")), flags["return_token_strs"]
+        ids = self._completion_ids(body, "")
+        return ids if flags["add_special_tokens"] else ids[1:], flags["return_token_strs"]
+
+    def detokenize(self, body) -> list[int]:
+        """A `/detokenize` body (vLLM's: `tokens`, and `model`) -> the token ids to decode."""
+        if not isinstance(body, dict):
+            raise BadRequest("invalid_request", "the body: must be a JSON object")
+        for name in body:
+            if name not in ("model", "tokens"):
+                raise BadRequest("unsupported_parameter", f"{name}: not a field of a /detokenize body")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise BadRequest("invalid_parameter", "tokens: must be a list of token ids")
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.tok.vocab_size:
+                raise BadRequest("invalid_parameter", f"tokens[{i}]: must be a token id (0..{self.tok.vocab_size - 1})")
+        return tokens
 
     def _params(self, body: dict, place: str, seed: int | None) -> SamplingParams:
         """The run's sampling defaults with the body's values on top."""
@@ -141,7 +240,7 @@ class BodyParser:
             raise BadRequest("invalid_parameter", f"{place}logit_bias: must be an object of token id -> bias")
         out = {}
         for key, value in bias.items():
-            if not (key.isdigit() and int(key) < self.tok.vocab_size):
+            if not (key.isascii() and key.isdigit() and int(key) < self.tok.vocab_size):   # not "²" nor "٣"
                 raise BadRequest("invalid_parameter", f"{place}logit_bias: {key!r} is not a token id "
                                                    f"(0..{self.tok.vocab_size - 1})")
             if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
@@ -153,7 +252,12 @@ class BodyParser:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("invalid_messages", f"{place}messages: must be a non-empty list of messages")
+        if self.max_messages is not None and len(messages) > self.max_messages:
+            raise BadRequest("too_many_messages", f"{place}messages: {len(messages)} messages; at most "
+                                                  f"{self.max_messages} (max_messages)")
         messages = [_plain(m) for m in messages]
+        self._refuse_long(sum(len(m["content"]) for m in messages if isinstance(m, dict)
+                              and isinstance(m.get("content"), str)), 0)
         if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
             first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
             messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
@@ -161,13 +265,38 @@ class BodyParser:
             text = encode_messages(messages, thinking=thinking, reasoning_effort=effort, encoding=self.tok.encoding)
         except ValueError as e:
             raise BadRequest("invalid_messages", f"{place}messages: {e}") from None
-        return self.tok.encode(text)
+        except RecursionError:          # a tool's schema or a call's arguments nested deeper than json.dumps goes
+            raise BadRequest("invalid_messages", f"{place}messages: nested too deeply") from None
+        return self._encode(text, [])
 
     def _completion_ids(self, body: dict, place: str) -> list[int]:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise BadRequest("invalid_prompt", f"{place}prompt: must be a string")
-        return [self.tok.bos_id, *self.tok.encode(prompt)]
+        return self._encode(prompt, [self.tok.bos_id])
+
+    def _encode(self, text: str, ids: list[int]) -> list[int]:
+        """`ids` followed by the text's tokens, refused when there are more than max_prompt_tokens."""
+        self._refuse_long(len(text), len(ids))
+        ids = ids + self.tok.encode(text)
+        if len(ids) > self.max_prompt_tokens:
+            raise BadRequest("prompt_too_long", f"the prompt has {len(ids)} tokens; at most {self.max_prompt_tokens} "
+                                                f"fit ({self.prompt_limit})")
+        return ids
+
+    def _refuse_long(self, chars: int, ids: int) -> None:
+        """Refuse a prompt of `ids` tokens and a text of `chars` characters when its length alone makes it too
+        long: before the work of rendering and tokenising it (a 5 MB prompt takes the tokenizer seconds)."""
+        if chars + ids > self.max_prompt_tokens:       # else even a token per character fits
+            least = -(-chars // self._longest_token) + ids
+            if least > self.max_prompt_tokens:
+                raise BadRequest("prompt_too_long", f"the prompt has at least {least} tokens; at most "
+                                                    f"{self.max_prompt_tokens} fit ({self.prompt_limit})")
+
+    @functools.cached_property
+    def _longest_token(self) -> int:
+        """The most characters one token stands for: a text of c characters has at least c / this many tokens."""
+        return max(len(self.tok.decode([i])) for i in range(self.tok.vocab_size))
 
 
 def _check(key: str, value, place: str):
@@ -186,6 +315,45 @@ def _check_fields(body: dict, place: str, extra: tuple[str, ...]) -> None:
         known = name in SAMPLING_FIELDS or name in HONOURED or name in HARMLESS or name in extra
         if not known:
             raise BadRequest("unsupported_parameter", f"{place}{name}: not a supported request field")
+
+
+def _choices(body: dict, place: str, chat: bool, server: bool) -> tuple[int, int]:
+    """(n, best_of): how many choices to return, and how many candidates to generate for them (completions'
+    best_of: the n with the highest cumulative logprob are returned)."""
+    n, best_of = body.get("n"), body.get("best_of")
+    for name, value in (("n", n), ("best_of", best_of)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+            raise BadRequest("invalid_parameter", f"{place}{name}: must be an integer 1..{MAX_CHOICES}")
+        if value > 1 and not server:
+            raise BadRequest("unsupported_parameter", f"{place}{name}: a batch line gives one choice; repeat the "
+                                                      f"line (with another custom_id) for more")
+    if best_of is not None and chat:
+        raise BadRequest("unsupported_parameter", f"{place}best_of: only for {COMPLETIONS_URL}")
+    n = n or 1
+    best_of = best_of or n
+    if best_of < n:
+        raise BadRequest("invalid_parameter", f"{place}best_of: must be at least n ({n})")
+    if best_of > n and body.get("stream"):
+        raise BadRequest("invalid_parameter", f"{place}best_of: cannot stream (the best are known at the end)")
+    return n, best_of
+
+
+def _echo(body: dict, place: str, chat: bool, server: bool, logprobs: int | None) -> bool:
+    echo = body.get("echo")
+    if echo is None:
+        return False
+    if not isinstance(echo, bool):
+        raise BadRequest("invalid_parameter", f"{place}echo: must be true or false")
+    if echo and chat:
+        raise BadRequest("unsupported_parameter", f"{place}echo: only for {COMPLETIONS_URL}")
+    if echo and not server:
+        raise BadRequest("unsupported_parameter", f"{place}echo: batch results do not repeat the prompt")
+    if echo and logprobs is not None:
+        raise BadRequest("unsupported_parameter", f"{place}echo: not with logprobs (the prompt's logprobs are not "
+                                                  f"computed)")
+    return echo
 
 
 def _stream_options(body: dict, place: str) -> bool:

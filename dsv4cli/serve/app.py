@@ -1,12 +1,24 @@
-"""The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions and /v1/models, plus /health and
-/metrics. Handlers parse and answer; the engine thread (`loop.py`) does the rest.
+"""The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, vLLM's
+/tokenize and /detokenize, plus /health and /metrics. Handlers parse and answer; the engine thread
+(`loop.py`) does the rest.
+
+What a handler lets through (how long a request may take to arrive is bounded in `http.py`): a Host header the
+server answers to (bound to a loopback address: loopback names only, so no web page reaches it by DNS
+rebinding), browser origins on the CORS allow-list only (none by default), POST bodies whose Content-Type is
+application/json (a page may send text/plain anywhere unasked; JSON needs a CORS preflight) and whose size is
+at most max_body_bytes (refused by their Content-Length before a byte is read). JSON decoding and tokenising
+run in a worker thread, never on the event loop (the JSON decoder still holds the interpreter lock: a body
+under the limit can delay other requests by up to about 10 ms per MB).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (the
-batch parser's code and message, which names the field), 401 for a missing or wrong key, 404 for an
-unknown route, 429 when too many requests wait. Only method, path, status and time are logged, unless
---log-prompts.
+batch parser's code and message, which names the field), 401 for a missing or wrong key, 403 for a Host not
+answered to, 404 for an unknown route or model, 413 for a body too large, 415 for one that is not JSON, 429
+when too many requests wait, 500 when the engine failed the request, 503 when the server is stopping. Only
+method, path, status and time are logged, unless --log-prompts.
 """
 import asyncio
+import dataclasses
+import hashlib
 import hmac
 import itertools
 import json
@@ -16,26 +28,40 @@ import time
 from collections.abc import Awaitable, Callable
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from dsv4cli.openai.requests import BadRequest, BodyParser
+from dsv4cli.engine import SamplingParams, Sequence
+from dsv4cli.openai import requests as body_requests
+from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
 
-from .loop import Delta, EngineLoop, Job, QueueFull
+from .loop import Delta, EngineLoop, Job, QueueFull, Stopping
 from .metrics import ServerMetrics
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     body = {"message": message, "type": ERROR_TYPES[status], "param": param, "code": code}
     return JSONResponse({"error": body}, status_code=status)
+
+
+class Refusal(Exception):
+    """A request answered with an error (`error`'s arguments) before or instead of its reply."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 def bad_request(e: BadRequest) -> JSONResponse:
@@ -44,14 +70,19 @@ def bad_request(e: BadRequest) -> JSONResponse:
     return error(400, e.message, e.code, field[1] if field else None)
 
 
+def failure(delta: Delta) -> Refusal:
+    """The request's end when the engine failed it (500) or the server stopped first (503)."""
+    return Refusal(delta.status, delta.error, "server_shutting_down" if delta.status == 503 else None)
+
+
 async def disconnect(receive: Receive) -> None:
     """Returns when the client goes away (the body is already read, so only http.disconnect is left)."""
     while (await receive())["type"] != "http.disconnect":
         pass
 
 
-async def next_delta(job: Job, gone: asyncio.Task) -> Delta | None:
-    """The request's next delta, or None when its client went away first."""
+async def next_delta(job: Job, gone: asyncio.Task) -> tuple[int, Delta] | None:
+    """The request's next (sequence index, delta), or None when its client went away first."""
     get = asyncio.ensure_future(job.queue.get())
     await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
     if get.done():
@@ -60,38 +91,79 @@ async def next_delta(job: Job, gone: asyncio.Task) -> Delta | None:
     return None
 
 
+def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
+    """The params of a request's `count` sequences: the first has the request's seed (so n = 1 samples as
+    before), each other one a seed derived from it, or, unseeded, a random one of its own; `ranked`
+    candidates (best_of) report their tokens' logprobs, which rank them."""
+    if ranked:
+        params = dataclasses.replace(params, logprobs=params.logprobs or 0)
+
+    def seed(i: int) -> int | None:
+        if i == 0 or params.seed is None:
+            return params.seed
+        return int.from_bytes(hashlib.blake2b(f"{params.seed}:{i}".encode(), digest_size=8).digest(), "little") >> 2
+
+    return [dataclasses.replace(params, seed=seed(i)) for i in range(count)]
+
+
+def usage(seqs: list[Sequence]) -> dict:
+    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated)."""
+    prompt, completion_tokens = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+def indexed(chunks: list[dict], index: int) -> list[dict]:
+    """Chunks of one choice, marked as choice `index` of the reply."""
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            choice["index"] = index
+    return chunks
+
+
 class EventStream:
     """A streamed reply as server-sent events (`data: {chunk}`, ending with `data: [DONE]`), an ASGI app
-    as a route may return. It cancels its request when the client goes away: the engine frees the slot
-    before its next step."""
+    as a route may return; with n choices their chunks interleave, each marked with its index. It cancels
+    its request when the client goes away: the engine frees the slots before its next step."""
 
     headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
 
-    def __init__(self, loop: EngineLoop, job: Job, chunks: ChunkStream, gone: asyncio.Task):
-        self.loop, self.job, self.chunks, self.gone = loop, job, chunks, gone
+    def __init__(self, loop: EngineLoop, job: Job, req: body_requests.Request, streams: list[ChunkStream],
+                 gone: asyncio.Task):
+        self.loop, self.job, self.req, self.streams, self.gone = loop, job, req, streams, gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        finished = False
+        finished: list[Sequence] = []
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            await self._send(send, self.chunks.first())
-            while (delta := await next_delta(self.job, self.gone)) is not None:
-                if delta.error is not None:     # the engine failed mid-reply: say so in the stream and end
-                    finished = True
-                    await self._send(send, [{"error": {"message": delta.error, "type": "server_error",
-                                                       "param": None, "code": None}}])
+            opening = []
+            for i, stream in enumerate(self.streams):
+                opening += indexed(stream.first(), i)
+                if self.req.echo is not None:
+                    opening.append(stream.base | {"choices": [{"index": i, "text": self.req.echo, "logprobs": None,
+                                                               "finish_reason": None}]})
+            await self._send(send, opening)
+            while len(finished) < len(self.streams) and (item := await next_delta(self.job, self.gone)) is not None:
+                i, delta = item
+                if delta.error is not None:     # the engine failed it, or the server is stopping: say so and end
+                    e = failure(delta)
+                    await self._send(send, [{"error": {"message": e.message, "type": ERROR_TYPES[e.status],
+                                                       "param": None, "code": e.code}}])
                     break
-                chunks = self.chunks.update(delta.text, delta.logprobs)
-                finished = delta.done is not None
-                await self._send(send, chunks + (self.chunks.finish(delta.done) if finished else []))
-                if finished:
-                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-                    break
+                chunks = self.streams[i].update(delta.text, delta.logprobs)
+                if delta.done is not None:
+                    chunks += self.streams[i].finish(delta.done)
+                    finished.append(delta.done)
+                await self._send(send, indexed(chunks, i))
+            complete = len(finished) == len(self.streams)
+            if complete and self.req.include_usage:
+                await self._send(send, [self.streams[0].base | {"choices": [], "usage": usage(finished)}])
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if complete else b"",
+                        "more_body": False})
         except OSError:                         # the client went away while we wrote
             pass
         finally:
             self.gone.cancel()
-            if not finished:
+            if len(finished) < len(self.streams):
                 self.loop.cancel(self.job)
 
     @staticmethod
@@ -102,56 +174,112 @@ class EventStream:
 
 
 def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, metrics: ServerMetrics,
-               api_key: str | None, log_prompts: bool) -> ASGIApp:
+               api_key: str | None, log_prompts: bool, max_body_bytes: int = 8 << 20,
+               hosts: set[str] | None = None, cors_origins: list[str] = ()) -> ASGIApp:
+    """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed."""
     numbers = itertools.count(1)
     created = int(time.time())
+    card = {"id": model, "object": "model", "created": created, "owned_by": "dsv4cli",
+            "max_model_len": parser.max_seq_len}
 
     def authorized(request: Request) -> bool:
         if api_key is None:
             return True
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 7235); compare_digest: no timing tells how much of a key is right
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
-    def guarded(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(handler: Callable[[Request], Awaitable[Response]], keyed: bool = True) -> Callable:
         async def route(request: Request) -> Response:
-            if not authorized(request):
-                return error(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                             "invalid_api_key")
-            return await handler(request)
+            try:
+                if keyed and not authorized(request):
+                    raise Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                                  "invalid_api_key")
+                return await handler(request)
+            except Refusal as e:
+                return error(e.status, e.message, e.code, e.param)
+            except BadRequest as e:
+                return bad_request(e)
+            except ClientDisconnect:            # gone while sending its body: nobody reads an answer
+                return Response(status_code=499)
         return route
 
-    async def completions(request: Request, chat: bool) -> Response | EventStream:
-        try:
-            body = await request.json()
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}", "invalid_json")
+    async def read_body(request: Request) -> bytes:
+        length = request.headers.get("content-length")      # h11 checked that it is a number
+        if length is not None and int(length) > max_body_bytes:
+            raise Refusal(413, f"the body is {length} bytes; at most {max_body_bytes} (max_body_bytes)",
+                          "body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise Refusal(413, f"the body is over {max_body_bytes} bytes (max_body_bytes)", "body_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parsed(request: Request, parse: Callable):
+        """`parse(the JSON body)`, run with the decoding in a worker thread."""
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json":
+            raise Refusal(415, f"Content-Type must be application/json, got {media or 'none'}",
+                          "unsupported_media_type")
+        raw = await read_body(request)
         if log_prompts:
-            print(f"{request.url.path} body: {json.dumps(body, ensure_ascii=False)}", file=sys.stderr, flush=True)
+            print(f"{request.url.path} body: {raw.decode(errors='replace')}", file=sys.stderr, flush=True)
+        return await run_in_threadpool(lambda: parse(load_json(raw)))
+
+    def submit(req: body_requests.Request) -> Job:
+        if req.best_of > loop.capacity:
+            name = "best_of" if req.best_of > req.n else "n"
+            raise Refusal(400, f"{name}: {req.best_of} sequences; at most {loop.capacity} fit (max_batch + "
+                               f"max_waiting)", "invalid_parameter", name)
         try:
-            req = parser.parse(body, chat, streaming=True)
-        except BadRequest as e:
-            return bad_request(e)
-        try:
-            job = loop.submit(req)
+            return loop.submit(req.prompt_ids, sequence_params(req.params, req.best_of, req.best_of > req.n))
         except QueueFull:
-            return error(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
-                         "queue_full")
+            raise Refusal(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
+                          "queue_full") from None
+        except Stopping as e:
+            raise Refusal(503, str(e), "server_shutting_down") from None
         except RuntimeError as e:           # the engine thread failed earlier
-            return error(500, str(e))
+            raise Refusal(500, str(e)) from None
+
+    def reply(req: body_requests.Request, seqs: list[Sequence], number: str) -> dict:
+        """The reply body: n choices (of best_of candidates, the n with the highest cumulative logprob)."""
+        if req.best_of > req.n:
+            seqs = sorted(seqs, key=lambda s: -sum(e.logprob for e in s.logprobs))
+        bodies = [completion(req, seq, model, tok, number) for seq in seqs[:req.n]]
+        body = bodies[0] | {"choices": [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)],
+                            "usage": usage(seqs)}
+        if req.echo is not None:
+            for choice in body["choices"]:
+                choice["text"] = req.echo + choice["text"]
+        return body
+
+    async def completions(request: Request, chat: bool) -> Response | EventStream:
+        req = await parsed(request, lambda body: parser.parse(body, chat, server=True))
+        job = submit(req)
         number = str(next(numbers))
         gone = asyncio.ensure_future(disconnect(request.receive))
         if req.stream:
-            return EventStream(loop, job, ChunkStream(req, tok, model, number), gone)
+            alone = dataclasses.replace(req, include_usage=False)     # one usage chunk for all choices, at the end
+            return EventStream(loop, job, req, [ChunkStream(alone, tok, model, number) for _ in range(req.n)], gone)
+        seqs: list[Sequence | None] = [None] * req.best_of
+        left = req.best_of
         try:
-            while (delta := await next_delta(job, gone)) is not None:
+            while left:
+                item = await next_delta(job, gone)
+                if item is None:            # the client went away: nobody reads the answer
+                    return Response(status_code=499)
+                index, delta = item
                 if delta.error is not None:
-                    return error(500, delta.error)
+                    raise failure(delta)
                 if delta.done is not None:
-                    return JSONResponse(completion(req, delta.done, model, tok, number))
+                    seqs[index], left = delta.done, left - 1
         finally:
             gone.cancel()
-        loop.cancel(job)                    # the client went away: nobody reads the answer
-        return Response(status_code=499)
+            if left:
+                loop.cancel(job)
+        return JSONResponse(reply(req, seqs, number))
 
     async def chat_completions(request: Request) -> Response | EventStream:
         return await completions(request, chat=True)
@@ -160,8 +288,23 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         return await completions(request, chat=False)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model, "object": "model", "created": created,
-                                                          "owned_by": "dsv4cli"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model_info(request: Request) -> Response:
+        if request.path_params["model"] != model:
+            raise Refusal(404, f"{request.path_params['model']}: no such model; this server serves {model}",
+                          "model_not_found", "model")
+        return JSONResponse(card)
+
+    def tokenized(ids: list[int], strings: bool) -> dict:
+        return {"count": len(ids), "max_model_len": parser.max_seq_len, "tokens": ids,
+                "token_strs": [tok.decode([i]) for i in ids] if strings else None}
+
+    async def tokenize(request: Request) -> Response:
+        return JSONResponse(await parsed(request, lambda body: tokenized(*parser.tokenize(body))))
+
+    async def detokenize(request: Request) -> Response:
+        return JSONResponse(await parsed(request, lambda body: {"prompt": tok.decode(parser.detokenize(body))}))
 
     async def health(request: Request) -> Response:
         if loop.error is not None:
@@ -176,13 +319,37 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             return error(405, f"{request.method} {request.url.path}: method not allowed", "method_not_allowed")
         return error(404, f"{request.method} {request.url.path}: no such route", "not_found")
 
-    routes = [Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
-              Route("/v1/completions", guarded(text_completions), methods=["POST"]),
-              Route("/v1/models", guarded(models), methods=["GET"]),
-              Route("/health", health, methods=["GET"]),
-              Route("/metrics", prometheus, methods=["GET"])]
+    routes = [Route("/v1/chat/completions", endpoint(chat_completions), methods=["POST"]),
+              Route("/v1/completions", endpoint(text_completions), methods=["POST"]),
+              Route("/v1/models", endpoint(models), methods=["GET"]),
+              Route("/v1/models/{model:path}", endpoint(model_info), methods=["GET"]),
+              Route("/tokenize", endpoint(tokenize), methods=["POST"]),
+              Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+              Route("/health", endpoint(health, keyed=False), methods=["GET"]),
+              Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
-    return access_log(app)
+    if cors_origins:
+        app = CORSMiddleware(app, allow_origins=cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])
+    return access_log(host_check(app, hosts))
+
+
+def host_check(app: ASGIApp, hosts: set[str] | None) -> ASGIApp:
+    """Refuse (403) a request whose Host header names none of `hosts` (None: any), with or without a port:
+    a page of another site reaching a loopback server by DNS rebinding sends its own name."""
+    if hosts is None:
+        return app
+
+    async def checked(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = Headers(scope=scope).get("host", "").lower()
+            name = host[:host.find("]") + 1] if host.startswith("[") else host.rpartition(":")[0] or host
+            if name not in hosts:
+                answer = error(403, f"Host {host!r} is not answered to (only {', '.join(sorted(hosts))}; add names "
+                                    f"with --allowed-host)", "host_not_allowed")
+                return await answer(scope, receive, send)
+        await app(scope, receive, send)
+
+    return checked
 
 
 def access_log(app: ASGIApp) -> ASGIApp:

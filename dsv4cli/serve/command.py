@@ -1,11 +1,15 @@
 """`dsv4 serve`: the model behind an OpenAI-compatible HTTP API (`mode = "serve"` of `dsv4 run` is
 `run_serve`). Loads the engine, starts its thread, binds the socket, prints the URL, runs uvicorn."""
+import ipaddress
+import signal
 import socket
 import sys
 
 from dsv4cli.config import Settings
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.options import CliOptions, model_options
+
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -21,11 +25,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def answered_hosts(s: Settings, address: str) -> set[str] | None:
+    """The Host names the server answers to (None: any): --allowed-host, else on a loopback address only
+    loopback names (so no page of another site reaches it by DNS rebinding), else any."""
+    if s.allowed_hosts:
+        return None if "*" in s.allowed_hosts else {h.lower() for h in s.allowed_hosts}
+    ip = ipaddress.ip_address(address.partition("%")[0])
+    return LOOPBACK_HOSTS | {f"[{ip}]" if ip.version == 6 else str(ip)} if ip.is_loopback else None
+
+
 def run_serve(s: Settings) -> int:
     try:
         import uvicorn
 
         from .app import create_app
+        from .http import BACKLOG, Server, connection_limit, protocol
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          f"pip install 'dsv4cli[serve]'") from None
@@ -37,17 +51,20 @@ def run_serve(s: Settings) -> int:
 
     sock = bind(s.host, s.port)     # before loading: a taken port fails in a second, not after the model
     engine = load_engine(s, "serve")
-    parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort)
+    parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
+                        s.max_messages, s.max_prompt_tokens)
     metrics = ServerMetrics()
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True))
-    app = create_app(loop, parser, engine.tok, s.model_dir.name, metrics, s.api_key, s.log_prompts)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=2))
     host, port = sock.getsockname()[:2]
+    app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
+                     answered_hosts(s, host), s.cors_origins)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
+                            http=protocol(s.read_timeout, connection_limit(s.max_connections)))
+    server = Server(config, loop, s.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
     key = ", API key required" if s.api_key else ""
-    print(f"dsv4 serve: {s.model_dir.name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
+    print(f"dsv4 serve: {s.model_name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
           f"MTP {engine.mtp_depth}{key})", flush=True)
     loop.start()
     try:
@@ -57,10 +74,12 @@ def run_serve(s: Settings) -> int:
     if loop.error is not None:
         raise RunError(f"{loop.error}; the server stopped (exit code 1) so that a supervisor restarts it")
     print("dsv4 serve: stopped", file=sys.stderr)
-    return 0
+    return 130 if server.stopped_by == signal.SIGINT else 0
 
 
-@model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort")
+@model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort",
+               "served_model_name", "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages",
+               "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     streaming), with continuous batching."""

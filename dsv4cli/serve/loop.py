@@ -6,15 +6,17 @@ between engine steps, steps while there is work, and sleeps on a condition when 
 spinning). What a step produced goes back to each request's asyncio queue with
 `call_soon_threadsafe`, as plain values: a handler never reads a Sequence the engine is still writing.
 Batching is the engine's own: every step admits waiting requests into free slots (continuous batching).
+A request of n choices (or best_of candidates) is that many sequences, all admitted at once.
 """
 import asyncio
+import contextlib
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dsv4cli.engine import EngineAPI, EngineFailed, Sequence, TokenLogprob
-from dsv4cli.openai.requests import Request
+from dsv4cli.engine import EngineAPI, EngineFailed, SamplingParams, Sequence, TokenLogprob
+from dsv4cli.errors import RunError
 
 from .metrics import ServerMetrics
 
@@ -23,26 +25,33 @@ class QueueFull(Exception):
     """More requests wait for a slot than `max_waiting` allows."""
 
 
+class Stopping(Exception):
+    """The server is stopping: it takes no more requests."""
+
+
 @dataclass
 class Delta:
-    """What one step produced for a request: text that can no longer change, the logprobs of its new
-    tokens, and, when it ended, the finished Sequence (the engine no longer writes it)."""
+    """What one step produced for one of a request's sequences: text that can no longer change, the
+    logprobs of its new tokens, and, when it ended, the finished Sequence (the engine no longer writes it)."""
     text: str
     logprobs: list[TokenLogprob]
     done: Sequence | None = None
-    error: str | None = None        # the engine failed; the request is over
+    error: str | None = None        # the request is over: the engine failed it, or the server is stopping
+    status: int = 500               # the HTTP status of that error
 
 
 @dataclass(eq=False)
 class Job:
-    """A request on its way through the engine thread, and where its deltas go."""
-    request: Request
+    """A request on its way through the engine thread: the prompt, one SamplingParams per sequence to run,
+    and where their deltas go, as (sequence index, Delta)."""
+    prompt_ids: list[int]
+    params: list[SamplingParams]
     queue: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
-    seq: Sequence | None = None
+    seqs: list[Sequence] = field(default_factory=list)
 
-    def deliver(self, delta: Delta) -> None:
-        self.aloop.call_soon_threadsafe(self.queue.put_nowait, delta)
+    def deliver(self, index: int, delta: Delta) -> None:
+        _call_soon(self.aloop, self.queue.put_nowait, (index, delta))
 
 
 class EngineLoop:
@@ -52,13 +61,19 @@ class EngineLoop:
         self.wake = threading.Condition()
         self.inbox: list[Job] = []          # submitted, not yet in the engine
         self.cancels: list[Job] = []
-        self.jobs: dict[str, Job] = {}      # in the engine, by Sequence.id
-        # jobs in the engine holding a slot / waiting for one, counted whenever jobs come or go (under the
-        # lock, so a submit never sees a job that is in neither the inbox nor these counts)
+        self.jobs: dict[str, tuple[Job, int]] = {}      # in the engine: Sequence.id -> (job, index in job.seqs)
+        # sequences in the engine holding a slot / waiting for one, counted whenever jobs come or go (under
+        # the lock, so a submit never sees a job that is in neither the inbox nor these counts)
         self.running = self.waiting = 0
         self.stopping = False
+        self.closed: str | None = None      # why no more requests are taken (the server is stopping)
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    @property
+    def capacity(self) -> int:
+        """The most sequences one request may run: every slot and waiting place."""
+        return self.engine.max_batch + self.max_waiting
 
     def start(self) -> None:
         self.thread.start()
@@ -69,24 +84,38 @@ class EngineLoop:
             self.wake.notify()
         self.thread.join()
 
-    def submit(self, request: Request) -> Job:
-        """Queue a request (from the event loop); raises QueueFull when too many already wait."""
-        job = Job(request, asyncio.Queue(), asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> Job:
+        """Queue a request of len(params) sequences (from the event loop); raises QueueFull when they would
+        wait beyond max_waiting, Stopping once the server stops."""
+        job = Job(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
         with self.wake:
             if self.error is not None:
                 raise RuntimeError(self.error)
+            if self.closed is not None:
+                raise Stopping(self.closed)
             free_slots = self.engine.max_batch - self.running
-            if self.waiting + len(self.inbox) >= self.max_waiting + free_slots:
+            queued = sum(len(j.params) for j in self.inbox)
+            if self.waiting + queued + len(params) > self.max_waiting + free_slots:
                 raise QueueFull
             self.inbox.append(job)
             self.wake.notify()
         return job
 
     def cancel(self, job: Job) -> None:
-        """End a request early (its client went away); the engine frees its slot before the next step."""
+        """End a request early (its client went away); the engine frees its slots before the next step."""
         with self.wake:
             self.cancels.append(job)
             self.wake.notify()
+
+    def close(self, reason: str) -> None:
+        """Take no more requests and end every open one now with `reason` (HTTP 503), on the event loop:
+        a stopping server's last word to requests that did not finish in time. Their handlers cancel them."""
+        with self.wake:
+            self.closed = reason
+            open_jobs = {id(job): job for job, _ in self.jobs.values()} | {id(job): job for job in self.inbox}
+            self.inbox.clear()
+        for job in open_jobs.values():
+            job.queue.put_nowait((0, Delta("", [], error=reason, status=503)))
 
     def _run(self) -> None:
         try:
@@ -104,33 +133,38 @@ class EngineLoop:
                 if self.engine.has_work():
                     self._step()
         except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
-            if not isinstance(e, EngineFailed):
+            if not isinstance(e, EngineFailed | RunError):     # those say all there is in their message
                 traceback.print_exc(file=sys.stderr)
             with self.wake:
                 self.error = f"engine failed: {type(e).__name__}: {e}"
-                orphans = [*self.jobs.values(), *self.inbox]
-            for job in orphans:
-                job.deliver(Delta("", [], error=self.error))
+                orphans = {id(job): job for job, _ in self.jobs.values()} | {id(job): job for job in self.inbox}
+            for job in orphans.values():
+                job.deliver(0, Delta("", [], error=self.error))
             self.on_fatal()
 
     def _admit(self, job: Job) -> None:
         try:
-            job.seq = self.engine.submit(job.request.prompt_ids, job.request.params)
+            for params in job.params:
+                job.seqs.append(self.engine.submit(job.prompt_ids, params))
         except ValueError as e:         # the parser checks what the engine refuses; this is a last guard
-            job.deliver(Delta("", [], error=str(e)))
+            for seq in job.seqs:
+                self.engine.cancel(seq)
+            job.deliver(0, Delta("", [], error=str(e)))
             return
-        self.jobs[job.seq.id] = job
+        for index, seq in enumerate(job.seqs):
+            self.jobs[seq.id] = (job, index)
 
     def _cancel(self, job: Job) -> None:
-        if job.seq is not None and self.jobs.pop(job.seq.id, None) is not None:
-            self.engine.cancel(job.seq)
-            self.metrics.finish(job.seq)
+        for seq in job.seqs:
+            if self.jobs.pop(seq.id, None) is not None:
+                self.engine.cancel(seq)
+                self.metrics.finish(seq)
 
     def _step(self) -> None:
         deliveries = []
         for event in self.engine.step():
-            job = self.jobs.get(event.seq.id)
-            if job is None:
+            entry = self.jobs.get(event.seq.id)
+            if entry is None:
                 continue
             seq = event.seq
             logprobs = seq.logprobs[len(seq.logprobs) - len(event.token_ids):] if seq.params.logprobs is not None \
@@ -142,18 +176,23 @@ class EngineLoop:
                 self.metrics.finish(seq)
                 if seq.error is not None:
                     print(f"request {seq.id}: {seq.error}", file=sys.stderr, flush=True)
-            deliveries.append((job, Delta(event.text, logprobs, done, seq.error)))
+            deliveries.append((*entry, Delta(event.text, logprobs, done, seq.error)))
         with self.wake:
             self._count()           # before the deltas: a client that got its tokens sees itself running
         if deliveries:      # one wake-up of the (one) event loop per step, not one per request
-            deliveries[0][0].aloop.call_soon_threadsafe(_put_all, deliveries)
+            _call_soon(deliveries[0][0].aloop, _put_all, deliveries)
 
     def _count(self) -> None:
-        self.running = sum(job.seq.slot >= 0 for job in self.jobs.values())
+        self.running = sum(job.seqs[index].slot >= 0 for job, index in self.jobs.values())
         self.waiting = len(self.jobs) - self.running
         self.metrics.set_load(self.running, self.waiting)
 
 
-def _put_all(deliveries: list[tuple[Job, Delta]]) -> None:
-    for job, delta in deliveries:
-        job.queue.put_nowait(delta)
+def _call_soon(aloop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    with contextlib.suppress(RuntimeError):     # the event loop is closed: the server is gone, nobody waits
+        aloop.call_soon_threadsafe(fn, *args)
+
+
+def _put_all(deliveries: list[tuple[Job, int, Delta]]) -> None:
+    for job, index, delta in deliveries:
+        job.queue.put_nowait((index, delta))
