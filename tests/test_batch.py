@@ -118,6 +118,27 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
     assert "3 ok, 16 errors" in r.stderr.strip().splitlines()[-1]
 
 
+def test_empty_and_duplicate_custom_ids_leave_each_id_once(tiny_model_dir, tmp_path):
+    """An empty custom_id once stopped the run (the engine named the request itself); a duplicate's error record
+    named the id a second time. A resumed run writes nothing more."""
+    rows = [chat("", "Hi"), chat("a", "Hello"), {"id": "", "prompt": "x"}, chat("a", "Hello again"),
+            {"id": "b", "prompt": "y"}]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "-n", "3", "--temperature", "0")
+    r = dsv4(*args)
+    assert r.returncode == 0, r.stderr
+    records = read_jsonl(out)
+    assert sorted(rec["custom_id"] for rec in records if rec["custom_id"] is not None) == ["a", "b"]
+    errors = {rec["error"]["line"]: (rec["error"]["code"], rec["error"]["message"]) for rec in records if rec["error"]}
+    assert errors == {1: ("invalid_request", "custom_id: must not be empty"),
+                      3: ("invalid_request", "custom_id: must not be empty"),
+                      4: ("duplicate_custom_id", "custom_id 'a' was already used by an earlier line")}
+    before = out.read_bytes()
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0 and "0 ok, 0 errors, 5 already done" in r.stderr, r.stderr
+    assert out.read_bytes() == before
+
+
 def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):
     _, reference, seed = long_run
     src = write_jsonl(tmp_path / "in.jsonl", LONG[:6])

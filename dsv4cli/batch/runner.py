@@ -31,7 +31,7 @@ class BatchRun:
         self.done, self.errored = done, errored         # from the output of an earlier run (--resume)
         self.bar = bar
         self.window = 2 * engine.max_batch
-        self.in_flight: dict[str, Request] = {}
+        self.in_flight: dict[str, Request] = {}     # by engine request id: the input line, unique in a run
         self.peak_in_flight = 0
         self.ok = self.failed = self.skipped = self.tokens = 0
         self.t0 = time.perf_counter()
@@ -45,8 +45,9 @@ class BatchRun:
                 if req is None:
                     more = False
                     break
-                self.engine.submit(req.prompt_ids, req.params, req.custom_id)
-                self.in_flight[req.custom_id] = req
+                request_id = f"line-{req.line}"
+                self.engine.submit(req.prompt_ids, req.params, request_id)
+                self.in_flight[request_id] = req
                 self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
             if not self.engine.has_work():
                 return
