@@ -216,6 +216,46 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_model_dir, tmp_path, long
     assert answers(read_jsonl(out)) == answers(reference) and errors.read_text() == ""
 
 
+def test_a_full_disk_stops_the_run_with_how_to_go_on(tiny_model_dir, tmp_path):
+    """The output is /dev/full (through a link, so the seed file lands in tmp_path): every write fails with ENOSPC."""
+    rows = [{"id": f"q{i}", "prompt": f"Item {i}:"} for i in range(3)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    out.symlink_to("/dev/full")
+    args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "-n", "2", "--temperature", "0")
+    r = dsv4(*args)
+    assert r.returncode == 1, r.stderr
+    summary, error = r.stderr.strip().splitlines()
+    assert summary.startswith("batch stopped: 0 ok")
+    assert error == (f"error: -o/--output {out}: cannot write: no space left on device; free space and rerun with "
+                     "--resume (the results so far are kept)")
+    out.unlink()                                                # space again
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert sorted(rec["custom_id"] for rec in read_jsonl(out)) == ["q0", "q1", "q2"]
+
+
+def test_a_filesystem_that_fills_up_loses_nothing(tiny_model_dir, tmp_path):
+    """A 12 KiB tmpfs fills after a few results (a write may stop mid-line); with more room, --resume answers
+    the rest, each request once. Needs the right to mount (root in a container); skipped without it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        rows = [{"id": f"q{i}", "prompt": f"Item {i}:", "max_tokens": 8, "ignore_eos": True} for i in range(40)]
+        src, out = write_jsonl(tmp_path / "in.jsonl", rows), disk / "out.jsonl"
+        args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "4")
+        r = dsv4(*args)
+        assert r.returncode == 1 and "no space left on device; free space and rerun with --resume" in r.stderr
+        assert 0 < out.read_bytes().count(b"\n") < len(rows)
+        subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)
+        r = dsv4(*args, "--resume")
+        assert r.returncode == 0, r.stderr
+        assert sorted(rec["custom_id"] for rec in read_jsonl(out)) == sorted(f"q{i}" for i in range(40))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
+
+
 def test_a_second_run_on_the_same_files_is_refused(tiny_model_dir, tmp_path):
     """Both runs --resume: without the lock each would answer every request the other had not written yet."""
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": f"Item {i}:", "max_tokens": 16, "ignore_eos": True}

@@ -99,10 +99,10 @@ class BatchRun:
         accept = f" · accept {totals.acceptance_rate:.0%}" if totals.draft_tokens else ""
         return f"{self.ok / dt:.1f} req/s · {self.tokens / dt:.1f} tok/s{accept}"
 
-    def summary(self, interrupted: bool) -> str:
+    def summary(self, state: str) -> str:
+        """One line: how the run ended (done, interrupted, stopped) and its counts and rates."""
         dt = time.perf_counter() - self.t0
         skipped = f", {self.skipped} already done" if self.skipped else ""
-        state = "interrupted" if interrupted else "done"
         return (f"batch {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
                 f" · {self.rates()}")
 
@@ -171,12 +171,16 @@ def run_batch(s: Settings) -> int:
     except KeyboardInterrupt:
         interrupted = True
     except EngineFailed as e:           # every result so far is written; the requests in flight are not
+        failed = RunError(f"{e}; the results so far are kept: --resume answers the rest")
+    except RunError as e:               # a result could not be written (a full disk)
         failed = e
     finally:
-        out.close()
-        if errors is not out:
-            errors.close()
-    print(batch.summary(interrupted or failed is not None), file=sys.stderr)
+        for file in dict.fromkeys((out, errors)):
+            try:
+                file.close()
+            except RunError as e:
+                failed = failed or e
+    print(batch.summary("stopped" if failed else "interrupted" if interrupted else "done"), file=sys.stderr)
     if failed is not None:
-        raise RunError(f"{failed}; the results so far are kept: --resume answers the rest")
+        raise failed
     return 130 if interrupted else 0
