@@ -5,8 +5,9 @@ from rich.console import Console
 
 from dsv4cli.chat.session import ChatSession, read_message
 from dsv4cli.chat.tui import split_reply, status_bar
-from dsv4cli.config import Settings
+from dsv4cli.config import BUNDLED_MODEL_DIR, Settings
 from dsv4cli.engine import Metrics
+from dsv4cli.tokenizer import Tokenizer
 
 
 def test_status_bar_snapshot():
@@ -76,6 +77,29 @@ def test_save_load_round_trip(tmp_path):
     path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
     assert "unknown role" in t.command(f"/load {path}").message and t.messages == s.messages
     assert t.command(f"/load {tmp_path / 'missing.json'}").error
+
+
+def test_fit_shows_the_model_the_latest_exchanges_that_fit():
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    s = ChatSession(Settings(system="Be brief."))
+    for i in range(8):
+        s.add_user(f"Question {i}?")
+        s.add_reply(f"Answer {i}.", Metrics(), interrupted=False)
+    s.add_user("Last question?")
+    whole = len(tok.encode(s.prompt()))
+    ids, hidden = s.fit(tok.encode, whole)
+    assert (s.start, hidden, ids) == (0, 0, tok.encode(s.prompt()))
+    ids, hidden = s.fit(tok.encode, whole - 1)            # one token short: the oldest exchange goes
+    assert (s.start, hidden) == (2, 2) and len(ids) < whole and "Question 0?" not in s.prompt()
+    ids, hidden = s.fit(tok.encode, len(tok.encode(s.prompt(14))))
+    assert (s.start, hidden) == (14, 12)
+    assert s.prompt().startswith("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Question 7?")
+    assert s.fit(tok.encode, 1)[1] == 2 and s.start == 16    # the last user message stays, whatever the budget
+    assert len(s.transcript) == 18 and s.transcript[1]["content"] == "Question 0?"
+    s.command("/undo")
+    assert s.start == 16 and s.conversation == [{"role": "system", "content": "Be brief."}]
+    s.add_user("Again?")
+    assert s.fit(tok.encode, whole)[1] == 0 and s.start == 0  # room again: the model sees everything again
 
 
 def test_read_message_blocks():

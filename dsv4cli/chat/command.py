@@ -169,18 +169,16 @@ class Chat:
 
 
     def fitting_prompt(self) -> list[int]:
-        """The conversation's prompt, without its oldest exchanges while it and a whole reply (max_tokens)
-        would not fit in max_seq_len; says so in one line when it drops any."""
-        ids, dropped = self.engine.tok.encode(self.session.prompt()), 0
-        while len(ids) + self.session.settings.max_tokens > self.engine.max_seq_len:
-            n = self.session.drop_oldest_exchange()
-            if not n:
-                break
-            dropped += n
-            ids = self.engine.tok.encode(self.session.prompt())
-        if dropped:
-            self.console.print(Text(f"dropped the {dropped} oldest messages to fit max_seq_len "
-                                    f"{self.engine.max_seq_len} (the system prompt stays)", style="yellow"))
+        """The conversation's prompt: the latest exchanges that leave room for the reply in max_seq_len.
+        The room is max_tokens, but at most a quarter of max_seq_len, so a long max_tokens still leaves
+        history for the model (the reply then ends when the context is full). Says so in one line when the
+        model stops seeing messages; the transcript (/save) keeps them all."""
+        max_seq_len, s = self.engine.max_seq_len, self.session.settings
+        room = min(s.max_tokens if s.max_tokens > 0 else max_seq_len, max_seq_len // 4)
+        ids, hidden = self.session.fit(self.engine.tok.encode, max_seq_len - room)
+        if hidden:
+            self.console.print(Text(f"context full: the model no longer sees the {hidden} oldest messages (the system "
+                                    "prompt stays; /save keeps them all)", style="yellow"))
         return ids
 
 
