@@ -4,11 +4,12 @@ import sys
 from pathlib import Path
 
 from dsv4cli.config import Settings
-from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
+from dsv4cli.encoding import THINK_END, encode_messages
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
-from dsv4cli.openai.responses import chat_logprobs, tool_calls
+from dsv4cli.openai.responses import chat_logprobs, tool_calls, visible_message
 from dsv4cli.options import CliOptions, model_options
+from dsv4cli.tokenizer import Tokenizer
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -61,14 +62,16 @@ def split_reasoning(text: str, final: bool) -> tuple[str, str]:
 
 class ReplyStream:
     """Streams a reply: the answer to stdout; in thinking mode the reasoning first, dimmed on a terminal,
-    on stderr when stdout is piped (so stdout holds the answer alone)."""
+    on stderr when stdout is piped (so stdout holds the answer alone). No special tokens are shown."""
 
-    def __init__(self, thinking: bool):
-        self.thinking, self.tty = thinking, sys.stdout.isatty()
+    def __init__(self, tok: Tokenizer, thinking: bool):
+        self.tok, self.thinking, self.tty = tok, thinking, sys.stdout.isatty()
         self.reasoning = self.answer = 0     # characters of each already written
 
     def update(self, text: str, final: bool = False) -> None:
         reasoning, answer = split_reasoning(text, final) if self.thinking else ("", text)
+        reasoning = self.tok.visible(reasoning, final=final or THINK_END in text)
+        answer = self.tok.visible(answer, final)
         if len(reasoning) > self.reasoning:
             chunk = reasoning[self.reasoning:]
             if self.tty:
@@ -96,7 +99,7 @@ def run_generate(s: Settings) -> int:
         seq = engine.submit(ids, sampling_params(s))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    stream = None if s.json else ReplyStream(thinking)
+    stream = None if s.json else ReplyStream(engine.tok, thinking)
     try:
         while engine.has_work():
             engine.step()
@@ -108,9 +111,11 @@ def run_generate(s: Settings) -> int:
         raise RunError(seq.error)
     reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
-        result = {"text": answer, **({"reasoning_content": reasoning} if thinking else {}),
+        # the text without special tokens; token_ids keep every token
+        result = {"text": engine.tok.visible(answer),
+                  **({"reasoning_content": engine.tok.visible(reasoning)} if thinking else {}),
                   "token_ids": seq.output_ids, "finish_reason": seq.finish_reason}
-        parsed = parse_completion(seq.text, thinking) if tools else None
+        parsed = visible_message(engine.tok, seq.text, thinking) if tools else None
         if parsed and parsed["tool_calls"]:    # the text before the calls, and the calls in OpenAI form
             result |= {"text": parsed["content"], "tool_calls": tool_calls(parsed["tool_calls"], ""),
                        "finish_reason": "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason}

@@ -1,4 +1,4 @@
-"""The chat's conversation state, slash commands and status bar, in process (no model)."""
+"""The chat's conversation state, slash commands and status bar, in process (no model; the bundled tokenizer)."""
 import json
 
 from rich.console import Console
@@ -7,7 +7,14 @@ from dsv4cli.chat.session import ChatSession, read_message
 from dsv4cli.chat.tui import split_reply, status_bar
 from dsv4cli.config import BUNDLED_MODEL_DIR, Settings
 from dsv4cli.engine import Metrics
+from dsv4cli.openai.responses import visible_message
 from dsv4cli.tokenizer import Tokenizer
+
+TOK = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+
+
+def reply(text: str, thinking: bool = False) -> dict:
+    return visible_message(TOK, text, thinking)
 
 
 def test_status_bar_snapshot():
@@ -45,11 +52,11 @@ def test_regen_and_undo():
     s = ChatSession(Settings(thinking=True))
     assert s.command("/regen").error and s.command("/undo").error
     s.add_user("hi")
-    reply = s.add_reply("let me think</think>Hello!", Metrics(), interrupted=False)
-    assert reply == {"role": "assistant", "content": "Hello!", "reasoning_content": "let me think"}
+    kept = s.add_reply(reply("let me think</think>Hello!<｜end▁of▁sentence｜>", True), Metrics(), interrupted=False)
+    assert kept == {"role": "assistant", "content": "Hello!", "reasoning_content": "let me think"}
     assert s.prompt().endswith("<｜User｜>hi<｜Assistant｜><think>let me think</think>Hello!<｜end▁of▁sentence｜>")
     assert s.command("/regen").action == "reply" and s.messages == [{"role": "user", "content": "hi"}]
-    s.add_reply("unfinished thou", Metrics(), interrupted=True)
+    s.add_reply(reply("unfinished thou", True), Metrics(), interrupted=True)
     assert s.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": "unfinished thou",
                               "interrupted": True}
     assert s.totals.replies == 2 and s.totals.interrupted == 1
@@ -62,7 +69,7 @@ def test_save_load_round_trip(tmp_path):
     s.command("/system Be brief.")
     s.command("/set temperature 0.25")
     s.add_user("hi")
-    s.add_reply("Hel", Metrics(), interrupted=True)
+    s.add_reply(reply("Hel"), Metrics(), interrupted=True)
     path = tmp_path / "chat.json"
     assert not s.command(f"/save {path}").error
     data = json.loads(path.read_text())
@@ -80,11 +87,11 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_fit_shows_the_model_the_latest_exchanges_that_fit():
-    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    tok = TOK
     s = ChatSession(Settings(system="Be brief."))
     for i in range(8):
         s.add_user(f"Question {i}?")
-        s.add_reply(f"Answer {i}.", Metrics(), interrupted=False)
+        s.add_reply(reply(f"Answer {i}."), Metrics(), interrupted=False)
     s.add_user("Last question?")
     whole = len(tok.encode(s.prompt()))
     ids, hidden = s.fit(tok.encode, whole)
@@ -121,6 +128,12 @@ def test_read_message_blocks():
 
 
 def test_split_reply():
-    assert split_reply("a</think>b", thinking=True) == ("a", "b")
-    assert split_reply("still thinking", thinking=True) == ("still thinking", "")
-    assert split_reply("a</think>b", thinking=False) == ("", "a</think>b")
+    """What the chat shows: reasoning apart from the answer, no special tokens, a partial one held back."""
+    assert split_reply("a</think>b", True, TOK, final=True) == ("a", "b")
+    assert split_reply("still thinking", True, TOK, final=False) == ("still thinking", "")
+    assert split_reply("a</think>b", False, TOK, final=True) == ("", "ab")
+    raw = "Paris.<｜end▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>Hello"
+    assert split_reply(raw, False, TOK, final=True) == ("", "Paris.HiHello")
+    assert split_reply("Paris.<｜end▁of", False, TOK, final=False) == ("", "Paris.")
+    assert split_reply("x</thi", True, TOK, final=False) == ("x", "")
+

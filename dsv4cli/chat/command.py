@@ -18,6 +18,7 @@ from rich.text import Text
 from dsv4cli.config import Settings
 from dsv4cli.engine import EngineAPI
 from dsv4cli.loading import load_engine, sampling_params
+from dsv4cli.openai.responses import visible_message
 from dsv4cli.options import CliOptions, model_options
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
@@ -144,8 +145,9 @@ class Chat:
             self.session.messages.pop()
             self.error(f"{e}; your message was dropped")
             return True
-        view = (LiveReply(self.console, seq, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
-                else PlainReply(seq, s.thinking))
+        tok = self.engine.tok
+        view = (LiveReply(self.console, seq, tok, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
+                else PlainReply(seq, tok, s.thinking))
         with sigint_flag() as stop, view:
             try:
                 while not seq.finished and not stop:
@@ -164,7 +166,7 @@ class Chat:
             return True
         interrupted = seq.finish_reason == "cancelled"
         self.session.last_logprobs = seq.logprobs
-        self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)
+        self.session.add_reply(visible_message(tok, seq.text[: seq.emitted], s.thinking), seq.metrics, interrupted)
         return not interrupted
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4cli.config import SPEC, Settings, check, format_value, parse_value
-from dsv4cli.encoding import encode_messages, parse_completion
+from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_tools
@@ -141,9 +141,9 @@ class ChatSession:
         self.start = starts[lo]
         return (ids if lo == 0 else prompt_ids(self.prompt())), hidden
 
-    def add_reply(self, text: str, metrics: Metrics, interrupted: bool) -> dict:
-        """Keep a reply (split into reasoning and answer); an interrupted one is kept and marked."""
-        parsed = parse_completion(text, self.settings.thinking)
+    def add_reply(self, parsed: dict, metrics: Metrics, interrupted: bool) -> dict:
+        """Keep a reply, an assistant message as `responses.visible_message` gives it (content, reasoning,
+        tool calls); an interrupted one is kept and marked."""
         message = {k: v for k, v in parsed.items() if v or k == "content"}
         if interrupted:
             message["interrupted"] = True
