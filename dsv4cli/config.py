@@ -22,7 +22,7 @@ from typing import Any
 
 from dsv4cli import platforms
 from dsv4cli.errors import UsageError
-from dsv4cli.hub import find_cached, is_model_id
+from dsv4cli.hub import is_model_id, model_name, resolve_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -235,6 +235,12 @@ class Settings:
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
 
+    @property
+    def model_name(self) -> str:
+        """The model's name in results and banners: its id (not the cache's snapshot directory), else the
+        directory's name."""
+        return model_name(self.model_dir)
+
 
 def _base_type(annotation: Any) -> Any:
     """`int | None` -> int; other annotations unchanged."""
@@ -436,8 +442,8 @@ def resolve(
     chosen |= _from_env(os.environ if env is None else env)
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
-    if model and not Path(model).exists() and is_model_id(model) and (cached := find_cached(model)):
-        model = str(cached)
+    if model:
+        model = resolve_model(model)
         chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen
     settings = Settings(**{name: value for name, (value, _) in chosen.items()})

@@ -131,6 +131,20 @@ def test_model_ids_resolve_in_the_local_hub_caches(tmp_path, tiny_model_dir):
     one_error_line(dsv4(*gen, "--model", "acme/absent", **caches), "hf download acme/absent")
     one_error_line(dsv4(*gen, "--model", str(tmp_path / "nonexistent")), "nonexistent: no such model directory")
 
+    # results name the model by its id, not by the snapshot's hash or the bare directory name
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "Hi"}\n')
+    for model in ("acme/tiny", "other/tiny"):
+        out = tmp_path / f"{model.replace('/', '-')}.jsonl"
+        r = dsv4("batch", str(tmp_path / "in.jsonl"), "-o", str(out), "-n", "2", "--model", model, **caches)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(out.read_text())["response"]["body"]["model"] == model
+    # inspect and convert take ids too
+    out = dsv4("inspect", "acme/tiny", "--json", **caches)
+    assert out.returncode == 0 and json.loads(out.stdout)["format"] == "float", out.stderr
+    one_error_line(dsv4("inspect", "acme/absent", **caches), "hf download acme/absent")
+    out = dsv4("convert", "other/tiny", str(tmp_path / "bf16"), "--to", "bf16", **caches)
+    assert out.returncode == 0 and (tmp_path / "bf16" / "config.json").is_file(), out.stderr
+
 
 def test_limits_are_checked_before_loading(tmp_path, tiny_model_dir):
     model = ("--model", str(tiny_model_dir))

@@ -163,7 +163,7 @@ def run_batch(s: Settings) -> int:
     engine = load_engine(s, "batch", job_tokens=max(total - len(done), 0) * s.max_tokens)
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
     bar = progress_bar(total) if sys.stderr.isatty() else None
-    batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
+    batch = BatchRun(engine, parser, out, errors, s.model_name, done, errored, bar)
     interrupted, failed = False, None
     try:
         with open(src, "rb") as lines, bar or nullcontext():
