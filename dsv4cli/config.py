@@ -383,7 +383,20 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
     return found
 
 
+# DSV4_* variables that are not settings, read where they act
+OTHER_ENV = {"DSV4_DEBUG": "1 shows tracebacks (cli.py)",
+             "DSV4_NATIVE_KERNELS": "0 runs torch's CPU kernels instead of the project's (kernels/native.py)"}
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """The settings the environment sets; a DSV4_* variable that names none is a mistake (a misspelling
+    would otherwise be ignored without a word)."""
+    known = {key.env for key in SPEC.values() if key.env} | set(OTHER_ENV)
+    for name in sorted(env):
+        if name.startswith("DSV4_") and env[name] and name not in known:
+            close = difflib.get_close_matches(name.removeprefix("DSV4_"), [k.removeprefix("DSV4_") for k in known], 1)
+            hint = f"did you mean DSV4_{close[0]}?" if close else "`dsv4 config show` lists the settings (DSV4_ + key)"
+            raise UsageError(f"{name}: unknown setting; {hint}")
     found = {}
     for key in SPEC.values():
         if key.env and env.get(key.env):  # set but empty counts as unset

@@ -1,10 +1,11 @@
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from dsv4cli.config import SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
+from dsv4cli.config import OTHER_ENV, SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
 from dsv4cli.engine import SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import sampling_params
@@ -150,6 +151,24 @@ def test_env_errors(env, error):
     with pytest.raises(UsageError) as e:
         resolve(env=env)
     assert str(e.value) == error
+
+
+def test_a_misspelt_variable_is_an_error():
+    """It used to be ignored without a word; the variables that are no settings stay accepted."""
+    with pytest.raises(UsageError, match=r"^DSV4_TEMPERATUR: unknown setting; did you mean DSV4_TEMPERATURE\?$"):
+        resolve(env={"DSV4_TEMPERATUR": "0"})
+    with pytest.raises(UsageError, match=r"^DSV4_FOO: unknown setting; `dsv4 config show` lists the settings"):
+        resolve(env={"DSV4_FOO": "1"})
+    settings, _ = resolve(env={"DSV4_DEBUG": "1", "DSV4_NATIVE_KERNELS": "0", "DSV4_FOO": "", "DSV4_TOP_K": "3"})
+    assert settings.top_k == 3
+
+
+def test_every_variable_the_code_reads_is_known():
+    """A DSV4_* name read anywhere in the package is a setting's or one of OTHER_ENV, so none is refused."""
+    names = {m for path in (ROOT / "dsv4cli").rglob("*.py")
+             for m in re.findall(r"[\"'](DSV4_[A-Z0-9_]+)[\"']", path.read_text())}   # the names code reads
+    settings = {key.env for key in SPEC.values() if key.env}
+    assert names - settings == set(OTHER_ENV) and names >= {"DSV4_DEBUG", "DSV4_NATIVE_KERNELS"}
 
 
 @pytest.mark.parametrize(
