@@ -9,7 +9,7 @@ import os
 import re
 from pathlib import Path
 
-from dsv4cli.errors import UsageError
+from dsv4cli.errors import UsageError, install_hint
 
 MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -80,6 +80,6 @@ def missing_model(value: str) -> UsageError:
         import huggingface_hub  # noqa: F401
     except ImportError:
         return UsageError(f"{value}: no such directory, and not in the ModelScope cache; to look up Hugging Face "
-                          "ids install huggingface_hub (pip install -e '.[hub]')")
+                          f"ids install huggingface_hub ({install_hint('hub')})")
     return UsageError(f"{value}: no such directory, and not in the local Hugging Face or ModelScope cache; download "
                       f"it with `hf download {value}` or `modelscope download --model {value}`")
