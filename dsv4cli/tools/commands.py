@@ -35,10 +35,9 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead"),
 ) -> int:
     """Describe a checkpoint from its config and headers: format, parameters, layers, memory."""
-    from rich.console import Console
-
     from dsv4cli.config import BUNDLED_MODEL_DIR
     from dsv4cli.model.loader import LoadError
+    from dsv4cli.terminal import table_console
     from dsv4cli.tools import inspect as tool
 
     if model is None and not BUNDLED_MODEL_DIR.is_dir():
@@ -52,7 +51,7 @@ def inspect(
     if as_json:
         print(json.dumps({**info, **({"problems": problems} if check else {})}, indent=2))
     else:
-        Console().print(tool.render(info))
+        table_console().print(tool.render(info))
         for problem in problems:
             print(f"problem: {problem}")
         if check and not problems:
