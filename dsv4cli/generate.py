@@ -95,8 +95,12 @@ def run_generate(s: Settings) -> int:
     engine = load_engine(s, "generate")
     ids = prompt_ids(engine, s, prompt, tools)
     thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
+    params = sampling_params(s)
+    if s.logprobs is not None and not s.json:
+        print("warning: --logprobs: shown only with --json; ignored", file=sys.stderr)
+        params.logprobs = None
     try:
-        seq = engine.submit(ids, sampling_params(s))
+        seq = engine.submit(ids, params)
     except ValueError as e:
         raise UsageError(str(e)) from None
     stream = None if s.json else ReplyStream(engine.tok, thinking)
