@@ -98,7 +98,7 @@ app = typer.Typer(
     name="dsv4",
     cls=_Verbs,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,  # main() reports errors
     context_settings={"help_option_names": ["-h", "--help"]},
 )

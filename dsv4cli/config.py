@@ -61,6 +61,7 @@ class Key:
     path: bool = False  # a relative path in a config file is relative to that file's directory
     file_only: bool = False  # no flag, no environment variable
     secret: bool = False  # `config show` prints it redacted
+    unlimited: int | None = None  # a value outside the rule that means "no limit": settings take it, bodies not
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -78,7 +79,8 @@ class Key:
         return f"[{self.section}].{self.name}" if self.section else self.name
 
     @property
-    def rule(self) -> str:
+    def bounds(self) -> str:
+        """The values a request body may give."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.lo is not None and self.hi is not None:
@@ -87,6 +89,11 @@ class Key:
             return f"{'>' if self.lo_open else '>='} {self.lo}"
         return ""
 
+    @property
+    def rule(self) -> str:
+        """The values a setting may take."""
+        return self.bounds + (f" or {self.unlimited}" if self.unlimited is not None else "")
+
     def allows(self, v: Any) -> bool:
         if self.choices:
             return v in self.choices
@@ -94,12 +101,13 @@ class Key:
         below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
         return above and below
 
-    def problem(self, value: Any) -> str | None:
-        """Why a value of the right type breaks this key's rule (each item, for a list), or None."""
-        is_list = isinstance(value, list)
+    def problem(self, value: Any, setting: bool = False) -> str | None:
+        """Why a value of the right type breaks this key's rule (a setting's or a body's; each item, for a
+        list), or None."""
+        is_list, rule = isinstance(value, list), self.rule if setting else self.bounds
         for v in value if is_list else [value]:
             if not self.allows(v):
-                return f"{'items ' if is_list else ''}must be {self.rule}, got {format_value(v)}"
+                return f"{'items ' if is_list else ''}must be {rule}, got {format_value(v)}"
         return None
 
 
@@ -177,7 +185,8 @@ class Settings:
     )
     seed: int | None = _key("sampling", None, "Random seed for reproducible sampling (unset: random)", lo=0)
     max_tokens: int = _key(
-        "sampling", 256, "Most tokens to generate per reply", lo=1, flags=("--max-tokens", "-n")
+        "sampling", 256, "Most tokens to generate per reply; -1: until the context (max_seq_len) is full", lo=1,
+        unlimited=-1, flags=("--max-tokens", "-n")
     )
     stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)")
     stop_token_ids: list[int] = _key(
@@ -193,6 +202,7 @@ class Settings:
     )
     # [chat]
     system: str = _key("chat", "", "System prompt")
+    system_file: str | None = _key("chat", None, "Read the system prompt from this file", path=True)
     thinking: bool = _key("chat", False, "Let the model think before it answers")
     reasoning_effort: str | None = _key(
         "chat", None, "How hard to think (unset: the model's default)", choices=("high", "max")
@@ -297,9 +307,13 @@ def _is(value: Any, tp: Any) -> bool:
     return isinstance(value, (int, float) if tp is float else tp)
 
 
-def check(name: str, value: Any, place: str) -> Any:
-    """Type- and rule-check one value for key `name`; `place` starts the error. Returns it normalized."""
+def check(name: str, value: Any, place: str, setting: bool = False) -> Any:
+    """Type- and rule-check one value for key `name`; `place` starts the error. Returns it normalized.
+    `setting`: a value of the settings (flags, environment, files, chat /set), which may be the key's
+    `unlimited` (a request body may not)."""
     key = SPEC[name]
+    if setting and key.unlimited is not None and value == key.unlimited:
+        return value
     if isinstance(value, tuple):
         value = list(value)
     if not _is(value, key.type):
@@ -309,13 +323,13 @@ def check(name: str, value: Any, place: str) -> Any:
     # the engine keeps integers in int64 tensors
     if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
         raise UsageError(f"{place}: must fit in 64 bits, got {format_value(value)}")
-    if problem := key.problem(value):
+    if problem := key.problem(value, setting):
         raise UsageError(f"{place}: {problem}")
     return float(value) if key.type is float else value
 
 
 def parse_value(name: str, text: str, place: str) -> Any:
-    """Parse and check a value given as text (an environment variable, a chat /set). Lists are JSON."""
+    """Parse and check a setting given as text (an environment variable, a chat /set). Lists are JSON."""
     tp = SPEC[name].type
     try:
         if typing.get_origin(tp) is list:
@@ -327,7 +341,23 @@ def parse_value(name: str, text: str, place: str) -> Any:
     except (ValueError, KeyError):
         kind = _TYPE_NAMES[tp].replace("a list", "a JSON list")
         raise UsageError(f"{place}: must be {kind}, got {text!r}") from None
-    return check(name, value, place)
+    return check(name, value, place, setting=True)
+
+
+def without_unlimited(s: Settings) -> Settings:
+    """Settings whose `unlimited` values are the limits they stand for: max_tokens -1 is max_seq_len (the
+    engine ends a reply when the context is full)."""
+    return dataclasses.replace(s, max_tokens=s.max_seq_len) if s.max_tokens == SPEC["max_tokens"].unlimited else s
+
+
+def read_text_file(name: str, path: str) -> str:
+    """The text of a file a setting names (one trailing newline dropped), or a UsageError naming the flag."""
+    try:
+        return Path(path).read_text(encoding="utf-8").removesuffix("\n")
+    except OSError as e:
+        raise UsageError(f"{SPEC[name].flag} {path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{SPEC[name].flag} {path}: not UTF-8 text") from None
 
 
 def _unknown_key(name: str, section: str) -> str:
@@ -374,7 +404,7 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
             place = f"[{section}].{name}" if section else name
             if name not in SPEC or SPEC[name].section != section:
                 raise UsageError(f"{path}: {place}: {_unknown_key(name, section)}")
-            value = check(name, value, f"{path}: {place}")
+            value = check(name, value, f"{path}: {place}", setting=True)
             if SPEC[name].path:
                 here = Path(path).parent / os.path.expanduser(value)
                 if not (name == "model" and is_model_id(value) and not here.exists()):  # an id stays an id
@@ -407,7 +437,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
 def _from_flags(flags: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """None (and an empty repeatable) means the flag was not given."""
     return {
-        name: (check(name, value, SPEC[name].flag), "flag")
+        name: (check(name, value, SPEC[name].flag, setting=True), "flag")
         for name, value in flags.items()
         if value is not None and value != [] and value != ()
     }
@@ -459,8 +489,13 @@ def resolve(
         model = resolve_model(model)
         chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen
+    if "system_file" in chosen:
+        if "system" in chosen:
+            raise UsageError("--system-file: the system prompt is also given with --system; give one of them")
+        path, source = chosen["system_file"]
+        chosen["system"] = (read_text_file("system_file", path), source)
     settings = Settings(**{name: value for name, (value, _) in chosen.items()})
-    return settings, {name: chosen[name][1] if name in chosen else "default" for name in SPEC}
+    return without_unlimited(settings), {name: chosen[name][1] if name in chosen else "default" for name in SPEC}
 
 
 def reference_markdown() -> str:

@@ -1,9 +1,8 @@
 """`dsv4 generate`: one prompt, streamed to stdout (or one JSON object)."""
 import json
 import sys
-from pathlib import Path
 
-from dsv4cli.config import Settings
+from dsv4cli.config import Settings, read_text_file
 from dsv4cli.encoding import THINK_END, encode_messages
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
@@ -22,12 +21,7 @@ def read_prompt(s: Settings) -> str:
     if s.prompt is not None and s.prompt != "-":
         return s.prompt
     if s.prompt_file is not None:
-        try:
-            return Path(s.prompt_file).read_text(encoding="utf-8").removesuffix("\n")
-        except OSError as e:
-            raise UsageError(f"--prompt-file {s.prompt_file}: cannot read: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"--prompt-file {s.prompt_file}: not UTF-8 text") from None
+        return read_text_file("prompt_file", s.prompt_file)
     if s.prompt is None and sys.stdin.isatty():
         raise UsageError("--prompt: missing; give the text with -p, --prompt-file, or on stdin")
     try:
@@ -132,7 +126,8 @@ def run_generate(s: Settings) -> int:
     return 130 if seq.finish_reason == "cancelled" else 0
 
 
-@model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort", "tools")
+@model_options("prompt", "prompt_file", "raw", "json", "system", "system_file", "thinking", "reasoning_effort",
+               "tools")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""

@@ -268,3 +268,13 @@ def test_install_hints_fit_the_install(tmp_path):
             "print(install_hint('serve'))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout == "pip install 'dsv4cli[serve]'\n", out.stderr
+
+
+def test_shell_completion():
+    """`dsv4 --show-completion` prints the shell's script; the script asks dsv4 itself for the candidates."""
+    out = dsv4("--show-completion", "bash")
+    assert out.returncode == 0 and "_DSV4_COMPLETE=complete_bash" in out.stdout, out.stderr
+    for words, cword, expect in (("dsv4 gen", 1, "generate"), ("dsv4 generate --tem", 2, "--temperature"),
+                                 ("dsv4 config show --syst", 3, "--system-file")):
+        out = dsv4(COMP_WORDS=words, COMP_CWORD=str(cword), _DSV4_COMPLETE="complete_bash")
+        assert out.returncode == 0 and expect in out.stdout.split(), (words, out.stdout, out.stderr)

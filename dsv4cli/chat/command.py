@@ -224,7 +224,7 @@ def run_chat(s: Settings) -> int:
     return Chat(engine, ChatSession(s), tty).run()
 
 
-@model_options("system", "thinking", "reasoning_effort")
+@model_options("system", "system_file", "thinking", "reasoning_effort")
 def chat(opts: CliOptions) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""

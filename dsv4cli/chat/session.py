@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4cli.config import SPEC, Settings, check, format_value, parse_value
+from dsv4cli.config import SPEC, Settings, check, format_value, parse_value, without_unlimited
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
@@ -32,8 +32,10 @@ COMMANDS = {  # name: (arguments, what it does)
     "/exit": ("", "quit (or Ctrl-D)"),
 }
 SHOW_PARTS = ("settings", "model", "prompt", "logprobs")
-# What /set may change: sampling, the MTP depth and the chat keys; the model sections need a reload.
-SETTABLE = tuple(name for name, key in SPEC.items() if key.section in ("sampling", "speculative", "chat"))
+# What /set may change: sampling, the MTP depth and the chat keys (system_file is read into system at the
+# start; /system sets it); the model sections need a reload.
+SETTABLE = tuple(name for name, key in SPEC.items()
+                 if key.section in ("sampling", "speculative", "chat") and name != "system_file")
 # /set also takes the flag spellings: temp, n, max-tokens, stop-token-id, ...
 _ALIASES = {f.split("/")[0].lstrip("-").replace("-", "_"): name for name in SETTABLE for f in SPEC[name].flags}
 _ALIASES |= {name: name for name in SETTABLE}
@@ -217,8 +219,8 @@ class ChatSession:
             raise UsageError(f"/set {name}: give a value ({SPEC[name].rule or SPEC[name].help})")
         unset = SPEC[name].default is None and text.lower() in ("unset", "none")
         value = None if unset else parse_value(name, text, f"/set {name}")
-        self.settings = dataclasses.replace(self.settings, **{name: value})
-        return Outcome(f"{name} = {format_value(value)}")
+        self.settings = without_unlimited(dataclasses.replace(self.settings, **{name: value}))
+        return Outcome(f"{name} = {format_value(getattr(self.settings, name))}")
 
     def _show(self, arg: str) -> Outcome:
         if arg and arg not in SHOW_PARTS:
@@ -266,10 +268,10 @@ class ChatSession:
             if name not in SETTABLE:
                 raise UsageError(f"/load {arg}: settings.{name}: not a chat setting")
             unset = value is None and SPEC[name].default is None
-            values[name] = None if unset else check(name, value, f"/load {arg}: settings.{name}")
+            values[name] = None if unset else check(name, value, f"/load {arg}: settings.{name}", setting=True)
         has_system = bool(messages) and messages[0]["role"] == "system"
         values["system"] = messages[0]["content"] if has_system else ""
-        self.settings = dataclasses.replace(self.settings, **values)
+        self.settings = without_unlimited(dataclasses.replace(self.settings, **values))
         self.messages, self.start = messages[has_system:], 0
         return Outcome(f"loaded {len(messages)} messages from {arg}")
 
