@@ -176,7 +176,7 @@ class Chat:
         history for the model (the reply then ends when the context is full). Says so in one line when the
         model stops seeing messages; the transcript (/save) keeps them all."""
         max_seq_len, s = self.engine.max_seq_len, self.session.settings
-        room = min(s.max_tokens if s.max_tokens > 0 else max_seq_len, max_seq_len // 4)
+        room = min(s.max_tokens, max_seq_len // 4)
         ids, hidden = self.session.fit(self.engine.tok.encode, max_seq_len - room)
         if hidden:
             self.console.print(Text(f"context full: the model no longer sees the {hidden} oldest messages (the system "
