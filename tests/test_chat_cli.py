@@ -187,3 +187,18 @@ def test_chat_logprobs_and_tools(tiny_model_dir, tmp_path):
     assert len(table) == 3 and all(len(re.findall(r" -?\d+\.\d+", row)) == 3 for row in table), table
     assert "tools: get_time" in r.stderr and '"name": "get_time"' in r.stderr
     assert f"error: /tools {bad}: must hold a list" in r.stderr
+
+
+def test_the_terminal_shows_no_special_tokens(tmp_path):
+    """The bundled model writes `<｜end▁of▁sentence｜>` and chat markers once it runs past its end: no frame of
+    the live view, nor the reply printed after it, shows them."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+
+    child = spawn_chat(BUNDLED_MODEL_DIR, tmp_path, "--max-tokens", "40", "--ignore-eos")
+    child.sendline("What is 2 plus 3?")
+    child.expect(r"40 tokens · prompt \d+")
+    shown = ANSI.sub("", child.before)
+    assert "2 + 3 = 5." in shown and not any(t in shown for t in ("<｜", "｜>", "</think>")), shown
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
