@@ -200,9 +200,11 @@ def test_out_of_range_numbers_are_one_error_line(tiny_model_dir):
 
 def test_config_show_takes_every_settings_flag(tmp_path):
     """It used to take only the model verbs' options (`--port`: "No such option", did you mean --tp?)."""
+    (tmp_path / "x").write_text("Be brief.")       # every path is "x"; --system-file reads it
     args = []
     for name, key in SPEC.items():
-        if key.file_only or name == "json":        # config show's own --json prints JSON
+        # config show's own --json prints JSON; --system-file gives the system prompt
+        if key.file_only or name in ("json", "system"):
             continue
         if key.type is bool:
             args += [key.flags[0].split("/")[0]]
@@ -215,6 +217,7 @@ def test_config_show_takes_every_settings_flag(tmp_path):
     shown = json.loads(out.stdout)
     assert {name for name, v in shown.items() if v["source"] == "flag"} == set(SPEC) - {"mode", "json"}
     assert shown["port"]["value"] == 8000 and shown["api_key"]["value"] == "<redacted>"
+    assert shown["system"]["value"] == "Be brief."
 
 
 def test_unknown_variables_are_one_error_line():
