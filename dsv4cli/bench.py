@@ -30,6 +30,7 @@ from dsv4cli.loading import load_engine
 from dsv4cli.model.checkpoint import save_checkpoint
 from dsv4cli.model.quant import dequantized
 from dsv4cli.options import CliOptions, model_options
+from dsv4cli.terminal import table_console
 
 QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
              "What color is the sky?", "Tell me a short story.", "What is the opposite of hot?",
@@ -336,7 +337,7 @@ def bench_command(
     if as_json:
         print(json.dumps({"meta": meta, "results": rows}, indent=2))
     else:
-        render(rows, Console())
+        render(rows, table_console())
     return 0
 
 
@@ -352,5 +353,5 @@ def bench_command_under_load(settings, prompt_tokens: int, streams: int, as_json
     if as_json:
         print(json.dumps({"meta": meta, "under_load": result}, indent=2))
     else:
-        render_under_load(result, Console())
+        render_under_load(result, table_console())
     return 0

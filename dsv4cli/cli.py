@@ -18,18 +18,21 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from dsv4cli.config import REDACTED, SPEC, format_value, resolve, shown_value
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.options import CliOptions, model_options, with_options
+from dsv4cli.options import CliOptions, with_options
+from dsv4cli.terminal import table_console
 
 # Idle OpenMP threads sleep instead of spinning, so a spinning thread never takes the core a sibling (or
 # another process) needs. The OpenMP runtime reads this once, when torch loads it (a verb imports torch
 # when it runs), so it is set here, unless the user chose a policy.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch's profiler (kineto; bench counts kernel launches with it) writes "USDT: ... profiler_start" and
+# "profiler_stop" lines to stderr at every profile; a level above its highest (USDT, 5) keeps it quiet.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # typer's help shows a type for every option, switches too (`--json <bool>`, `--help <bool>`), as if they took
 # a value; a switch shows none.
@@ -95,7 +98,7 @@ app = typer.Typer(
     name="dsv4",
     cls=_Verbs,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,  # main() reports errors
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -120,8 +123,12 @@ def _root(
     server, config-driven runs."""
 
 
+# config show and run take every settings key as a flag (config show's own --json prints JSON)
+SETTINGS_KEYS = tuple(name for name, key in SPEC.items() if not key.file_only)
+
+
 @config_app.command("show")
-@model_options()
+@with_options(tuple(name for name in SETTINGS_KEYS if name != "json"), config=True)
 def config_show(
     opts: CliOptions, as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead")
 ) -> int:
@@ -135,13 +142,13 @@ def config_show(
     for name, key in SPEC.items():
         value = values[name] if values[name] is REDACTED else format_value(values[name])
         table.add_row(*map(escape, (key.place, value, sources[name])))
-    Console().print(table)
+    table_console().print(table)
     return 0
 
 
-# run takes every settings key as a flag: the file's mode decides which ones matter.
+# run: the file's mode decides which of them matter
 @app.command()
-@with_options(tuple(name for name, key in SPEC.items() if not key.file_only), config=False)
+@with_options(SETTINGS_KEYS, config=False)
 def run(
     opts: CliOptions, file: Path = typer.Argument(..., help="TOML config file with a mode", dir_okay=False)
 ) -> int:
@@ -175,6 +182,12 @@ def run_verb(argv: list[str]) -> int:
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except SystemExit as e:
+        # typer ends a run whose reader went away (`dsv4 generate ... | head`, EPIPE) with sys.exit(1), stdout
+        # wrapped so that the exit's flush cannot fail again: that is no failure of the run, so exit quietly
+        if isinstance(e.__context__, BrokenPipeError):
+            return 0
+        raise
     except (typer.Abort, KeyboardInterrupt):  # click turns Ctrl-C into Abort
         print("interrupted", file=sys.stderr)
         return 130

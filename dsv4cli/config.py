@@ -22,7 +22,7 @@ from typing import Any
 
 from dsv4cli import platforms
 from dsv4cli.errors import UsageError
-from dsv4cli.hub import find_cached, is_model_id
+from dsv4cli.hub import is_model_id, model_name, resolve_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +63,7 @@ class Key:
     secret: bool = False  # `config show` prints it redacted
     auto: bool = False  # the string "auto" is a value too (an integer key that can be left to the engine)
     nonempty: bool = False  # strings (each item, for a list) must not be empty
+    unlimited: int | None = None  # a value outside the rule that means "no limit": settings take it, bodies not
     name: str = ""  # filled in from the Settings field
     type: Any = None  # filled in from the Settings annotation, None stripped
 
@@ -80,11 +81,12 @@ class Key:
         return f"[{self.section}].{self.name}" if self.section else self.name
 
     @property
-    def rule(self) -> str:
+    def bounds(self) -> str:
+        """The values a request body may give."""
         if self.nonempty:
             return "non-empty"
         if self.auto:
-            return "auto, or " + dataclasses.replace(self, auto=False).rule
+            return "auto, or " + dataclasses.replace(self, auto=False).bounds
         if self.choices:
             return "one of " + ", ".join(self.choices)
         if self.lo is not None and self.hi is not None:
@@ -92,6 +94,11 @@ class Key:
         if self.lo is not None:
             return f"{'>' if self.lo_open else '>='} {self.lo}"
         return ""
+
+    @property
+    def rule(self) -> str:
+        """The values a setting may take."""
+        return self.bounds + (f" or {self.unlimited}" if self.unlimited is not None else "")
 
     def allows(self, v: Any) -> bool:
         if self.nonempty:
@@ -102,14 +109,15 @@ class Key:
         below = self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
         return above and below
 
-    def problem(self, value: Any) -> str | None:
-        """Why a value of the right type breaks this key's rule (each item, for a list), or None."""
+    def problem(self, value: Any, setting: bool = False) -> str | None:
+        """Why a value of the right type breaks this key's rule (a setting's or a body's; each item, for a
+        list), or None."""
         if self.auto and value == "auto":
             return None
-        is_list = isinstance(value, list)
+        is_list, rule = isinstance(value, list), self.rule if setting else self.bounds
         for v in value if is_list else [value]:
             if not self.allows(v):
-                return f"{'items ' if is_list else ''}must be {self.rule}, got {format_value(v)}"
+                return f"{'items ' if is_list else ''}must be {rule}, got {format_value(v)}"
         return None
 
 
@@ -187,7 +195,8 @@ class Settings:
     )
     seed: int | None = _key("sampling", None, "Random seed for reproducible sampling (unset: random)", lo=0)
     max_tokens: int = _key(
-        "sampling", 256, "Most tokens to generate per reply", lo=1, flags=("--max-tokens", "-n")
+        "sampling", 256, "Most tokens to generate per reply; -1: until the context (max_seq_len) is full", lo=1,
+        unlimited=-1, flags=("--max-tokens", "-n")
     )
     # an empty stop string is in every reply: it would end each one after its first token
     stop: list[str] = _key("sampling", [], "Stop when the reply contains this string (repeatable)", nonempty=True)
@@ -210,6 +219,7 @@ class Settings:
     )
     # [chat]
     system: str = _key("chat", "", "System prompt")
+    system_file: str | None = _key("chat", None, "Read the system prompt from this file", path=True)
     thinking: bool = _key("chat", False, "Let the model think before it answers")
     reasoning_effort: str | None = _key(
         "chat",
@@ -288,9 +298,10 @@ class Settings:
 
     @property
     def model_name(self) -> str:
-        """What the model is called in replies and listings: --served-model-name, which `resolve` sets to the
-        model id when it found the model in a hub cache (not its snapshot's hash), else the directory's name."""
-        return self.served_model_name or self.model_dir.name
+        """What the model is called in replies, results and banners: --served-model-name (which `resolve` sets
+        to the model id when it found the model in a hub cache), else its id when the directory is a hub cache's
+        copy (not the snapshot's hash), else the directory's name."""
+        return self.served_model_name or model_name(self.model_dir)
 
 
 def _base_type(annotation: Any) -> Any:
@@ -351,9 +362,13 @@ def _is(value: Any, tp: Any) -> bool:
     return isinstance(value, (int, float) if tp is float else tp)
 
 
-def check(name: str, value: Any, place: str) -> Any:
-    """Type- and rule-check one value for key `name`; `place` starts the error. Returns it normalized."""
+def check(name: str, value: Any, place: str, setting: bool = False) -> Any:
+    """Type- and rule-check one value for key `name`; `place` starts the error. Returns it normalized.
+    `setting`: a value of the settings (flags, environment, files, chat /set), which may be the key's
+    `unlimited` (a request body may not)."""
     key = SPEC[name]
+    if setting and key.unlimited is not None and value == key.unlimited:
+        return value
     if isinstance(value, tuple):
         value = list(value)
     if key.auto and isinstance(value, str):       # a flag's text, or auto
@@ -370,13 +385,13 @@ def check(name: str, value: Any, place: str) -> Any:
     # the engine keeps integers in int64 tensors
     if any(isinstance(v, int) and abs(v) >= 1 << 63 for v in (value if isinstance(value, list) else [value])):
         raise UsageError(f"{place}: must fit in 64 bits, got {format_value(value)}")
-    if problem := key.problem(value):
+    if problem := key.problem(value, setting):
         raise UsageError(f"{place}: {problem}")
     return float(value) if key.type is float else value
 
 
 def parse_value(name: str, text: str, place: str) -> Any:
-    """Parse and check a value given as text (an environment variable, a chat /set). Lists are JSON."""
+    """Parse and check a setting given as text (an environment variable, a chat /set). Lists are JSON."""
     tp = SPEC[name].type
     if SPEC[name].auto:
         return check(name, text, place)
@@ -390,7 +405,23 @@ def parse_value(name: str, text: str, place: str) -> Any:
     except (ValueError, KeyError):
         kind = _TYPE_NAMES[tp].replace("a list", "a JSON list")
         raise UsageError(f"{place}: must be {kind}, got {text!r}") from None
-    return check(name, value, place)
+    return check(name, value, place, setting=True)
+
+
+def without_unlimited(s: Settings) -> Settings:
+    """Settings whose `unlimited` values are the limits they stand for: max_tokens -1 is max_seq_len (the
+    engine ends a reply when the context is full)."""
+    return dataclasses.replace(s, max_tokens=s.max_seq_len) if s.max_tokens == SPEC["max_tokens"].unlimited else s
+
+
+def read_text_file(name: str, path: str) -> str:
+    """The text of a file a setting names (one trailing newline dropped), or a UsageError naming the flag."""
+    try:
+        return Path(path).read_text(encoding="utf-8").removesuffix("\n")
+    except OSError as e:
+        raise UsageError(f"{SPEC[name].flag} {path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{SPEC[name].flag} {path}: not UTF-8 text") from None
 
 
 def _unknown_key(name: str, section: str) -> str:
@@ -437,7 +468,7 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
             place = f"[{section}].{name}" if section else name
             if name not in SPEC or SPEC[name].section != section:
                 raise UsageError(f"{path}: {place}: {_unknown_key(name, section)}")
-            value = check(name, value, f"{path}: {place}")
+            value = check(name, value, f"{path}: {place}", setting=True)
             if SPEC[name].path:
                 here = Path(path).parent / os.path.expanduser(value)
                 if not (name == "model" and is_model_id(value) and not here.exists()):  # an id stays an id
@@ -446,7 +477,20 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
     return found
 
 
+# DSV4_* variables that are not settings, read where they act
+OTHER_ENV = {"DSV4_DEBUG": "1 shows tracebacks (cli.py)",
+             "DSV4_NATIVE_KERNELS": "0 runs torch's CPU kernels instead of the project's (kernels/native.py)"}
+
+
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """The settings the environment sets; a DSV4_* variable that names none is a mistake (a misspelling
+    would otherwise be ignored without a word)."""
+    known = {key.env for key in SPEC.values() if key.env} | set(OTHER_ENV)
+    for name in sorted(env):
+        if name.startswith("DSV4_") and env[name] and name not in known:
+            close = difflib.get_close_matches(name.removeprefix("DSV4_"), [k.removeprefix("DSV4_") for k in known], 1)
+            hint = f"did you mean DSV4_{close[0]}?" if close else "`dsv4 config show` lists the settings (DSV4_ + key)"
+            raise UsageError(f"{name}: unknown setting; {hint}")
     found = {}
     for key in SPEC.values():
         if key.env and env.get(key.env):  # set but empty counts as unset
@@ -457,7 +501,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
 def _from_flags(flags: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
     """None (and an empty repeatable) means the flag was not given."""
     return {
-        name: (check(name, value, SPEC[name].flag), "flag")
+        name: (check(name, value, SPEC[name].flag, setting=True), "flag")
         for name, value in flags.items()
         if value is not None and value != [] and value != ()
     }
@@ -505,13 +549,18 @@ def resolve(
     chosen |= _from_env(os.environ if env is None else env)
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
-    if model and not Path(model).exists() and is_model_id(model) and (cached := find_cached(model)):
+    if model and (resolved := resolve_model(model)) != model:
         chosen.setdefault("served_model_name", (model, chosen["model"][1]))   # the id, not the snapshot's hash
-        model = str(cached)
+        model = resolved
         chosen["model"] = (model, chosen["model"][1])
     chosen = load_generation_config(Path(model) if model else BUNDLED_MODEL_DIR) | chosen
+    if "system_file" in chosen:
+        if "system" in chosen:
+            raise UsageError("--system-file: the system prompt is also given with --system; give one of them")
+        path, source = chosen["system_file"]
+        chosen["system"] = (read_text_file("system_file", path), source)
     settings = Settings(**{name: value for name, (value, _) in chosen.items()})
-    return settings, {name: chosen[name][1] if name in chosen else "default" for name in SPEC}
+    return without_unlimited(settings), {name: chosen[name][1] if name in chosen else "default" for name in SPEC}
 
 
 def reference_markdown() -> str:

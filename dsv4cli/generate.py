@@ -1,14 +1,14 @@
 """`dsv4 generate`: one prompt, streamed to stdout (or one JSON object)."""
 import json
 import sys
-from pathlib import Path
 
-from dsv4cli.config import Settings
-from dsv4cli.encoding import THINK_END, encode_messages, parse_completion
+from dsv4cli.config import Settings, read_text_file
+from dsv4cli.encoding import THINK_END, encode_messages
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
-from dsv4cli.openai.responses import chat_logprobs, tool_calls
+from dsv4cli.openai.responses import chat_logprobs, tool_calls, visible_message
 from dsv4cli.options import CliOptions, model_options
+from dsv4cli.tokenizer import Tokenizer
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -21,12 +21,7 @@ def read_prompt(s: Settings) -> str:
     if s.prompt is not None and s.prompt != "-":
         return s.prompt
     if s.prompt_file is not None:
-        try:
-            return Path(s.prompt_file).read_text(encoding="utf-8").removesuffix("\n")
-        except OSError as e:
-            raise UsageError(f"--prompt-file {s.prompt_file}: cannot read: {e.strerror}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"--prompt-file {s.prompt_file}: not UTF-8 text") from None
+        return read_text_file("prompt_file", s.prompt_file)
     if s.prompt is None and sys.stdin.isatty():
         raise UsageError("--prompt: missing; give the text with -p, --prompt-file, or on stdin")
     try:
@@ -61,14 +56,16 @@ def split_reasoning(text: str, final: bool) -> tuple[str, str]:
 
 class ReplyStream:
     """Streams a reply: the answer to stdout; in thinking mode the reasoning first, dimmed on a terminal,
-    on stderr when stdout is piped (so stdout holds the answer alone)."""
+    on stderr when stdout is piped (so stdout holds the answer alone). No special tokens are shown."""
 
-    def __init__(self, thinking: bool):
-        self.thinking, self.tty = thinking, sys.stdout.isatty()
+    def __init__(self, tok: Tokenizer, thinking: bool):
+        self.tok, self.thinking, self.tty = tok, thinking, sys.stdout.isatty()
         self.reasoning = self.answer = 0     # characters of each already written
 
     def update(self, text: str, final: bool = False) -> None:
         reasoning, answer = split_reasoning(text, final) if self.thinking else ("", text)
+        reasoning = self.tok.visible(reasoning, final=final or THINK_END in text)
+        answer = self.tok.visible(answer, final)
         if len(reasoning) > self.reasoning:
             chunk = reasoning[self.reasoning:]
             if self.tty:
@@ -92,11 +89,15 @@ def run_generate(s: Settings) -> int:
     engine = load_engine(s, "generate")
     ids = prompt_ids(engine, s, prompt, tools)
     thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
+    params = sampling_params(s)
+    if s.logprobs is not None and not s.json:
+        print("warning: --logprobs: shown only with --json; ignored", file=sys.stderr)
+        params.logprobs = None
     try:
-        seq = engine.submit(ids, sampling_params(s))
+        seq = engine.submit(ids, params)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    stream = None if s.json else ReplyStream(thinking)
+    stream = None if s.json else ReplyStream(engine.tok, thinking)
     try:
         while engine.has_work():
             engine.step()
@@ -108,9 +109,11 @@ def run_generate(s: Settings) -> int:
         raise RunError(seq.error)
     reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
-        result = {"text": answer, **({"reasoning_content": reasoning} if thinking else {}),
+        # the text without special tokens; token_ids keep every token
+        result = {"text": engine.tok.visible(answer),
+                  **({"reasoning_content": engine.tok.visible(reasoning)} if thinking else {}),
                   "token_ids": seq.output_ids, "finish_reason": seq.finish_reason}
-        parsed = parse_completion(seq.text, thinking) if tools else None
+        parsed = visible_message(engine.tok, seq.text, thinking) if tools else None
         if parsed and parsed["tool_calls"]:    # the text before the calls, and the calls in OpenAI form
             result |= {"text": parsed["content"], "tool_calls": tool_calls(parsed["tool_calls"], ""),
                        "finish_reason": "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason}
@@ -123,7 +126,8 @@ def run_generate(s: Settings) -> int:
     return 130 if seq.finish_reason == "cancelled" else 0
 
 
-@model_options("prompt", "prompt_file", "raw", "json", "system", "thinking", "reasoning_effort", "tools")
+@model_options("prompt", "prompt_file", "raw", "json", "system", "system_file", "thinking", "reasoning_effort",
+               "tools")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""

@@ -1,6 +1,7 @@
 """Tokenizer wrapper (HF `tokenizers`) and streaming detokenisation."""
 
 import json
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -45,6 +46,12 @@ class Tokenizer:
         self.eos_id = self._require_id(eos_token)
         self.encoding = encoding
         self.special_ids = {t: i for t in SPECIAL_TOKENS if (i := tokenizer.token_to_id(t)) is not None}
+        # every token the vocabulary marks special, longest first, so one inside another is matched whole
+        specials = sorted({t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}, key=len,
+                          reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._special_starts = {t[:n] for t in specials for n in range(1, len(t))}
+        self._longest_special = max(map(len, specials), default=0)
 
     @classmethod
     def from_dir(cls, path) -> "Tokenizer":
@@ -77,6 +84,16 @@ class Tokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def visible(self, text: str, final: bool = True) -> str:
+        """Decoded text as a reader sees it: without the special tokens (chat markers, `</think>`, EOS), as
+        vLLM's skip_special_tokens gives it; the parsers (reasoning, tool calls) read the text with them. While
+        a reply streams (`final` False), an ending that could be the start of a special token is held back,
+        so what streams is always the beginning of the final text."""
+        if not final:
+            tail = range(max(len(text) - self._longest_special + 1, 0), len(text))
+            text = text[:next((i for i in tail if text[i:] in self._special_starts), len(text))]
+        return self._specials.sub("", text) if self._specials else text
 
     def _require_id(self, token: str) -> int:
         token_id = self._tok.token_to_id(token)

@@ -118,6 +118,27 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tiny_model_dir, tmp_
     assert "3 ok, 16 errors" in r.stderr.strip().splitlines()[-1]
 
 
+def test_empty_and_duplicate_custom_ids_leave_each_id_once(tiny_model_dir, tmp_path):
+    """An empty custom_id once stopped the run (the engine named the request itself); a duplicate's error record
+    named the id a second time. A resumed run writes nothing more."""
+    rows = [chat("", "Hi"), chat("a", "Hello"), {"id": "", "prompt": "x"}, chat("a", "Hello again"),
+            {"id": "b", "prompt": "y"}]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "-n", "3", "--temperature", "0")
+    r = dsv4(*args)
+    assert r.returncode == 0, r.stderr
+    records = read_jsonl(out)
+    assert sorted(rec["custom_id"] for rec in records if rec["custom_id"] is not None) == ["a", "b"]
+    errors = {rec["error"]["line"]: (rec["error"]["code"], rec["error"]["message"]) for rec in records if rec["error"]}
+    assert errors == {1: ("invalid_request", "custom_id: must not be empty"),
+                      3: ("invalid_request", "custom_id: must not be empty"),
+                      4: ("duplicate_custom_id", "custom_id 'a' was already used by an earlier line")}
+    before = out.read_bytes()
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0 and "0 ok, 0 errors, 5 already done" in r.stderr, r.stderr
+    assert out.read_bytes() == before
+
+
 def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):
     _, reference, seed = long_run
     src = write_jsonl(tmp_path / "in.jsonl", LONG[:6])
@@ -193,6 +214,46 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes(tiny_model_dir, tmp_path, long
     r = dsv4(*args, "--resume")
     assert r.returncode == 0, r.stderr
     assert answers(read_jsonl(out)) == answers(reference) and errors.read_text() == ""
+
+
+def test_a_full_disk_stops_the_run_with_how_to_go_on(tiny_model_dir, tmp_path):
+    """The output is /dev/full (through a link, so the seed file lands in tmp_path): every write fails with ENOSPC."""
+    rows = [{"id": f"q{i}", "prompt": f"Item {i}:"} for i in range(3)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    out.symlink_to("/dev/full")
+    args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "-n", "2", "--temperature", "0")
+    r = dsv4(*args)
+    assert r.returncode == 1, r.stderr
+    summary, error = r.stderr.strip().splitlines()
+    assert summary.startswith("batch stopped: 0 ok")
+    assert error == (f"error: -o/--output {out}: cannot write: no space left on device; free space and rerun with "
+                     "--resume (the results so far are kept)")
+    out.unlink()                                                # space again
+    r = dsv4(*args, "--resume")
+    assert r.returncode == 0, r.stderr
+    assert sorted(rec["custom_id"] for rec in read_jsonl(out)) == ["q0", "q1", "q2"]
+
+
+def test_a_filesystem_that_fills_up_loses_nothing(tiny_model_dir, tmp_path):
+    """A 12 KiB tmpfs fills after a few results (a write may stop mid-line); with more room, --resume answers
+    the rest, each request once. Needs the right to mount (root in a container); skipped without it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        rows = [{"id": f"q{i}", "prompt": f"Item {i}:", "max_tokens": 8, "ignore_eos": True} for i in range(40)]
+        src, out = write_jsonl(tmp_path / "in.jsonl", rows), disk / "out.jsonl"
+        args = ("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "4")
+        r = dsv4(*args)
+        assert r.returncode == 1 and "no space left on device; free space and rerun with --resume" in r.stderr
+        assert 0 < out.read_bytes().count(b"\n") < len(rows)
+        subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)
+        r = dsv4(*args, "--resume")
+        assert r.returncode == 0, r.stderr
+        assert sorted(rec["custom_id"] for rec in read_jsonl(out)) == sorted(f"q{i}" for i in range(40))
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
 
 
 def test_a_second_run_on_the_same_files_is_refused(tiny_model_dir, tmp_path):

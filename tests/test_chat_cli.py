@@ -99,18 +99,58 @@ def test_chat_piped(tiny_model_dir, tmp_path):
 
 
 def test_chat_drops_the_oldest_turns_when_the_conversation_no_longer_fits(tiny_model_dir, tmp_path):
+    """The model stops seeing the oldest exchanges; the transcript /save writes keeps them."""
     path = tmp_path / "chat.json"
-    lines = [f"Tell me something about the number {i}, please." for i in range(6)] + [f"/save {path}"]
+    questions = [f"Tell me something about the number {i}, please." for i in range(6)]
+    lines = [*questions, "/show prompt", f"/save {path}"]
     r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
                         "--max-tokens", "8", "--ignore-eos", "--max-seq-len", "64", "--system", "Be brief."],
                        input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120,
                        env=chat_env(tmp_path))
     assert r.returncode == 0, r.stderr
     assert "error" not in r.stderr                    # every message answered, none refused
-    assert "oldest messages to fit max_seq_len 64 (the system prompt stays)" in r.stderr
+    assert "context full: the model no longer sees the 2 oldest messages (the system prompt stays" in r.stderr
+    shown = r.stderr[r.stderr.index("prompt ("):]       # /show prompt: what the model saw last
+    assert "Be brief." in shown and questions[5] in shown and questions[0] not in shown
     messages = json.loads(path.read_text())["messages"]
     assert messages[0] == {"role": "system", "content": "Be brief."}
-    assert messages[-2]["content"] == lines[5] and lines[0] not in [m["content"] for m in messages]
+    assert [m["content"] for m in messages if m["role"] == "user"] == questions
+
+
+def test_a_long_max_tokens_keeps_the_history(tiny_model_dir, tmp_path):
+    """max_tokens near max_seq_len once hid every earlier exchange from the model and from /save: the reply's
+    room is capped at a quarter of max_seq_len."""
+    path = tmp_path / "chat.json"
+    lines = ["Hello", "What is 2 plus 3?", "/set max_tokens 250", "What is 7 plus 1?", "/show prompt", f"/save {path}"]
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+                        "--max-tokens", "4", "--max-seq-len", "256"], input="\n".join(lines) + "\n",
+                       capture_output=True, text=True, timeout=120, env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "no longer sees" not in r.stderr
+    shown = r.stderr[r.stderr.index("prompt ("):]
+    assert "Hello" in shown and "2 plus 3" in shown and "7 plus 1" in shown
+    users = [m["content"] for m in json.loads(path.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["Hello", "What is 2 plus 3?", "What is 7 plus 1?"]
+
+
+def test_load_of_a_file_that_is_no_conversation_is_one_error(tiny_model_dir, tmp_path):
+    """A JSON list or string once ended the chat (exit 1) and lost the conversation."""
+    files = {name: tmp_path / f"{name}.json" for name in ("list", "string", "items", "number")}
+    files["list"].write_text("[1, 2]")
+    files["string"].write_text('"hello"')
+    files["items"].write_text('{"messages": [1, 2]}')
+    files["number"].write_text('{"messages": [{"role": "user", "content": "x"}], "settings": 3}')
+    path = tmp_path / "chat.json"
+    lines = ["Hello", *(f"/load {f}" for f in files.values()), "What is 2 plus 3?", f"/save {path}"]
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+                        "--max-tokens", "4"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                       timeout=120, env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 4 and all(f"/load {f}: " in e for e, f in zip(errors, files.values())), errors
+    assert "Traceback" not in r.stderr
+    users = [m["content"] for m in json.loads(path.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["Hello", "What is 2 plus 3?"]
 
 
 def test_show_model_and_prompt_tell_the_truth(tmp_path):
@@ -147,3 +187,18 @@ def test_chat_logprobs_and_tools(tiny_model_dir, tmp_path):
     assert len(table) == 3 and all(len(re.findall(r" -?\d+\.\d+", row)) == 3 for row in table), table
     assert "tools: get_time" in r.stderr and '"name": "get_time"' in r.stderr
     assert f"error: /tools {bad}: must hold a list" in r.stderr
+
+
+def test_the_terminal_shows_no_special_tokens(tmp_path):
+    """The bundled model writes `<｜end▁of▁sentence｜>` and chat markers once it runs past its end: no frame of
+    the live view, nor the reply printed after it, shows them."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+
+    child = spawn_chat(BUNDLED_MODEL_DIR, tmp_path, "--max-tokens", "40", "--ignore-eos")
+    child.sendline("What is 2 plus 3?")
+    child.expect(r"40 tokens · prompt \d+")
+    shown = ANSI.sub("", child.before)
+    assert "2 + 3 = 5." in shown and not any(t in shown for t in ("<｜", "｜>", "</think>")), shown
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)

@@ -1,12 +1,20 @@
-"""The chat's conversation state, slash commands and status bar, in process (no model)."""
+"""The chat's conversation state, slash commands and status bar, in process (no model; the bundled tokenizer)."""
 import json
 
 from rich.console import Console
 
 from dsv4cli.chat.session import ChatSession, read_message
 from dsv4cli.chat.tui import split_reply, status_bar
-from dsv4cli.config import Settings
+from dsv4cli.config import BUNDLED_MODEL_DIR, Settings
 from dsv4cli.engine import Metrics
+from dsv4cli.openai.responses import visible_message
+from dsv4cli.tokenizer import Tokenizer
+
+TOK = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+
+
+def reply(text: str, thinking: bool = False) -> dict:
+    return visible_message(TOK, text, thinking)
 
 
 def test_status_bar_snapshot():
@@ -32,6 +40,8 @@ def test_set_validates_and_takes_flag_spellings():
     assert bad.error and bad.message == "/set temperature: must be in [0, 100], got -1.0"
     assert s.settings.temperature == 0.5
     assert s.command("/set max-tokens 7").message == "max_tokens = 7"
+    assert s.command("/set n -1").message == "max_tokens = 4096"          # until the context is full
+    assert s.command("/set max_tokens 0").message == "/set max_tokens: must be >= 1 or -1, got 0"
     assert s.command("/set thinking on").message == "thinking = true"
     assert s.command("/set seed 3").message == "seed = 3" and s.command("/set seed unset").message == "seed = unset"
     assert s.command('/set stop ["\\n\\n", "END"]').message == 'stop = ["\\n\\n", "END"]'
@@ -44,11 +54,11 @@ def test_regen_and_undo():
     s = ChatSession(Settings(thinking=True))
     assert s.command("/regen").error and s.command("/undo").error
     s.add_user("hi")
-    reply = s.add_reply("let me think</think>Hello!", Metrics(), interrupted=False)
-    assert reply == {"role": "assistant", "content": "Hello!", "reasoning_content": "let me think"}
+    kept = s.add_reply(reply("let me think</think>Hello!<｜end▁of▁sentence｜>", True), Metrics(), interrupted=False)
+    assert kept == {"role": "assistant", "content": "Hello!", "reasoning_content": "let me think"}
     assert s.prompt().endswith("<｜User｜>hi<｜Assistant｜><think>let me think</think>Hello!<｜end▁of▁sentence｜>")
     assert s.command("/regen").action == "reply" and s.messages == [{"role": "user", "content": "hi"}]
-    s.add_reply("unfinished thou", Metrics(), interrupted=True)
+    s.add_reply(reply("unfinished thou", True), Metrics(), interrupted=True)
     assert s.messages[-1] == {"role": "assistant", "content": "", "reasoning_content": "unfinished thou",
                               "interrupted": True}
     assert s.totals.replies == 2 and s.totals.interrupted == 1
@@ -61,7 +71,7 @@ def test_save_load_round_trip(tmp_path):
     s.command("/system Be brief.")
     s.command("/set temperature 0.25")
     s.add_user("hi")
-    s.add_reply("Hel", Metrics(), interrupted=True)
+    s.add_reply(reply("Hel"), Metrics(), interrupted=True)
     path = tmp_path / "chat.json"
     assert not s.command(f"/save {path}").error
     data = json.loads(path.read_text())
@@ -76,6 +86,29 @@ def test_save_load_round_trip(tmp_path):
     path.write_text(json.dumps({"messages": [{"role": "robot", "content": "x"}]}))
     assert "unknown role" in t.command(f"/load {path}").message and t.messages == s.messages
     assert t.command(f"/load {tmp_path / 'missing.json'}").error
+
+
+def test_fit_shows_the_model_the_latest_exchanges_that_fit():
+    tok = TOK
+    s = ChatSession(Settings(system="Be brief."))
+    for i in range(8):
+        s.add_user(f"Question {i}?")
+        s.add_reply(reply(f"Answer {i}."), Metrics(), interrupted=False)
+    s.add_user("Last question?")
+    whole = len(tok.encode(s.prompt()))
+    ids, hidden = s.fit(tok.encode, whole)
+    assert (s.start, hidden, ids) == (0, 0, tok.encode(s.prompt()))
+    ids, hidden = s.fit(tok.encode, whole - 1)            # one token short: the oldest exchange goes
+    assert (s.start, hidden) == (2, 2) and len(ids) < whole and "Question 0?" not in s.prompt()
+    ids, hidden = s.fit(tok.encode, len(tok.encode(s.prompt(14))))
+    assert (s.start, hidden) == (14, 12)
+    assert s.prompt().startswith("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Question 7?")
+    assert s.fit(tok.encode, 1)[1] == 2 and s.start == 16    # the last user message stays, whatever the budget
+    assert len(s.transcript) == 18 and s.transcript[1]["content"] == "Question 0?"
+    s.command("/undo")
+    assert s.start == 16 and s.conversation == [{"role": "system", "content": "Be brief."}]
+    s.add_user("Again?")
+    assert s.fit(tok.encode, whole)[1] == 0 and s.start == 0  # room again: the model sees everything again
 
 
 def test_read_message_blocks():
@@ -97,6 +130,12 @@ def test_read_message_blocks():
 
 
 def test_split_reply():
-    assert split_reply("a</think>b", thinking=True) == ("a", "b")
-    assert split_reply("still thinking", thinking=True) == ("still thinking", "")
-    assert split_reply("a</think>b", thinking=False) == ("", "a</think>b")
+    """What the chat shows: reasoning apart from the answer, no special tokens, a partial one held back."""
+    assert split_reply("a</think>b", True, TOK, final=True) == ("a", "b")
+    assert split_reply("still thinking", True, TOK, final=False) == ("still thinking", "")
+    assert split_reply("a</think>b", False, TOK, final=True) == ("", "ab")
+    raw = "Paris.<｜end▁of▁sentence｜><｜User｜>Hi<｜Assistant｜></think>Hello"
+    assert split_reply(raw, False, TOK, final=True) == ("", "Paris.HiHello")
+    assert split_reply("Paris.<｜end▁of", False, TOK, final=False) == ("", "Paris.")
+    assert split_reply("x</thi", True, TOK, final=False) == ("x", "")
+

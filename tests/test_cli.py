@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dsv4cli.config import SPEC
+
 ROOT = Path(__file__).resolve().parents[1]
 DSV4 = Path(sys.executable).parent / "dsv4"
 
@@ -131,6 +133,20 @@ def test_model_ids_resolve_in_the_local_hub_caches(tmp_path, tiny_model_dir):
     one_error_line(dsv4(*gen, "--model", "acme/absent", **caches), "hf download acme/absent")
     one_error_line(dsv4(*gen, "--model", str(tmp_path / "nonexistent")), "nonexistent: no such model directory")
 
+    # results name the model by its id, not by the snapshot's hash or the bare directory name
+    (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "Hi"}\n')
+    for model in ("acme/tiny", "other/tiny"):
+        out = tmp_path / f"{model.replace('/', '-')}.jsonl"
+        r = dsv4("batch", str(tmp_path / "in.jsonl"), "-o", str(out), "-n", "2", "--model", model, **caches)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(out.read_text())["response"]["body"]["model"] == model
+    # inspect and convert take ids too
+    out = dsv4("inspect", "acme/tiny", "--json", **caches)
+    assert out.returncode == 0 and json.loads(out.stdout)["format"] == "float", out.stderr
+    one_error_line(dsv4("inspect", "acme/absent", **caches), "hf download acme/absent")
+    out = dsv4("convert", "other/tiny", str(tmp_path / "bf16"), "--to", "bf16", **caches)
+    assert out.returncode == 0 and (tmp_path / "bf16" / "config.json").is_file(), out.stderr
+
 
 def test_limits_are_checked_before_loading(tmp_path, tiny_model_dir):
     model = ("--model", str(tiny_model_dir))
@@ -162,3 +178,106 @@ def test_threads_default_to_one_for_a_small_model():
         out = subprocess.run([str(DSV4), *bench, *extra], env=env, capture_output=True, text=True, check=False)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["meta"]["threads"] == threads
+
+
+def test_out_of_range_numbers_are_one_error_line(tiny_model_dir):
+    """Numbers no device holds, and ones that pass the type check but not the model or the memory."""
+    gen = ("generate", "-p", "Hi", "--model", str(tiny_model_dir))
+    for flag, value, says in (("--top-k", "99999999999999999999", "--top-k: must fit in 64 bits"),
+                              ("--seed", "99999999999999999999", "--seed: must fit in 64 bits"),
+                              ("--max-batch", "99999999999999999999", "--max-batch: must fit in 64 bits"),
+                              ("--threads", "99999999999999999999", "--threads: must fit in 64 bits"),
+                              ("--threads", "2048", "--threads: must be in [1, 1024], got 2048"),
+                              ("--temperature", "1e300", "--temperature: must be in [0, 100], got 1e+300"),
+                              ("--repetition-penalty", "1e300", "--repetition-penalty: must be in [0.01, 100]"),
+                              ("--max-batch", "1000000000000", "not enough memory on cpu"),
+                              ("--max-seq-len", "1000000000000", "above the model's max_position_embeddings"),
+                              ("--prefill-budget", "99999999999999999999", "--prefill-budget: must fit in 64 bits"),
+                              ("--mtp", "99999999999999999999", "--mtp: must fit in 64 bits")):
+        one_error_line(dsv4(*gen, flag, value), says)
+    one_error_line(dsv4("serve", "--port", "99999"), "--port: must be in [0, 65535], got 99999")
+
+
+def test_config_show_takes_every_settings_flag(tmp_path):
+    """It used to take only the model verbs' options (`--port`: "No such option", did you mean --tp?)."""
+    (tmp_path / "x").write_text("Be brief.")       # every path is "x"; --system-file reads it
+    args = []
+    for name, key in SPEC.items():
+        # config show's own --json prints JSON; --system-file gives the system prompt
+        if key.file_only or name in ("json", "system"):
+            continue
+        if key.type is bool:
+            args += [key.flags[0].split("/")[0]]
+            continue
+        value = key.default if key.default not in (None, []) else key.choices[0] if key.choices else \
+            key.lo if key.type in (int, list[int]) and key.lo is not None else "x" if "str" in str(key.type) else 1
+        args += [key.flag, str(value[0] if isinstance(value, list) else value)]
+    out = dsv4("config", "show", "--json", *args, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert {name for name, v in shown.items() if v["source"] == "flag"} == set(SPEC) - {"mode", "json"}
+    assert shown["port"]["value"] == 8000 and shown["api_key"]["value"] == "<redacted>"
+    assert shown["system"]["value"] == "Be brief."
+
+
+def test_unknown_variables_are_one_error_line():
+    one_error_line(dsv4("config", "show", DSV4_TEMPERATUR="0"), "DSV4_TEMPERATUR: unknown setting; did you mean "
+                                                               "DSV4_TEMPERATURE?")
+    assert dsv4("config", "show", DSV4_DEBUG="1", DSV4_NATIVE_KERNELS="0").returncode == 0
+
+
+def test_logprobs_without_json_says_so():
+    out = dsv4("generate", "-p", "Hi", "-n", "2", "--logprobs", "2")
+    assert out.returncode == 0 and out.stderr == "warning: --logprobs: shown only with --json; ignored\n", out.stderr
+
+
+def test_a_closed_pipe_ends_generate_quietly():
+    """`dsv4 generate ... | head -c 20`: the reader leaves while the reply streams."""
+    proc = subprocess.Popen([str(DSV4), "generate", "-p", "Tell me a story.", "-n", "300", "--ignore-eos"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert len(proc.stdout.read(20)) == 20
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 0
+    assert proc.stderr.read() == b""
+
+
+def test_piped_tables_are_whole_and_torch_keeps_quiet():
+    """Piped, rich assumed 80 columns and cut every bench cell to `…`; the profiler bench counts launches with
+    printed `USDT: ... profiler_start` lines."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES") and not k.startswith("DSV4_")}
+    bench = subprocess.run([str(DSV4), "bench", "--depths", "0", "--batches", "1", "--prompts", "short", "-n", "2",
+                            "--no-transformers", "--compile", "off"], env=env, capture_output=True, text=True)
+    assert bench.returncode == 0, bench.stderr
+    assert "…" not in bench.stdout and "short" in bench.stdout and "tok/s" in bench.stdout
+    assert "USDT" not in bench.stderr and "profiler_start" not in bench.stderr, bench.stderr
+    shown = subprocess.run([str(DSV4), "config", "show"], env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and "…" not in shown.stdout and "Penalize tokens" not in shown.stdout
+    assert "[model].model │ unset" in " ".join(shown.stdout.split())
+
+
+def test_install_hints_fit_the_install(tmp_path):
+    """An editable checkout (this one) installs an extra from itself; an install from an index by name. Both
+    read pip's direct_url.json (PEP 610)."""
+    blocked = ("import sys; sys.modules['uvicorn'] = None; from dsv4cli.cli import main; sys.exit(main(['serve']))")
+    out = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, cwd=tmp_path)
+    assert (out.returncode, out.stderr) == (2, "error: dsv4 serve needs the serve extra (uvicorn is missing): "
+                                               f"pip install -e '.[serve]' in {ROOT}\n")
+    site, info = tmp_path / "site", tmp_path / "site" / "dsv4cli-0.1.0.dist-info"    # as pip installs a wheel
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: dsv4cli\nVersion: 0.1.0\n")
+    (info / "direct_url.json").write_text('{"url": "file:///src/dsv4cli", "dir_info": {}}')
+    (site / "dsv4cli").symlink_to(ROOT / "dsv4cli")
+    code = (f"import sys; sys.path.insert(0, {str(site)!r}); from dsv4cli.errors import install_hint; "
+            "print(install_hint('serve'))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.stdout == "pip install 'dsv4cli[serve]'\n", out.stderr
+
+
+def test_shell_completion():
+    """`dsv4 --show-completion` prints the shell's script; the script asks dsv4 itself for the candidates."""
+    out = dsv4("--show-completion", "bash")
+    assert out.returncode == 0 and "_DSV4_COMPLETE=complete_bash" in out.stdout, out.stderr
+    for words, cword, expect in (("dsv4 gen", 1, "generate"), ("dsv4 generate --tem", 2, "--temperature"),
+                                 ("dsv4 config show --syst", 3, "--system-file")):
+        out = dsv4(COMP_WORDS=words, COMP_CWORD=str(cword), _DSV4_COMPLETE="complete_bash")
+        assert out.returncode == 0 and expect in out.stdout.split(), (words, out.stdout, out.stderr)

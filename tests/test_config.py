@@ -1,10 +1,20 @@
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from dsv4cli.config import SAMPLING_KEYS, SPEC, Settings, load_file, reference_markdown, resolve
+from dsv4cli.config import (
+    OTHER_ENV,
+    SAMPLING_KEYS,
+    SPEC,
+    Settings,
+    check,
+    load_file,
+    reference_markdown,
+    resolve,
+)
 from dsv4cli.engine import SamplingParams
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import sampling_params
@@ -150,6 +160,47 @@ def test_env_errors(env, error):
     with pytest.raises(UsageError) as e:
         resolve(env=env)
     assert str(e.value) == error
+
+
+def test_a_misspelt_variable_is_an_error():
+    """It used to be ignored without a word; the variables that are no settings stay accepted."""
+    with pytest.raises(UsageError, match=r"^DSV4_TEMPERATUR: unknown setting; did you mean DSV4_TEMPERATURE\?$"):
+        resolve(env={"DSV4_TEMPERATUR": "0"})
+    with pytest.raises(UsageError, match=r"^DSV4_FOO: unknown setting; `dsv4 config show` lists the settings"):
+        resolve(env={"DSV4_FOO": "1"})
+    settings, _ = resolve(env={"DSV4_DEBUG": "1", "DSV4_NATIVE_KERNELS": "0", "DSV4_FOO": "", "DSV4_TOP_K": "3"})
+    assert settings.top_k == 3
+
+
+def test_every_variable_the_code_reads_is_known():
+    """A DSV4_* name read anywhere in the package is a setting's or one of OTHER_ENV, so none is refused."""
+    names = {m for path in (ROOT / "dsv4cli").rglob("*.py")
+             for m in re.findall(r"[\"'](DSV4_[A-Z0-9_]+)[\"']", path.read_text())}   # the names code reads
+    settings = {key.env for key in SPEC.values() if key.env}
+    assert names - settings == set(OTHER_ENV) and names >= {"DSV4_DEBUG", "DSV4_NATIVE_KERNELS"}
+
+
+def test_max_tokens_minus_one_runs_until_the_context_is_full(tmp_path):
+    """-1 is max_seq_len, from every settings layer; a request body must give a real count."""
+    settings, sources = resolve(flags={"max_tokens": -1, "max_seq_len": 1024}, env={})
+    assert (settings.max_tokens, sources["max_tokens"]) == (1024, "flag")
+    assert resolve(env={"DSV4_MAX_TOKENS": "-1"})[0].max_tokens == 4096
+    assert resolve(write(tmp_path / "x.toml", "[sampling]\nmax_tokens = -1\n"), env={})[0].max_tokens == 4096
+    with pytest.raises(UsageError, match=r"^--max-tokens: must be >= 1 or -1, got -2$"):
+        resolve(flags={"max_tokens": -2}, env={})
+    with pytest.raises(UsageError, match=r"^body.max_tokens: must be >= 1, got -1$"):
+        check("max_tokens", -1, "body.max_tokens")
+
+
+def test_system_file(tmp_path):
+    write(tmp_path / "prompts" / "pirate.txt", "You are a pirate.\n")
+    config = write(tmp_path / "chat.toml", '[chat]\nsystem_file = "prompts/pirate.txt"\n')    # relative to the file
+    settings, sources = resolve(config, env={})
+    assert (settings.system, sources["system"]) == ("You are a pirate.", f"config {config} [chat].system_file")
+    with pytest.raises(UsageError, match="^--system-file: the system prompt is also given with --system"):
+        resolve(config, flags={"system": "Be brief."}, env={})
+    with pytest.raises(UsageError, match=r"^--system-file \S+missing.txt: cannot read: No such file or directory$"):
+        resolve(flags={"system_file": str(tmp_path / "missing.txt")}, env={})
 
 
 @pytest.mark.parametrize(

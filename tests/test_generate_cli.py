@@ -80,3 +80,17 @@ def test_generate_json_logprobs_and_tools(tiny_model_dir, tmp_path):
     tools.write_text('{"name": "get_time"}')
     r = dsv4(*base, "--tools", str(tools))
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "--tools" in r.stderr, r.stderr
+
+
+def test_until_the_context_is_full_and_a_system_file(tmp_path):
+    """-n -1 generates until max_seq_len; --system-file FILE gives the same prompt as --system TEXT."""
+    base = ("generate", "-p", "Hi", "--temperature", "0", "--ignore-eos", "--max-seq-len", "64", "--json")
+    r = dsv4(*base, "-n", "-1")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["finish_reason"] == "length"
+    assert result["stats"]["prompt_tokens"] + len(result["token_ids"]) == 64
+    (tmp_path / "system.txt").write_text("You are a pirate.\n")
+    runs = [json.loads(dsv4(*base, "-n", "4", *given).stdout)
+            for given in (("--system", "You are a pirate."), ("--system-file", str(tmp_path / "system.txt")))]
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] and runs[0]["stats"]["prompt_tokens"] > 10

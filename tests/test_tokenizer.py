@@ -122,3 +122,12 @@ def test_train_tokenizer_script(tmp_path):
     subprocess.run([sys.executable, str(script), str(tmp_path), "512"], check=True, capture_output=True)
     tok = Tokenizer.from_dir(tmp_path)
     assert (tok.bos_id, tok.eos_id, tok.vocab_size) == (0, 1, 512)
+
+
+def test_visible_text_has_no_special_tokens_and_streams_as_a_prefix(tok):
+    """What readers see (skip_special_tokens); every prefix shown while a reply streams begins the final text."""
+    raw = "2 + 3 = 5.<｜end▁of▁sentence｜><｜begin▁of▁sentence｜><｜User｜>Is 1 < 2?<｜Assistant｜></think>Yes"
+    final = tok.visible(raw)
+    assert final == "2 + 3 = 5.Is 1 < 2?Yes" and final == tok._tok.decode(tok.encode(raw), skip_special_tokens=True)
+    assert all(final.startswith(tok.visible(raw[:n], final=False)) for n in range(len(raw) + 1))
+    assert tok.visible("Is 1 <", final=False) == "Is 1 " and tok.visible("Is 1 <") == "Is 1 <"

@@ -5,6 +5,7 @@ only leave a torn last line; `repair` cuts that off and `scan` reads back what i
 A run holds an exclusive lock on each file it writes from before it reads it until it ends, so two runs
 can never answer the same requests into one file.
 """
+import errno
 import fcntl
 import json
 import os
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 
 from dsv4cli.engine import Sequence
-from dsv4cli.errors import UsageError
+from dsv4cli.errors import RunError, UsageError
 from dsv4cli.openai.responses import completion
 from dsv4cli.tokenizer import Tokenizer
 
@@ -37,7 +38,7 @@ class ResultFile:
     second and on close. `flag` names the file in errors."""
 
     def __init__(self, path: Path, fsync_every: float = 1.0, flag: str = "-o/--output"):
-        self.path, self.fsync_every = path, fsync_every
+        self.path, self.fsync_every, self.flag = path, fsync_every, flag
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -52,15 +53,30 @@ class ResultFile:
 
     def append(self, record: dict) -> None:
         data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
-        while data:   # a regular file takes it all in one write; the loop only guards a short write
-            data = data[os.write(self.fd, data):]
-        if time.monotonic() - self.synced >= self.fsync_every:
-            os.fsync(self.fd)
-            self.synced = time.monotonic()
+        try:
+            while data:   # a regular file takes it all in one write; the loop only guards a short write
+                data = data[os.write(self.fd, data):]
+            if time.monotonic() - self.synced >= self.fsync_every:
+                os.fsync(self.fd)
+                self.synced = time.monotonic()
+        except OSError as e:
+            raise self.write_failed(e) from None
 
     def close(self) -> None:
-        os.fsync(self.fd)
-        os.close(self.fd)
+        try:
+            os.fsync(self.fd)
+        except OSError as e:
+            if e.errno != errno.EINVAL:     # EINVAL: a device or pipe, which has nothing to sync
+                raise self.write_failed(e) from None
+        finally:
+            os.close(self.fd)
+
+    def write_failed(self, e: OSError) -> RunError:
+        """A write that failed (a full disk, most likely): the records before it are whole (a torn last one
+        is cut off by --resume), and the requests not written are answered by --resume."""
+        fix = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix it"
+        return RunError(f"{self.flag} {self.path}: cannot write: {e.strerror.lower()}; {fix} and rerun with --resume "
+                        "(the results so far are kept)")
 
 
 def repair(path: Path) -> int:

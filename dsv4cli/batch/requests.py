@@ -49,7 +49,8 @@ class RequestParser:
         self.seen: set[str] = set()
 
     def parse(self, line: int, raw: bytes) -> Request:
-        """One non-blank input line (1-based number `line`) -> Request, or raise BadLine."""
+        """One non-blank input line (1-based number `line`) -> Request, or raise BadLine (with the line's
+        custom_id once the line has claimed it)."""
         custom_id = None
         try:
             obj = load_json(raw)
@@ -71,8 +72,12 @@ class RequestParser:
         if not (isinstance(cid, str) or not openai and isinstance(cid, int) and not isinstance(cid, bool)):
             raise BadLine("invalid_request", f"custom_id: must be a string, got {json.dumps(cid)}")
         cid = str(cid)
+        if not cid:
+            raise BadLine("invalid_request", "custom_id: must not be empty")
         if cid in self.seen:
-            raise BadLine("duplicate_custom_id", f"custom_id {cid!r} was already used by an earlier line", cid)
+            # the record keeps custom_id null: the id already belongs to the earlier line's record, and a
+            # reader matching results by custom_id must find each id once
+            raise BadLine("duplicate_custom_id", f"custom_id {cid!r} was already used by an earlier line")
         self.seen.add(cid)
         return cid
 

@@ -31,7 +31,7 @@ class BatchRun:
         self.done, self.errored = done, errored         # from the output of an earlier run (--resume)
         self.bar = bar
         self.window = 2 * engine.max_batch
-        self.in_flight: dict[str, Request] = {}
+        self.in_flight: dict[str, Request] = {}     # by engine request id: the input line, unique in a run
         self.peak_in_flight = 0
         self.ok = self.failed = self.skipped = self.tokens = 0
         self.t0 = time.perf_counter()
@@ -45,8 +45,9 @@ class BatchRun:
                 if req is None:
                     more = False
                     break
-                self.engine.submit(req.prompt_ids, req.params, req.custom_id)
-                self.in_flight[req.custom_id] = req
+                request_id = f"line-{req.line}"
+                self.engine.submit(req.prompt_ids, req.params, request_id)
+                self.in_flight[request_id] = req
                 self.peak_in_flight = max(self.peak_in_flight, len(self.in_flight))
             if not self.engine.has_work():
                 return
@@ -98,10 +99,10 @@ class BatchRun:
         accept = f" · accept {totals.acceptance_rate:.0%}" if totals.draft_tokens else ""
         return f"{self.ok / dt:.1f} req/s · {self.tokens / dt:.1f} tok/s{accept}"
 
-    def summary(self, interrupted: bool) -> str:
+    def summary(self, state: str) -> str:
+        """One line: how the run ended (done, interrupted, stopped) and its counts and rates."""
         dt = time.perf_counter() - self.t0
         skipped = f", {self.skipped} already done" if self.skipped else ""
-        state = "interrupted" if interrupted else "done"
         return (f"batch {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
                 f" · {self.rates()}")
 
@@ -162,7 +163,7 @@ def run_batch(s: Settings) -> int:
     engine = load_engine(s, "batch", job_tokens=max(total - len(done), 0) * s.max_tokens)
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
     bar = progress_bar(total) if sys.stderr.isatty() else None
-    batch = BatchRun(engine, parser, out, errors, s.model_dir.name, done, errored, bar)
+    batch = BatchRun(engine, parser, out, errors, s.model_name, done, errored, bar)
     interrupted, failed = False, None
     try:
         with open(src, "rb") as lines, bar or nullcontext():
@@ -170,12 +171,16 @@ def run_batch(s: Settings) -> int:
     except KeyboardInterrupt:
         interrupted = True
     except EngineFailed as e:           # every result so far is written; the requests in flight are not
+        failed = RunError(f"{e}; the results so far are kept: --resume answers the rest")
+    except RunError as e:               # a result could not be written (a full disk)
         failed = e
     finally:
-        out.close()
-        if errors is not out:
-            errors.close()
-    print(batch.summary(interrupted or failed is not None), file=sys.stderr)
+        for file in dict.fromkeys((out, errors)):
+            try:
+                file.close()
+            except RunError as e:
+                failed = failed or e
+    print(batch.summary("stopped" if failed else "interrupted" if interrupted else "done"), file=sys.stderr)
     if failed is not None:
-        raise RunError(f"{failed}; the results so far are kept: --resume answers the rest")
+        raise failed
     return 130 if interrupted else 0

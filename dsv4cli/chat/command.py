@@ -18,6 +18,7 @@ from rich.text import Text
 from dsv4cli.config import Settings
 from dsv4cli.engine import EngineAPI
 from dsv4cli.loading import load_engine, sampling_params
+from dsv4cli.openai.responses import visible_message
 from dsv4cli.options import CliOptions, model_options
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
@@ -144,8 +145,9 @@ class Chat:
             self.session.messages.pop()
             self.error(f"{e}; your message was dropped")
             return True
-        view = (LiveReply(self.console, seq, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
-                else PlainReply(seq, s.thinking))
+        tok = self.engine.tok
+        view = (LiveReply(self.console, seq, tok, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
+                else PlainReply(seq, tok, s.thinking))
         with sigint_flag() as stop, view:
             try:
                 while not seq.finished and not stop:
@@ -164,23 +166,21 @@ class Chat:
             return True
         interrupted = seq.finish_reason == "cancelled"
         self.session.last_logprobs = seq.logprobs
-        self.session.add_reply(seq.text[: seq.emitted], seq.metrics, interrupted)
+        self.session.add_reply(visible_message(tok, seq.text[: seq.emitted], s.thinking), seq.metrics, interrupted)
         return not interrupted
 
 
     def fitting_prompt(self) -> list[int]:
-        """The conversation's prompt, without its oldest exchanges while it and a whole reply (max_tokens)
-        would not fit in max_seq_len; says so in one line when it drops any."""
-        ids, dropped = self.engine.tok.encode(self.session.prompt()), 0
-        while len(ids) + self.session.settings.max_tokens > self.engine.max_seq_len:
-            n = self.session.drop_oldest_exchange()
-            if not n:
-                break
-            dropped += n
-            ids = self.engine.tok.encode(self.session.prompt())
-        if dropped:
-            self.console.print(Text(f"dropped the {dropped} oldest messages to fit max_seq_len "
-                                    f"{self.engine.max_seq_len} (the system prompt stays)", style="yellow"))
+        """The conversation's prompt: the latest exchanges that leave room for the reply in max_seq_len.
+        The room is max_tokens, but at most a quarter of max_seq_len, so a long max_tokens still leaves
+        history for the model (the reply then ends when the context is full). Says so in one line when the
+        model stops seeing messages; the transcript (/save) keeps them all."""
+        max_seq_len, s = self.engine.max_seq_len, self.session.settings
+        room = min(s.max_tokens, max_seq_len // 4)
+        ids, hidden = self.session.fit(self.engine.tok.encode, max_seq_len - room)
+        if hidden:
+            self.console.print(Text(f"context full: the model no longer sees the {hidden} oldest messages (the system "
+                                    "prompt stays; /save keeps them all)", style="yellow"))
         return ids
 
 
@@ -224,7 +224,7 @@ def run_chat(s: Settings) -> int:
     return Chat(engine, ChatSession(s, engine.tok.encoding), tty).run()
 
 
-@model_options("system", "thinking", "reasoning_effort")
+@model_options("system", "system_file", "thinking", "reasoning_effort")
 def chat(opts: CliOptions) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""

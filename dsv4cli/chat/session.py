@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4cli.config import SPEC, Settings, check, format_value, parse_value
-from dsv4cli.encoding import encode_messages, parse_completion
+from dsv4cli.config import SPEC, Settings, check, format_value, parse_value, without_unlimited
+from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_tools
@@ -32,8 +32,10 @@ COMMANDS = {  # name: (arguments, what it does)
     "/exit": ("", "quit (or Ctrl-D)"),
 }
 SHOW_PARTS = ("settings", "model", "prompt", "logprobs")
-# What /set may change: sampling, the MTP depth and the chat keys; the model sections need a reload.
-SETTABLE = tuple(name for name, key in SPEC.items() if key.section in ("sampling", "speculative", "chat"))
+# What /set may change: sampling, the MTP depth and the chat keys (system_file is read into system at the
+# start; /system sets it); the model sections need a reload.
+SETTABLE = tuple(name for name, key in SPEC.items()
+                 if key.section in ("sampling", "speculative", "chat") and name != "system_file")
 # /set also takes the flag spellings: temp, n, max-tokens, stop-token-id, ...
 _ALIASES = {f.split("/")[0].lstrip("-").replace("-", "_"): name for name in SETTABLE for f in SPEC[name].flags}
 _ALIASES |= {name: name for name in SETTABLE}
@@ -83,44 +85,68 @@ class Totals:
 
 
 class ChatSession:
-    """The messages so far (user and assistant; the system prompt lives in `settings.system`)."""
+    """The messages so far (user and assistant; the system prompt lives in `settings.system`): all of them
+    are the transcript /save writes; the model sees those from `start` on, as many as fit its context."""
 
     def __init__(self, settings: Settings, encoding: str = "preview"):
         """`encoding`: the checkpoint's chat encoding (`Tokenizer.encoding`)."""
         self.settings, self.encoding = settings, encoding
         self.messages: list[dict] = []
+        self.start = 0                                  # the first message the model sees
         self.totals = Totals()
         self.tools: list[dict] = []                     # rendered on the system message
         self.last_logprobs: list[TokenLogprob] = []      # the last reply's, when /set logprobs asked for them
 
     # ---- the conversation ----------------------------------------------------------------------
 
+    def _with_system(self, messages: list[dict]) -> list[dict]:
+        system = {"role": "system", "content": self.settings.system} | ({"tools": self.tools} if self.tools else {})
+        return ([system] if self.settings.system or self.tools else []) + messages
+
     @property
     def conversation(self) -> list[dict]:
-        system = {"role": "system", "content": self.settings.system} | ({"tools": self.tools} if self.tools else {})
-        return ([system] if self.settings.system or self.tools else []) + self.messages
+        """What the model sees: the system prompt and the messages from `start` on."""
+        return self._with_system(self.messages[self.start:])
 
-    def prompt(self) -> str:
-        """The conversation in the DSV4 chat format; after a user turn it opens the assistant's reply."""
-        s = self.settings
-        return encode_messages(self.conversation, thinking=s.thinking, reasoning_effort=s.reasoning_effort,
-                               encoding=self.encoding)
+    @property
+    def transcript(self) -> list[dict]:
+        """The whole conversation, what /save writes."""
+        return self._with_system(self.messages)
+
+    def prompt(self, start: int | None = None) -> str:
+        """The conversation (from message `start`, default what the model sees) in the DSV4 chat format;
+        after a user turn it opens the assistant's reply."""
+        s, start = self.settings, self.start if start is None else start
+        return encode_messages(self._with_system(self.messages[start:]), thinking=s.thinking,
+                               reasoning_effort=s.reasoning_effort, encoding=self.encoding)
 
     def add_user(self, text: str) -> None:
         self.messages.append({"role": "user", "content": text})
 
-    def drop_oldest_exchange(self) -> int:
-        """Forget the oldest user message and the replies to it (the system prompt stays); returns how many
-        messages went, 0 when only the last user message and its reply so far are left."""
+    def fit(self, prompt_ids: Callable[[str], list[int]], budget: int) -> tuple[list[int], int]:
+        """Let the model see as many of the latest exchanges as fit in `budget` prompt tokens (the system
+        prompt and the last user message always); returns the prompt's ids and how many messages it no
+        longer shows that the previous prompt did."""
         users = [i for i, m in enumerate(self.messages) if m["role"] == "user"]
-        if len(users) < 2:
-            return 0
-        del self.messages[: users[1]]
-        return users[1]
+        starts = [0, *(i for i in users if i)] if users else [0]
+        ids = prompt_ids(self.prompt(0))
+        lo, hi = 0, len(starts) - 1
+        if len(ids) <= budget:
+            hi = 0
+        # the earliest start that fits, by bisection: fewer exchanges never take more tokens
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if len(prompt_ids(self.prompt(starts[mid]))) <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        hidden = max(starts[lo] - self.start, 0)
+        self.start = starts[lo]
+        return (ids if lo == 0 else prompt_ids(self.prompt())), hidden
 
-    def add_reply(self, text: str, metrics: Metrics, interrupted: bool) -> dict:
-        """Keep a reply (split into reasoning and answer); an interrupted one is kept and marked."""
-        parsed = parse_completion(text, self.settings.thinking)
+    def add_reply(self, parsed: dict, metrics: Metrics, interrupted: bool) -> dict:
+        """Keep a reply, an assistant message as `responses.visible_message` gives it (content, reasoning,
+        tool calls); an interrupted one is kept and marked."""
         message = {k: v for k, v in parsed.items() if v or k == "content"}
         if interrupted:
             message["interrupted"] = True
@@ -152,6 +178,7 @@ class ChatSession:
 
     def _clear(self, arg: str) -> Outcome:
         self.messages.clear()
+        self.start = 0
         return Outcome("conversation cleared")
 
     def _regen(self, arg: str) -> Outcome:
@@ -168,6 +195,7 @@ class ChatSession:
             self.messages.pop()
         if self.messages and self.messages[-1]["role"] == "user":
             self.messages.pop()
+        self.start = min(self.start, len(self.messages))
         return Outcome(f"removed the last exchange; {len(self.messages)} messages left")
 
     def _system(self, arg: str) -> Outcome:
@@ -192,8 +220,8 @@ class ChatSession:
             raise UsageError(f"/set {name}: give a value ({SPEC[name].rule or SPEC[name].help})")
         unset = SPEC[name].default is None and text.lower() in ("unset", "none")
         value = None if unset else parse_value(name, text, f"/set {name}")
-        self.settings = dataclasses.replace(self.settings, **{name: value})
-        return Outcome(f"{name} = {format_value(value)}")
+        self.settings = without_unlimited(dataclasses.replace(self.settings, **{name: value}))
+        return Outcome(f"{name} = {format_value(getattr(self.settings, name))}")
 
     def _show(self, arg: str) -> Outcome:
         if arg and arg not in SHOW_PARTS:
@@ -208,7 +236,7 @@ class ChatSession:
             raise UsageError("/save: give a file name")
         path = Path(arg).expanduser()
         settings = {name: getattr(self.settings, name) for name in SETTABLE if name != "system"}
-        data = json.dumps({"messages": self.conversation, "settings": settings}, ensure_ascii=False, indent=2)
+        data = json.dumps({"messages": self.transcript, "settings": settings}, ensure_ascii=False, indent=2)
         try:  # write a temporary file next to the target, then rename: a crash never leaves half a file
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -216,7 +244,7 @@ class ChatSession:
             os.replace(tmp, path)
         except OSError as e:
             raise UsageError(f"/save {arg}: {e.strerror}") from None
-        return Outcome(f"saved {len(self.conversation)} messages to {path}")
+        return Outcome(f"saved {len(self.transcript)} messages to {path}")
 
     def _load(self, arg: str) -> Outcome:
         if not arg:
@@ -227,9 +255,10 @@ class ChatSession:
             raise UsageError(f"/load {arg}: {e.strerror}") from None
         except ValueError as e:
             raise UsageError(f"/load {arg}: not JSON: {e}") from None
+        data = data if isinstance(data, dict) else {"messages": None}    # a list or a string is no conversation
         messages, settings = data.get("messages"), data.get("settings", {})
         if not isinstance(messages, list) or not isinstance(settings, dict):
-            raise UsageError(f'/load {arg}: expected {{"messages": [...], "settings": {{...}}}}')
+            raise UsageError(f'/load {arg}: expected {{"messages": [...], "settings": {{...}}}} as /save writes')
         try:
             if messages:
                 encode_messages(messages)  # checks every message
@@ -240,11 +269,11 @@ class ChatSession:
             if name not in SETTABLE:
                 raise UsageError(f"/load {arg}: settings.{name}: not a chat setting")
             unset = value is None and SPEC[name].default is None
-            values[name] = None if unset else check(name, value, f"/load {arg}: settings.{name}")
+            values[name] = None if unset else check(name, value, f"/load {arg}: settings.{name}", setting=True)
         has_system = bool(messages) and messages[0]["role"] == "system"
         values["system"] = messages[0]["content"] if has_system else ""
-        self.settings = dataclasses.replace(self.settings, **values)
-        self.messages = messages[has_system:]
+        self.settings = without_unlimited(dataclasses.replace(self.settings, **values))
+        self.messages, self.start = messages[has_system:], 0
         return Outcome(f"loaded {len(messages)} messages from {arg}")
 
     def _exit(self, arg: str) -> Outcome:

@@ -13,6 +13,7 @@ from rich.text import Text
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import EngineAPI, Metrics
+from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_count
 
 SPARKS = "▁▂▃▄▅▆▇█"
@@ -24,12 +25,13 @@ def printable(text: str) -> str:
     return _CONTROL.sub("", text)
 
 
-def split_reply(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, answer): in thinking mode the reply starts with reasoning and ends it with </think>."""
+def split_reply(text: str, thinking: bool, tok: Tokenizer, final: bool) -> tuple[str, str]:
+    """(reasoning, answer) as shown, without special tokens (a partial one held back until `final`): in
+    thinking mode the reply starts with reasoning and ends it with </think>."""
     if not thinking:
-        return "", text
+        return "", tok.visible(text, final)
     reasoning, found, answer = text.partition(THINK_END)
-    return reasoning, answer if found else ""
+    return tok.visible(reasoning, final or bool(found)), tok.visible(answer, final)
 
 
 def ms(seconds: float) -> str:
@@ -119,9 +121,9 @@ class LiveReply:
     ten times a second. Closing it replaces the live view with the whole reply and a summary line.
     Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
 
-    def __init__(self, console: Console, seq, mtp_depth: int, thinking: bool, compiled=None):
+    def __init__(self, console: Console, seq, tok: Tokenizer, mtp_depth: int, thinking: bool, compiled=None):
         """`compiled`: the engine's compiled step (its `status` shows in the bar), or None."""
-        self.console, self.seq, self.mtp_depth, self.thinking = console, seq, mtp_depth, thinking
+        self.console, self.seq, self.tok, self.mtp_depth, self.thinking = console, seq, tok, mtp_depth, thinking
         self.compiled = compiled
         self.step_s: list[float] = []
         self.drawn = 0.0
@@ -131,7 +133,7 @@ class LiveReply:
     def __rich_console__(self, console, options):
         height = max(options.size.height - 3, 1)
         keep = height * options.max_width   # characters: at most what fits on the screen
-        reasoning, answer = split_reply(self.seq.text[: self.seq.emitted], self.thinking)
+        reasoning, answer = split_reply(self.seq.text[: self.seq.emitted], self.thinking, self.tok, final=False)
         answer = answer[-keep:]
         reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
         yield Tail(reply_view(reasoning, answer, markdown=False), height)
@@ -146,7 +148,8 @@ class LiveReply:
     def __exit__(self, *exc):
         self.live.stop()
         self.tty.__exit__()
-        self.console.print(reply_view(*split_reply(self.seq.text[: self.seq.emitted], self.thinking)))
+        self.console.print(reply_view(*split_reply(self.seq.text[: self.seq.emitted], self.thinking, self.tok,
+                                                   final=True)))
         self.console.print(summary_line(self.seq.metrics, self.mtp_depth, self.seq.finish_reason))
 
     def update(self) -> None:
@@ -158,20 +161,20 @@ class LiveReply:
 class PlainReply:
     """A reply streaming to a pipe: the answer text only, then a newline."""
 
-    def __init__(self, seq, thinking: bool):
-        self.seq, self.thinking, self.written = seq, thinking, 0
+    def __init__(self, seq, tok: Tokenizer, thinking: bool):
+        self.seq, self.tok, self.thinking, self.written = seq, tok, thinking, 0
         self.step_s: list[float] = []
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
-        self.update()
+        self.update(final=True)
         sys.stdout.write("\n")
         sys.stdout.flush()
 
-    def update(self) -> None:
-        answer = printable(split_reply(self.seq.text[: self.seq.emitted], self.thinking)[1])
+    def update(self, final: bool = False) -> None:
+        answer = printable(split_reply(self.seq.text[: self.seq.emitted], self.thinking, self.tok, final)[1])
         sys.stdout.write(answer[self.written:])
         sys.stdout.flush()
         self.written = len(answer)

@@ -21,9 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .config import ConfigError, ModelConfig
 from dsv4cli import kernels, platforms
 
+from .config import ConfigError, ModelConfig
 from .model import Linear, PackedWeight, Transformer, world
 from .quant import (
     FP4_BLOCK,

@@ -21,9 +21,10 @@ def chat_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
 
 def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], offset: int = 0) -> dict:
     """OpenAI completions `choices[].logprobs`: parallel lists, alternatives keyed by their text; `offset`
-    is where the first token's text starts in the reply (a streamed chunk's tokens start mid-reply)."""
+    is where the first token's text starts in the reply (a streamed chunk's tokens start mid-reply), which
+    shows no special tokens."""
     tokens = [tok.decode([e.token]) for e in logprobs]
-    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [offset + sum(len(tok.visible(t)) for t in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
             "top_logprobs": [{tok.decode([t]): v for t, v in e.top} for e in logprobs], "text_offset": offsets}
 
@@ -38,12 +39,19 @@ def usage(seq: Sequence) -> dict:
             "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
 
 
+def visible_message(tok: Tokenizer, text: str, thinking: bool) -> dict:
+    """A reply's assistant message (parse_completion, which reads the special tokens), its content and
+    reasoning as readers see them: without special tokens."""
+    parsed = parse_completion(text, thinking)
+    return parsed | {field: tok.visible(parsed[field]) for field in ("content", "reasoning_content")}
+
+
 def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str) -> dict:
     """The response body of a finished request: ids `chatcmpl-<number>` / `cmpl-<number>`, tool call ids
-    `call_<number>_<n>`."""
+    `call_<number>_<n>`. The text shows no special tokens."""
     finish_reason = seq.finish_reason
     if req.chat:
-        parsed = parse_completion(seq.text, req.thinking)
+        parsed = visible_message(tok, seq.text, req.thinking)
         message = {"role": "assistant", "content": parsed["content"]}
         if req.thinking:
             message["reasoning_content"] = parsed["reasoning_content"]
@@ -55,7 +63,7 @@ def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: 
         body = {"id": f"chatcmpl-{number}", "object": "chat.completion"}
     else:
         logprobs = completion_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
-        choice = {"index": 0, "text": seq.text, "finish_reason": finish_reason, "logprobs": logprobs}
+        choice = {"index": 0, "text": tok.visible(seq.text), "finish_reason": finish_reason, "logprobs": logprobs}
         body = {"id": f"cmpl-{number}", "object": "text_completion"}
     return body | {"created": int(time.time()), "model": model, "choices": [choice], "usage": usage(seq),
                    "dsv4_stats": seq.metrics.as_dict()}
@@ -75,7 +83,7 @@ class ChunkStream:
     """One reply as stream chunks: `update` with each event's text and logprobs gives the chunks to send;
     `finish` the last ones. Reasoning streams as `delta.reasoning_content`, the answer as `delta.content`,
     tool calls (parsed once the reply is whole) as `delta.tool_calls`; the concatenated deltas equal the
-    non-streamed message."""
+    non-streamed message (special tokens held back until they are whole, and left out)."""
 
     def __init__(self, req: Request, tok: Tokenizer, model: str, number: str):
         self.req, self.tok = req, tok
@@ -84,7 +92,7 @@ class ChunkStream:
                      "created": int(time.time()), "model": model}
         self.number = number
         self.text = ""                          # the reply so far
-        self.sent = {"reasoning_content": 0, "content": 0}     # characters of each already sent
+        self.sent = {"reasoning_content": 0, "content": 0, "text": 0}     # characters of each already sent
         self.offset = 0                         # completions: characters of text whose logprobs were sent
 
     def first(self) -> list[dict]:
@@ -94,30 +102,38 @@ class ChunkStream:
     def update(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
         self.text += text
         if not self.req.chat:
-            return [self._chunk(text, logprobs)] if text or logprobs else []
+            return self._text(self.tok.visible(self.text, final=False), logprobs)
         text = _before(self.text, EOS)[0]       # what parse_completion reads (ignore_eos writes past EOS)
-        reasoning, answer = "", text
+        reasoning, answer, thought = "", text, True
         if self.req.thinking:
-            reasoning, done = _before(text, THINK_END)
-            answer = text.partition(THINK_END)[2] if done else ""
-        return self._deltas(reasoning, _before(answer, TOOL_CALLS_OPENING)[0], logprobs)
+            reasoning, thought = _before(text, THINK_END)
+            answer = text.partition(THINK_END)[2] if thought else ""
+        return self._deltas(self.tok.visible(reasoning, final=thought),
+                            self.tok.visible(_before(answer, TOOL_CALLS_OPENING)[0], final=False), logprobs)
 
     def finish(self, seq: Sequence) -> list[dict]:
         """The rest of the reply (parsed whole, as the non-streamed body is), tool calls, the finish reason
         and, when asked for, the usage."""
         finish_reason, chunks = seq.finish_reason, []
         if self.req.chat:
-            parsed = parse_completion(seq.text, self.req.thinking)
+            parsed = visible_message(self.tok, seq.text, self.req.thinking)
             chunks = self._deltas(parsed["reasoning_content"], parsed["content"], [])
             if parsed["tool_calls"]:
                 calls = [{"index": i, **call} for i, call in enumerate(tool_calls(parsed["tool_calls"],
                                                                                  f"{self.number}_"))]
                 chunks.append(self._chunk({"tool_calls": calls}))
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        else:
+            chunks = self._text(self.tok.visible(seq.text), [])
         chunks.append(self._chunk({} if self.req.chat else "", finish_reason=finish_reason))
         if self.req.include_usage:
             chunks.append(self.base | {"choices": [], "usage": usage(seq)})
         return chunks
+
+    def _text(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
+        """A completion's chunk with the text beyond what was sent."""
+        delta, self.sent["text"] = text[self.sent["text"]:], max(self.sent["text"], len(text))
+        return [self._chunk(delta, logprobs)] if delta or logprobs else []
 
     def _deltas(self, reasoning: str, content: str, logprobs: list[TokenLogprob]) -> list[dict]:
         delta = {}
@@ -137,5 +153,5 @@ class ChunkStream:
             choice = {"index": 0, "text": delta, "logprobs": None}
             if wanted:
                 choice["logprobs"] = completion_logprobs(self.tok, logprobs or [], self.offset)
-                self.offset += sum(map(len, choice["logprobs"]["tokens"]))
+                self.offset += sum(len(self.tok.visible(t)) for t in choice["logprobs"]["tokens"])
         return self.base | {"choices": [choice | {"finish_reason": finish_reason}]}

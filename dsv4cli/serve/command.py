@@ -6,7 +6,7 @@ import socket
 import sys
 
 from dsv4cli.config import Settings
-from dsv4cli.errors import RunError, UsageError
+from dsv4cli.errors import RunError, UsageError, install_hint
 from dsv4cli.options import CliOptions, model_options
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
@@ -42,7 +42,7 @@ def run_serve(s: Settings) -> int:
         from .http import BACKLOG, Server, connection_limit, protocol
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
-                         f"pip install 'dsv4cli[serve]'") from None
+                         f"{install_hint('serve')}") from None
     from dsv4cli.loading import load_engine, sampling_params
     from dsv4cli.openai.requests import BodyParser
 

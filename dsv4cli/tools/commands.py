@@ -17,22 +17,32 @@ class Target(str, Enum):
     bf16 = "bf16"
 
 
+def model_dir(value: str) -> Path:
+    """A model directory, or a model id found in the local Hugging Face or ModelScope cache."""
+    from dsv4cli.hub import is_model_id, missing_model, resolve_model
+
+    path = Path(resolve_model(value))
+    if not path.exists() and is_model_id(value):
+        raise missing_model(value)
+    return path
+
+
 def inspect(
-    path: Path | None = typer.Argument(None, help="Model directory (default: the bundled dsv4-tiny)"),
+    model: str | None = typer.Argument(None, metavar="[MODEL]", help="Model directory or id (default: the bundled "
+                                       "dsv4-tiny)"),
     tp: int = typer.Option(1, "--tp", min=1, help="Tensor-parallel cards, for the memory per card"),
     check: bool = typer.Option(False, "--check", help="Also check every tensor's presence, shape and dtype"),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead"),
 ) -> int:
     """Describe a checkpoint from its config and headers: format, parameters, layers, memory."""
-    from rich.console import Console
-
     from dsv4cli.config import BUNDLED_MODEL_DIR
     from dsv4cli.model.loader import LoadError
+    from dsv4cli.terminal import table_console
     from dsv4cli.tools import inspect as tool
 
-    if path is None and not BUNDLED_MODEL_DIR.is_dir():
-        raise UsageError(f"no PATH given and the bundled model is not installed ({BUNDLED_MODEL_DIR})")
-    path = path or BUNDLED_MODEL_DIR
+    if model is None and not BUNDLED_MODEL_DIR.is_dir():
+        raise UsageError(f"no MODEL given and the bundled model is not installed ({BUNDLED_MODEL_DIR})")
+    path = model_dir(model) if model else BUNDLED_MODEL_DIR
     try:
         info = tool.describe(path, tp)
     except LoadError as e:
@@ -41,7 +51,7 @@ def inspect(
     if as_json:
         print(json.dumps({**info, **({"problems": problems} if check else {})}, indent=2))
     else:
-        Console().print(tool.render(info))
+        table_console().print(tool.render(info))
         for problem in problems:
             print(f"problem: {problem}")
         if check and not problems:
@@ -52,7 +62,8 @@ def inspect(
 
 
 def convert(
-    src: Path = typer.Argument(..., help="Official release (FP8/FP4) or float checkpoint directory"),
+    source: str = typer.Argument(..., metavar="SRC", help="Official release (FP8/FP4) or float checkpoint: a "
+                                 "directory or a model id"),
     dst: Path = typer.Argument(..., help="New directory for the converted checkpoint"),
     to: Target = typer.Option(Target.w8a8, "--to", help="w8a8: msModelSlim W8A8_DYNAMIC layout; bf16: official layout"),
 ) -> int:
@@ -60,6 +71,7 @@ def convert(
     from dsv4cli.model.loader import LoadError
     from dsv4cli.tools.convert import convert as run
 
+    src = model_dir(source)
     try:
         run(src, dst, to=to.value, progress=sys.stderr.isatty())
     except LoadError as e:
