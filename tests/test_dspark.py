@@ -10,6 +10,7 @@ from test_fp8 import is_official_fp8, write_official
 from tiny import prompts, random_model, tiny_dspark_config, write_checkpoint
 
 from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine.draft_length import DraftLength
 from dsv4cli.engine.verify import verify
 from dsv4cli.kernels import reference
 from dsv4cli.model import DecodeState, LoadError, Segment, load_model
@@ -182,6 +183,80 @@ def test_a_resumed_chat_turn_leaves_the_drafters_rings_as_a_fresh_prefill_does(m
             rows = torch.arange(max(0, end - ring), end) % ring
             torch.testing.assert_close(a.win[0, rows], b.win[0, rows], rtol=1e-5, atol=1e-5)
         conversation = conversation + seq.output_ids + user
+
+
+def test_auto_verifies_the_length_with_the_most_tokens_per_second():
+    """DraftLength: each length measured first, then the one with the most expected tokens per measured
+    second; plain (L 0) when no length pays for its step."""
+    lengths, sure = DraftLength(5, torch.device("cpu")), [[0.9] * 5]
+    for n in range(6):
+        assert lengths.choose(1, sure) == n
+        lengths.observe(1, n, 1.0 + 0.1 * n)
+    # confident drafts: 1 + .9 + .81 + ... tokens for 1.5 s beats 1 token for 1.0 s
+    assert lengths.choose(1, sure) == 5
+    # drafts that are rarely right: plain, which skips the block pass
+    assert lengths.choose(1, [[0.05] * 5]) == 0
+    assert lengths.report()["chosen"] == {0: 2, 1: 1, 2: 1, 3: 1, 4: 1, 5: 2}
+
+
+def test_a_row_verifying_fewer_drafts_commits_what_a_step_of_that_many_does():
+    """verify with per-row limits, token for token against a step of each row's own length (sampled, drafts
+    from q), and a limit of 0 samples the first row as plain decoding does."""
+    B, K, V = 64, 4, 5
+    g = torch.Generator().manual_seed(2)
+    p = torch.softmax(torch.randn(B, K + 1, V, generator=g), -1)
+    q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
+    drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, K)
+    seed, pos = torch.arange(B), torch.randint(0, 100, (B,), generator=g)
+    limit = torch.arange(B) % (K + 1)
+    tokens, n_acc = verify(p, drafts, seed, pos, q, limit)
+    for i in range(B):
+        n = int(limit[i])
+        want, want_n = verify(p[i:i + 1, :n + 1], drafts[i:i + 1, :n], seed[i:i + 1], pos[i:i + 1], q[i:i + 1, :n])
+        assert int(n_acc[i]) == int(want_n[0]) <= n
+        assert tokens[i, :n + 1][: int(n_acc[i]) + 1].tolist() == want[0, : int(want_n[0]) + 1].tolist()
+
+
+@torch.no_grad()
+def test_auto_going_plain_and_back_keeps_greedy_output(model, tok):
+    """An engine whose measured costs make plain best, then drafting best again: the steps switch between
+    plain (no block pass) and drafting, each slot back from plain verifying nothing its first step, and the
+    tokens stay plain greedy's."""
+    ps = prompts([15, 40], CFG["vocab_size"], seed=11)
+    want = [s.output_ids for s in Engine(model, tok, max_batch=2, max_seq_len=320, mtp=0).generate(ps, GREEDY)]
+    eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp="auto")
+    seqs = [eng.submit(p, GREEDY) for p in ps]
+    steps = 0
+    while eng.has_work():
+        # every length measured, as the engine would measure them: plain cheap for 8 steps, then dear
+        plain_cost = 1e-9 if steps // 8 % 2 == 0 else 1e3
+        eng.lengths.cost = {(b, n): (plain_cost if n == 0 else 1.0) for b in (1, 2) for n in range(6)}
+        eng.lengths.seen = {k: eng.lengths.steps for k in eng.lengths.cost}
+        eng.step()
+        steps += 1
+    assert [s.output_ids for s in seqs] == want
+    assert eng.lengths.chosen.get(0, 0) > 0 and eng.lengths.chosen.get(5, 0) > 0 and eng.totals.draft_tokens > 0
+
+
+@torch.no_grad()
+def test_a_seeded_sampled_request_gives_its_tokens_whatever_auto_measures(model, tok):
+    """Under auto a sampled request with a seed verifies the whole block every step: its tokens are those
+    of --mtp 5, alone or beside greedy requests whose steps auto makes plain."""
+    prompt = prompts([20], CFG["vocab_size"], seed=13)[0]
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    want = Engine(model, tok, max_batch=1, max_seq_len=320, mtp=5).generate([prompt], params)[0].output_ids
+    alone = Engine(model, tok, max_batch=1, max_seq_len=320, mtp="auto").generate([prompt], params)[0]
+    assert alone.output_ids == want
+    eng = Engine(model, tok, max_batch=3, max_seq_len=320, mtp="auto")
+    others = [eng.submit(p, GREEDY) for p in prompts([9, 30], CFG["vocab_size"], seed=14)]
+    for _ in range(3):
+        eng.step()
+    seeded = eng.submit(prompt, params)
+    while eng.has_work():
+        eng.lengths.cost = {(b, n): (1e-9 if n == 0 else 1.0) for b in (1, 2, 3) for n in range(6)}   # plain best
+        eng.lengths.seen = {k: eng.lengths.steps for k in eng.lengths.cost}
+        eng.step()
+    assert seeded.output_ids == want and all(s.finish_reason == "length" for s in others)
 
 
 def test_verify_with_the_drafts_q_is_distribution_exact():

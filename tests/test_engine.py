@@ -150,14 +150,15 @@ def host_routed_copy(model):
 
 @torch.no_grad()
 def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
-    """Exactly one host read per step with the routing on the device (the accelerator layout). On the
-    CPU packed experts also read their routing on the host, once per MoE call: tensors live there, so
-    those reads cost no device sync."""
+    """Exactly one host read per step, plus, on the CPU, one per MoE call: there the experts read their
+    routing on the host, packed (routed_experts) or stacked (grouped_experts, each expert's rows on its
+    slice); tensors live there, so those reads cost no device sync."""
     assert all(layer.ffn.stack is not None for layer in [*model.layers, *model.mtp])
     moe_calls = []
     monkeypatch.setattr(cpu, "routed_experts", spy(cpu.routed_experts, moe_calls))
+    monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
     # the second case asks for logprobs: they travel in the same packed tensor
-    for run, extra, logprobs in ((model, 0, None), (host_routed_copy(model), 1, None), (model, 0, 5)):
+    for run, logprobs in ((model, None), (host_routed_copy(model), None), (model, 5)):
         eng = Engine(run, tok, max_batch=2, max_seq_len=256, mtp=2)
         for p in prompts([10, 40], tok.vocab_size, seed=5):
             eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=logprobs))
@@ -171,14 +172,17 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
                 moe_calls.clear()
                 eng.step()
                 # trunk layers + the MTP layer over the verified rows + its chained draft (K = 2)
-                assert len(moe_calls) == extra * (len(run.layers) + 2)
+                assert len(moe_calls) == len(run.layers) + 2
                 assert syncs == ["tolist"] * (1 + len(moe_calls)), syncs
 
 
 @torch.no_grad()
 def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
     """A step running prefill chunks in the decode step's passes reads the host once too, the step whose
-    chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor)."""
+    chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor); on the CPU,
+    once more per MoE call (its routing, on the host)."""
+    moe_calls = []
+    monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
     eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
     running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
     eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
@@ -190,8 +194,9 @@ def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
             m.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), syncs, name))
         for _ in range(3):                                  # chunks of 16, 16 and 8, with decode rows
             syncs.clear()
+            moe_calls.clear()
             eng.step()
-            assert syncs == ["tolist"], syncs
+            assert syncs == ["tolist"] * (1 + len(moe_calls)), syncs
     assert len(new.output_ids) == 1 and len(new.logprobs) == 1
 
 
@@ -412,7 +417,8 @@ def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
     cfg = model.cfg
     info = leader.model_info
     assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), w8a8=False, dtype="float32",
-                             device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size)
+                             device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size,
+                             drafter="mtp", block_size=0)
     int8 = Engine(quantize_model(copy.deepcopy(model)), tok, max_batch=1, max_seq_len=64, mtp=0).model_info
     assert int8.w8a8 and int8.parameters == info.parameters      # weight scales are not parameters of the model
 

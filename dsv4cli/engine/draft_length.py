@@ -5,36 +5,43 @@ A step that verifies L drafts commits, per slot, 1 + sum_{k<=L} prod_{i<=k} a_i 
 a_i is the chance draft i is accepted given the ones before it: the confidence head's sigmoid. It costs
 the seconds a step of L+1 rows takes on this device, measured: on accelerators the rows are nearly free
 up to a few, on a CPU each row reads the routed experts it picks, so the union grows with L and a long
-block can cost more than it brings (ktransformers measured that). L = 0 (plain decoding) is a candidate,
-so auto never picks what it expects to be slower than plain. Each length is first measured once (in order,
-at the start), then re-measured now and then (costs drift: a compiled step takes over, the batch grows).
+block can cost more than it brings (ktransformers measured that). L = 0 is plain decoding, a candidate like
+the others: its steps skip the block pass (the stages' rings still take the committed rows), so they cost
+what plain decoding costs and auto never picks what it expects to be slower than plain. Back from plain,
+a slot's drafts were made for positions it has passed: its row verifies none that step (the scheduler's
+per-row limits). Each length is first measured once (in order, at the start), then re-measured now and then
+(costs drift: a compiled step takes over, the batch grows).
 """
 import math
+
+import torch
+import torch.distributed as dist
+
+from dsv4cli.model.model import world
 
 REFRESH_STEPS = 64     # steps between re-measuring the length measured longest ago
 EMA = 0.3              # weight of a new measurement in a length's cost
 
 
 class DraftLength:
-    def __init__(self, most: int):
-        self.most = most
+    def __init__(self, most: int, device: torch.device):
+        self.most, self.device = most, device
         self.cost: dict[tuple[int, int], float] = {}       # (batch, L) -> seconds per step
         self.seen: dict[tuple[int, int], int] = {}          # (batch, L) -> the step it was last measured at
         self.steps = 0
         self.chosen: dict[int, int] = {}                    # L -> steps that verified it (for reports)
-
     def choose(self, batch: int, confidences: list[list[float]]) -> int:
-        """The drafts to verify at `batch` rows, for the running slots' next drafts' confidences."""
+        """The drafts to verify at `batch` rows (0: a plain step), for the running slots' next drafts'
+        confidences."""
         self.steps += 1
         lengths = range(self.most + 1)
         unmeasured = [n for n in lengths if (batch, n) not in self.cost]
         if unmeasured:
-            return self._pick(unmeasured[0])
-        if self.steps % REFRESH_STEPS == 0:
-            return self._pick(min(lengths, key=lambda n: self.seen[batch, n]))
-        return self._pick(max(lengths, key=lambda n: self.expected_tokens(n, confidences) / self.cost[batch, n]))
-
-    def _pick(self, n: int) -> int:
+            n = unmeasured[0]
+        elif self.steps % REFRESH_STEPS == 0:
+            n = min(lengths, key=lambda n: self.seen[batch, n])
+        else:
+            n = max(lengths, key=lambda n: self.expected_tokens(n, confidences) / self.cost[batch, n])
         self.chosen[n] = self.chosen.get(n, 0) + 1
         return n
 
@@ -44,7 +51,12 @@ class DraftLength:
         return sum(1 + sum(math.prod(c[:k]) for k in range(1, n + 1)) for c in confidences)
 
     def observe(self, batch: int, n: int, seconds: float) -> None:
-        """A step of n drafts at `batch` rows took `seconds`."""
+        """A step of n drafts at `batch` rows took `seconds` (under --tp, the slowest rank's: every rank then
+        holds the same costs and takes the same lengths, as their steps must match)."""
+        if world()[1] > 1:
+            t = torch.tensor([seconds], dtype=torch.float32, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            seconds = t.item()
         old = self.cost.get((batch, n))
         self.cost[batch, n] = seconds if old is None else (1 - EMA) * old + EMA * seconds
         self.seen[batch, n] = self.steps

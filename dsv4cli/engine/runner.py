@@ -50,6 +50,8 @@ class StepKey(NamedTuple):
     sort: bool        # some committing request filters by top-k / top-p / min-p (the vocabulary is sorted)
     logprobs: bool    # some committing request asked for logprobs
     greedy: bool      # every committing request is `plain_greedy`: its tokens are the logits' argmax
+    propose: bool = True    # the decode rows get next drafts (False: the drafter only takes their rows in)
+    limits: bool = False    # each decode row verifies as many drafts as its slot's `limit` says (at most L)
 
 
 class ChunkInputs(NamedTuple):
@@ -97,6 +99,10 @@ class StepRunner:
 
     def free(self, slot: int) -> None:
         self.state.active[slot] = False
+
+    def set_limits(self, limits: list[int]) -> None:
+        """The drafts each decode row [0, len) verifies in the next step whose key says `limits`."""
+        self.state.limit[:len(limits)].copy_(torch.tensor(limits))
 
     def chunk_inputs(self, slot: int, prompt: list[int], a: int, b: int, rows: int) -> ChunkInputs:
         """Prompt positions [a, b) of the request in `slot` as a chunk of `rows` rows (padded when more)."""
@@ -156,12 +162,14 @@ class StepRunner:
             rows.append(DraftRows(hidden[i], trunk[i].features, nxt, c.start, c.slot.cache, ends[i], c.length, ck.last,
                                   c.slot.sampling, slice(0, 1)))
         decoded = self._verify(key, trunk[-1], logits[-1], rows) if key.batch else None
-        # proposals for each prompt that ends, then for the decode rows (None: plain decoding)
-        proposed = (self.drafter.propose(rows, key.greedy, key.sort) if self.drafter is not None
-                    else [None] * (len(firsts) + 1))
-        if key.batch:
-            self._advance(b, *decoded[:2], proposed[-1])
-        for (c, first, _), proposal in zip(firsts, proposed):     # after the decode rows': the slot joins them
+        # a proposal for each segment that wants one: each prompt that ends, the decode rows unless the key
+        # says not (None: none, and plain decoding)
+        made = iter(self.drafter.propose(rows, key.greedy, key.sort) if self.drafter is not None else ())
+        proposed = [next(made, None) if r.wanted else None for r in rows]
+        if key.batch:       # the decode rows are the last segment the drafter saw
+            self._advance(b, *decoded[:2], proposed[-1] if self.drafter is not None else None)
+        ended = [proposed[i] for i in ending]
+        for (c, first, _), proposal in zip(firsts, ended):     # after the decode rows': the slot joins them
             c.slot.last.copy_(first[:, 0])
             c.slot.active.fill_(True)
             if proposal is not None:
@@ -176,12 +184,14 @@ class StepRunner:
         pos, drafts = st.pos[b], st.drafts[b, :L]
         # the draws' distributions: a greedy step's drafts are argmaxes (and its rows one-hot)
         q = st.draft_q[b, :L] if st.draft_q is not None and not key.greedy else None
-        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy, q)
+        limit = st.limit[b] if key.limits else None
+        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy, q,
+                                            limit)
         n_acc = torch.where(st.active[b], n_acc, 0)
         if self.drafter is not None:
             # row i's next token: draft i+1, the committed one at row n_acc (past it, garbage the next step rewrites)
             nxt = torch.cat([drafts, tokens[:, -1:]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
-            rows.append(DraftRows(trunk.hidden, trunk.features, nxt, pos, st.cache, n_acc + 1, None, True,
+            rows.append(DraftRows(trunk.hidden, trunk.features, nxt, pos, st.cache, n_acc + 1, None, key.propose,
                                   st.sampling, b))
         return tokens, n_acc, scored
 

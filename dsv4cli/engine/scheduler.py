@@ -77,8 +77,9 @@ class Engine:
                                  remake=remake)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
-        self.lengths = DraftLength(self.mtp_depth) if self.runner.confidences else None
+        self.lengths = DraftLength(self.mtp_depth, self.device) if self.runner.confidences else None
         self.confidence: list[list[float]] = [[] for _ in range(max_batch)]   # each slot's next drafts'
+        self.drafted = [False] * max_batch      # each slot's drafts are for its next positions (see DraftLength)
         self.graphs = graphs
         self.slots: list[Sequence | None] = [None] * max_batch
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
@@ -224,9 +225,9 @@ class Engine:
         ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
         decoding = [decode and s is not None and s not in self.prefilling for s in self.slots]
         nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
-        drafts = self.mtp_depth if nb else 0
+        drafts, propose, limits = (self.mtp_depth if nb else 0), True, None
         if self.lengths is not None and nb:
-            drafts = self.lengths.choose(nb, [c for c, d in zip(self.confidence, decoding) if d])
+            drafts, propose, limits = self._lengths(nb, decoding)
         committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
         logprobs = any(p.logprobs is not None for p in committing)
         keys, inputs = [], []
@@ -240,15 +241,23 @@ class Engine:
         context = self._context_bound(nb) if nb else 0
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing))
+        key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing),
+                      propose, limits is not None)
+        if limits is not None:
+            self.runner.set_limits(limits)
         t0 = time.perf_counter()
         packed = self.runner.run(key, *inputs)
         if not (ending or nb):
             return []                       # nothing committed: nothing to read
         packed = packed.tolist()            # the one host read
         now = time.perf_counter()
-        if self.lengths is not None and nb and not chunks:
+        if self.lengths is not None and nb and not chunks and (drafts > 0) == propose:
             self.lengths.observe(nb, drafts, now - t0)
+        for i, d in enumerate(decoding):
+            if d:
+                self.drafted[i] = propose
+        for seq in ending:
+            self.drafted[seq.slot] = True
         d = self.mtp_depth
         base = d + 2 + (d if self.runner.confidences else 0)      # where a row's logprobs start
         width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
@@ -268,11 +277,25 @@ class Engine:
                 scored = [TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width],
                                                    seq.params.logprobs)
                           for j in range(n + 1)]
-            seq.metrics.count_drafts(drafts, n)
+            seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
             seq.metrics.t_last = now
             self._record(i, tokens[: n + 1])
             events.append(self._emit(seq, tokens[: n + 1], scored))
         return events
+
+    def _lengths(self, nb: int, decoding: list[bool]) -> tuple[int, bool, list[int] | None]:
+        """Under auto: (the drafts the step verifies, whether it drafts the next ones, each decode row's own
+        count when they differ). A slot whose drafts are stale (it stepped plain) verifies none; a sampled
+        request with a seed verifies the whole block every step, so its tokens don't follow the measured
+        costs: they are those of --mtp at the block size, in every run and batch."""
+        live = [i for i, d in enumerate(decoding) if d]
+        n = self.lengths.choose(nb, [self.confidence[i] for i in live])
+        seeded = {i for i in live if self.slots[i].params.temperature > 0 and self.slots[i].params.seed is not None}
+        want = [(self.mtp_depth if i in seeded else n) if d and self.drafted[i] else 0 for i, d in enumerate(decoding)]
+        want = want[:nb]
+        drafts, propose = max(want), n > 0 or bool(seeded)
+        same = all(w == drafts for i, w in enumerate(want) if decoding[i])
+        return drafts, propose, None if same else want
 
     def _context_bound(self, nb: int) -> int:
         """A bound on every position the decode rows of slots [0, nb) touch, from host-side lengths, rounded

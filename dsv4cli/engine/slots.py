@@ -37,6 +37,8 @@ class SlotState:
     drafts:    [B, max(K, 1)] long, the drafts the next step verifies (K: the drafter's drafts a step)
     draft_q:   [B, K, V] the distributions they were drawn from (a drafter that samples its drafts: DSpark)
     confidence: [B, K] each draft's chance of acceptance given the earlier ones (DSpark)
+    limit:     [B] long, the drafts a slot's row verifies in a step whose key says `limits` (the host's
+               choice, written before the step)
     active:    [B] bool, the slot decodes (free and still-prefilling slots are stepped but keep their
                state: their `pos` names where their rows may be written, see StepRunner.step)
     sampling:  SlotParams, the request's settings: [B] temperature, top_p, top_k, min_p, rep,
@@ -51,6 +53,7 @@ class SlotState:
         self.pos = torch.zeros(max_batch, dtype=torch.long, device=device)
         self.drafts = torch.zeros(max_batch, max(depth, 1), dtype=torch.long, device=device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
+        self.limit = torch.zeros(max_batch, dtype=torch.long, device=device)
         dspark = depth and model.cfg.drafter == "dspark"
         self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if dspark else None
         self.confidence = torch.zeros(max_batch, depth, device=device) if dspark else None

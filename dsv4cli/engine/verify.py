@@ -7,7 +7,8 @@ min(1, p(d)/q(d)); on rejection the token is drawn from the residual max(p - q, 
 it has no mass); when every draft is accepted a bonus token is drawn from the last row. Argmax drafts
 (the MTP layer's) have a one-hot q: accept with probability p(d), on rejection draw from p with d removed.
 Either way the output is distributed exactly as the target model's, and greedy rows (one-hot p) get
-exact-match acceptance.
+exact-match acceptance. A row may verify fewer drafts than the step has (`limit`): it then commits what a
+step of that many drafts commits, token for token (its uniforms are keyed by position, not by step).
 """
 import torch
 
@@ -24,16 +25,18 @@ from .sampling import (
 
 
 def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
-                sort: bool, logprobs: bool, greedy: bool, q: torch.Tensor | None = None):
+                sort: bool, logprobs: bool, greedy: bool, q: torch.Tensor | None = None,
+                limit: torch.Tensor | None = None):
     """The tokens K drafts commit: logits [B,K+1,V] of the rows [last, drafts] at positions pos.. of the
     slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token). `greedy`: every row is `plain_greedy`,
     so its tokens are the logits' argmax (the tokens its distributions give); `sort`: some row filters by
     rank or mass; `logprobs`: score each candidate by its own row's processed distribution (a correction
     token reports its probability under the model, not under the residual it was drawn from).
-    `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes).
+    `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes); `limit` [B]: the
+    drafts each row verifies, at most K (None: K).
     Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
     if greedy:
-        return (*verify_greedy(logits.argmax(-1), drafts), None)
+        return (*verify_greedy(logits.argmax(-1), drafts, limit), None)
     k = drafts.shape[1]
     # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
     counts = sp.output_counts[b, None].expand(-1, k + 1, -1)
@@ -41,16 +44,17 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
         onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
         counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
     processed = processed_logits(logits, sp, b, counts)
-    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos, q)
+    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos, q, limit)
     return tokens, n_acc, token_logprobs(processed, tokens) if logprobs else None
 
 
 def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
-           q: torch.Tensor | None = None):
+           q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """Speculative verification of K drafts with K+1 target rows.
 
     probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K] drawn from q
-    [B,K,V] (None: argmax drafts, q one-hot); pos [B] the position of row 0. Returns (tokens [B,K+1],
+    [B,K,V] (None: argmax drafts, q one-hot); pos [B] the position of row 0; limit [B] the drafts each row
+    verifies (None: K; 0: the row samples its first distribution, as plain decoding). Returns (tokens [B,K+1],
     n_accepted [B]): the committed tokens are tokens[:, :n_accepted+1] (accepted drafts, then a correction
     or bonus token).
     """
@@ -62,6 +66,8 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
         if q is not None:       # min(1, p/q): a draft q never draws (q = 0) is accepted only where p has it
             p_draft = p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
         accept = uniform(seed[:, None], rows[:, :K], RNG_ACCEPT) < p_draft
+        if limit is not None:
+            accept &= torch.arange(K, device=probs.device) < limit[:, None]
         n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
     else:
         n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
@@ -75,7 +81,8 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
             q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, q.shape[-1])).squeeze(1)
             residual = (final_row - q_row).clamp_(min=0.0)
             residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_row)
-        final_row = torch.where((n_acc < K)[:, None], residual, final_row)
+        rejected = n_acc < (K if limit is None else limit.clamp(max=K))     # else a bonus row
+        final_row = torch.where(rejected[:, None], residual, final_row)
     final_pos = pos + n_acc
     last = sample_from(final_row, uniform(seed, final_pos, RNG_DRAW))
     tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
@@ -83,14 +90,17 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     return tokens, n_acc
 
 
-def verify_greedy(targets: torch.Tensor, drafts: torch.Tensor):
+def verify_greedy(targets: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor | None = None):
     """`verify` for rows whose target distributions are one-hot at `targets` [B,K+1] (the argmax of
     each row's logits): a draft is accepted when it equals its row's argmax, and the correction or bonus
     is the argmax of the first row not accepted. Returns what `verify` returns for them."""
     B, R = targets.shape
     K = R - 1
     if K:
-        n_acc = (drafts == targets[:, :K]).long().cumprod(-1).sum(-1)
+        accept = drafts == targets[:, :K]
+        if limit is not None:
+            accept &= torch.arange(K, device=targets.device) < limit[:, None]
+        n_acc = accept.long().cumprod(-1).sum(-1)
     else:
         n_acc = torch.zeros(B, dtype=torch.long, device=targets.device)
     last = targets.gather(1, n_acc[:, None])
