@@ -236,6 +236,9 @@ class Settings:
         flags=("--prompt", "-p"),
     )
     prompt_file: str | None = _key("generate", None, "Read the prompt from this file", path=True)
+    prompt_ids: str | None = _key(
+        "generate", None, "The prompt as token ids, comma-separated, used as they are (no BOS, no chat template)"
+    )
     raw: bool = _key("generate", False, "Send the prompt as is, without the chat template")
     json: bool = _key("generate", False, "Print the result as one JSON object")
     tools: str | None = _key(

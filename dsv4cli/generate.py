@@ -81,14 +81,34 @@ class ReplyStream:
         self.answer = len(answer)
 
 
+def given_ids(s: Settings) -> list[int] | None:
+    """--prompt-ids as token ids (checked against the vocabulary once the model is loaded), or None."""
+    if s.prompt_ids is None:
+        return None
+    for other in ("prompt", "prompt_file", "system", "tools"):
+        if getattr(s, other):
+            flag = "--" + other.replace("_", "-")
+            raise UsageError(f"--prompt-ids: the prompt is given as token ids, used as they are; drop {flag}")
+    parts = [p.strip() for p in s.prompt_ids.split(",")]
+    bad = next((p for p in parts if not (p.isascii() and p.isdigit())), None)
+    if bad is not None:
+        raise UsageError(f"--prompt-ids: {bad!r} is not a token id; give ids separated by commas, e.g. 0,17,183")
+    return [int(p) for p in parts]
+
+
 def run_generate(s: Settings) -> int:
-    prompt = read_prompt(s)
+    ids = given_ids(s)
+    prompt = read_prompt(s) if ids is None else None
     if s.tools and s.raw:
         raise UsageError("--tools: a --raw prompt has no chat template to render tools into")
     tools = load_tools(s.tools, "--tools") if s.tools else []
     engine = load_engine(s, "generate")
-    ids = prompt_ids(engine, s, prompt, tools)
-    thinking = s.thinking and not s.raw      # a raw prompt opens no reasoning
+    if ids is None:
+        ids = prompt_ids(engine, s, prompt, tools)
+    elif (bad := next((t for t in ids if t >= engine.tok.vocab_size), None)) is not None:
+        raise UsageError(f"--prompt-ids: {bad} is not a token id of this model (0..{engine.tok.vocab_size - 1})")
+    # a raw prompt, or one of token ids, opens no reasoning
+    thinking = s.thinking and not s.raw and s.prompt_ids is None
     params = sampling_params(s)
     if s.logprobs is not None and not s.json:
         print("warning: --logprobs: shown only with --json; ignored", file=sys.stderr)
@@ -119,15 +139,16 @@ def run_generate(s: Settings) -> int:
                        "finish_reason": "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason}
         if s.logprobs is not None:
             result["logprobs"] = chat_logprobs(engine.tok, seq.logprobs)["content"]
-        print(json.dumps(result | {"stats": seq.metrics.as_dict()}))
+        drafting = {"drafter": engine.model_info.drafter if engine.mtp_depth else None, "mtp": engine.mtp}
+        print(json.dumps(result | {"stats": seq.metrics.as_dict() | drafting}))
     else:
         stream.update(seq.text[: seq.emitted], final=True)
         sys.stdout.write("\n")
     return 130 if seq.finish_reason == "cancelled" else 0
 
 
-@model_options("prompt", "prompt_file", "raw", "json", "system", "system_file", "thinking", "reasoning_effort",
-               "tools")
+@model_options("prompt", "prompt_file", "prompt_ids", "raw", "json", "system", "system_file", "thinking",
+               "reasoning_effort", "tools")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""

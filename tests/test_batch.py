@@ -458,3 +458,26 @@ def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_di
                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]}}
     prompt = tok.decode(parser.parse(3, json.dumps(follow).encode()).prompt_ids)
     assert "<tool_result>sunny, 21 C</tool_result>" in prompt and 'invoke name="get_weather"' in prompt
+
+
+def test_a_completion_prompt_of_token_ids(tmp_path):
+    """A completions line whose prompt is token ids continues them as they are (the bundled model, greedy):
+    BOS + the tokens of a text answers as the text does; an id past the vocabulary is that line's error."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    ids = [tok.bos_id, *tok.encode("Once upon a time")]
+    rows = [{"custom_id": cid, "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": prompt, "max_tokens": 16, "temperature": 0}}
+            for cid, prompt in (("text", "Once upon a time"), ("ids", ids), ("bad", [tok.vocab_size]))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = dsv4("batch", str(src), "-o", str(tmp_path / "out.jsonl"))
+    assert r.returncode == 0, r.stderr
+    records = {rec["custom_id"]: rec for rec in read_jsonl(tmp_path / "out.jsonl")}
+    text = [records[c]["response"]["body"]["choices"][0]["text"] for c in ("text", "ids")]
+    assert text[0] == text[1] and text[0]
+    assert records["bad"]["error"]["code"] == "invalid_prompt" and f"{tok.vocab_size} is not a token id" in \
+        records["bad"]["error"]["message"]
+    assert "drafter DSpark auto (block 5)" in r.stderr and "mean length" in r.stderr

@@ -19,18 +19,22 @@ def reply(text: str, thinking: bool = False) -> dict:
 
 def test_status_bar_snapshot():
     m = Metrics(t_submit=0.0, t_first=0.12, t_last=1.32, prompt_tokens=17, output_tokens=41, drafts=16,
-                draft_tokens=32, accepted_tokens=24, accepted_per_position=[14, 10])
-    console = Console(record=True, width=100, color_system=None)
-    console.print(status_bar(m, 2, [0.030, 0.035, 0.050, 0.040, 0.080, 0.030]))
-    console.print(status_bar(m, 0, []))
-    console.print(status_bar(m, 0, [0.030], "eager, compiling"))
+                draft_tokens=32, accepted_tokens=24, accepted_per_position=[14, 10], proposed_per_position=[16, 16])
+    console = Console(record=True, width=120, color_system=None)
+    console.print(status_bar(m, "MTP 2", [0.030, 0.035, 0.050, 0.040, 0.080, 0.030]))
+    console.print(status_bar(m, "off", []))
+    console.print(status_bar(m, "off", [0.030], "eager, compiling"))
+    console.print(status_bar(m, "DSpark auto (block 5)", []))
     assert console.export_text() == (
         "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁▂▄▂█▁ 30.0 ms\n"
-        "MTP 2 · accept 75.0% · per position 0.88 0.62 · mean acceptance length 2.50\n"
+        "drafter MTP 2 · accept 75.0% · per position 0.88 0.62 · mean acceptance length 2.50\n"
         "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms\n"
-        "MTP off\n"
+        "drafter off\n"
         "eager, compiling · 41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms · step ▁ 30.0 ms\n"
-        "MTP off\n")
+        "drafter off\n"
+        "41 tok · 33.3 tok/s · TTFT 120 ms · TPOT 30.0 ms\n"
+        "drafter DSpark auto (block 5) · verified 2.0 · accept 75.0% · per position 0.88 0.62 · "
+        "mean acceptance length 2.50\n")
 
 
 def test_set_validates_and_takes_flag_spellings():

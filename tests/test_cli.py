@@ -78,7 +78,7 @@ def test_bad_values_name_the_flag_or_variable():
     out = dsv4("config", "show", "--top-p", "2")
     assert (out.returncode, out.stderr) == (2, "error: --top-p: must be in (0, 1], got 2.0\n")
     out = dsv4("config", "show", DSV4_MTP="9")
-    assert (out.returncode, out.stderr) == (2, "error: DSV4_MTP: must be in [0, 8], got 9\n")
+    assert (out.returncode, out.stderr) == (2, "error: DSV4_MTP: must be auto, or in [0, 8], got 9\n")
 
 
 def test_run_dispatches_to_the_mode(tmp_path, tiny_model_dir):

@@ -62,7 +62,7 @@ max_tokens = 50
 def test_defaults_and_bundled_model(tmp_path):
     settings, sources = resolve(flags={"model": str(tmp_path)}, env={})
     assert settings.model_dir == tmp_path
-    assert (settings.device, settings.tp, settings.mtp, settings.max_tokens) == ("auto", 1, 1, 256)
+    assert (settings.device, settings.tp, settings.mtp, settings.max_tokens) == ("auto", 1, "auto", 256)
     assert {k for k, s in sources.items() if s != "default"} == {"model"}
     bundled, _ = resolve(env={})
     assert bundled.model is None and bundled.model_dir.name == "dsv4-tiny"
@@ -129,7 +129,7 @@ output = "/abs/out.jsonl"
             '[model]\ndevice = "gpu"\n',
             'x.toml: [model].device: must be one of auto, cpu, cuda, npu, got "gpu"',
         ),
-        ("[speculative]\nmtp = 9\n", "x.toml: [speculative].mtp: must be in [0, 8], got 9"),
+        ("[speculative]\nmtp = 9\n", "x.toml: [speculative].mtp: must be auto, or in [0, 8], got 9"),
     ],
 )
 def test_config_file_errors(tmp_path, monkeypatch, text, error):

@@ -94,3 +94,27 @@ def test_until_the_context_is_full_and_a_system_file(tmp_path):
     runs = [json.loads(dsv4(*base, "-n", "4", *given).stdout)
             for given in (("--system", "You are a pirate."), ("--system-file", str(tmp_path / "system.txt")))]
     assert runs[0]["token_ids"] == runs[1]["token_ids"] and runs[0]["stats"]["prompt_tokens"] > 10
+
+
+def test_prompt_ids_are_used_as_they_are():
+    """--prompt-ids BOS + the tokens of "Once upon a time" continues exactly as --raw of that text (which adds
+    the BOS); the stats name the bundled model's drafter; ids that are no token ids are one line, exit 2."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    ids = ",".join(str(t) for t in [tok.bos_id, *tok.encode("Once upon a time")])
+    common = ("generate", "--temperature", "0", "-n", "24", "--json")
+    raw, given = dsv4(*common, "--raw", "-p", "Once upon a time"), dsv4(*common, "--prompt-ids", ids)
+    assert raw.returncode == given.returncode == 0, raw.stderr + given.stderr
+    raw, given = json.loads(raw.stdout), json.loads(given.stdout)
+    assert given["token_ids"] == raw["token_ids"] and given["text"] == raw["text"]
+    assert given["stats"]["drafter"] == "dspark" and given["stats"]["mtp"] == "auto"
+    assert len(given["stats"]["per_position"]) == 5
+    past = tok.vocab_size
+    for bad, message in (("0,x", "'x' is not a token id"), (f"0,{past}", f"{past} is not a token id"),
+                         ("", "'' is not a token id")):
+        r = dsv4("generate", "--prompt-ids", bad)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = dsv4("generate", "--prompt-ids", "0,5", "-p", "hi")
+    assert r.returncode == 2 and "drop --prompt" in r.stderr

@@ -258,7 +258,13 @@ def test_metrics_are_prometheus_text(server):
     assert values["dsv4:generation_tokens_total"] > 0 and values["dsv4:prompt_tokens_total"] > 0
     assert values["dsv4:time_to_first_token_seconds_count"] >= 1
     assert values["dsv4:spec_decode_num_draft_tokens_total"] >= values["dsv4:spec_decode_num_accepted_tokens_total"] > 0
-    assert 'dsv4:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in values
+    # the bundled model drafts with DSpark, auto: a counter for every block position, the mean length
+    assert values['dsv4:spec_decode_info{drafter="dspark",mtp="auto"}'] == 1
+    for kind in ("accepted", "verified"):
+        assert [f'dsv4:spec_decode_num_{kind}_tokens_per_pos_total{{position="{i}"}}' in values
+                for i in range(6)] == [True] * 5 + [False]
+    accepted, drafts = values["dsv4:spec_decode_num_accepted_tokens_total"], values["dsv4:spec_decode_num_drafts_total"]
+    assert values["dsv4:spec_decode_mean_acceptance_length"] == 1 + accepted / drafts
     assert "# TYPE dsv4:time_per_output_token_seconds histogram" in text
 
 
@@ -551,6 +557,21 @@ def test_best_of_returns_the_most_likely_candidates(server):
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "Hi", extra_body={"best_of": 2})
     assert e.value.body["param"] == "best_of"
+
+
+def test_a_completion_prompt_of_token_ids_is_used_as_it_is(server):
+    """OpenAI's other prompt form: token ids, no BOS added (the text form adds it); ids that are no token ids,
+    or a list of prompts, are a 400 naming the prompt."""
+    client = server.client()
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    text = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12, temperature=0)
+    ids = client.completions.create(model="x", prompt=[tok.bos_id, *tok.encode("Once upon a time")], max_tokens=12,
+                                    temperature=0, echo=True)
+    assert ids.choices[0].text == tok.decode([tok.bos_id, *tok.encode("Once upon a time")]) + text.choices[0].text
+    assert ids.usage.prompt_tokens == text.usage.prompt_tokens
+    for bad in ([tok.bos_id, tok.vocab_size], ["Once", "upon"], [], [[1, 2]], [True]):
+        r = server.post("/v1/completions", {"model": "x", "prompt": bad, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
 
 
 def test_echo_repeats_the_prompt(server):

@@ -75,7 +75,7 @@ def test_streamed_chunks_add_up_to_the_message_without_special_tokens():
               ({"messages": [{"role": "user", "content": "Hi"}], "thinking": True}, True),
               ({"prompt": "<｜User｜>What is 2 plus 3?<｜Assistant｜></think>"}, False)]
     for body, chat in bodies:
-        req = parser.parse(body | {"stream": True}, chat, streaming=True)
+        req = parser.parse(body | {"stream": True}, chat, server=True)
         seq = engine.submit(req.prompt_ids, req.params)
         stream = ChunkStream(req, engine.tok, "dsv4-tiny", "1")
         chunks = stream.first()

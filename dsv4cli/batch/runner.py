@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import EngineAPI, EngineFailed, Sequence
+from dsv4cli.engine import EngineAPI, EngineFailed, Sequence, acceptance_text, drafter_label
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, sampling_params
 
@@ -103,8 +103,10 @@ class BatchRun:
         """One line: how the run ended (done, interrupted, stopped) and its counts and rates."""
         dt = time.perf_counter() - self.t0
         skipped = f", {self.skipped} already done" if self.skipped else ""
+        totals, drafting = self.engine.totals, drafter_label(self.engine)
+        accept = f" · {acceptance_text(totals)}" if totals.drafts else ""
         return (f"batch {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
-                f" · {self.rates()}")
+                f" · {self.rates()} · drafter {drafting}{accept}")
 
 
 def count_lines(path: Path) -> int:

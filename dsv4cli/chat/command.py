@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import EngineAPI
+from dsv4cli.engine import EngineAPI, drafter_label
 from dsv4cli.loading import load_engine, sampling_params
 from dsv4cli.openai.responses import visible_message
 from dsv4cli.options import CliOptions, model_options
@@ -92,19 +92,19 @@ class Chat:
             self.show(outcome.part)
         elif outcome.action == "stats":
             self.console.print(rows_table("session", self.session.totals.rows()))
-        if self.session.settings.mtp != self.engine.mtp_depth:   # /set mtp or /load
+        if self.session.settings.mtp != self.engine.mtp:   # /set mtp or /load
             self.rebuild_engine()
 
     def error(self, message: str) -> None:
         self.console.print(Text(f"error: {message}", style="red"))
 
     def rebuild_engine(self) -> None:
-        """A new engine for the new MTP depth; the model stays loaded."""
+        """A new engine for the new drafts setting (mtp); the model stays loaded."""
         s, old = self.session.settings, self.engine
         try:
             self.engine = old.resized(1, s.mtp)
         except ValueError as e:
-            self.session.settings = dataclasses.replace(s, mtp=old.mtp_depth)
+            self.session.settings = dataclasses.replace(s, mtp=old.mtp)
             self.error(f"mtp {s.mtp}: {e}")
 
     def show(self, part: str) -> None:
@@ -146,7 +146,8 @@ class Chat:
             self.error(f"{e}; your message was dropped")
             return True
         tok = self.engine.tok
-        view = (LiveReply(self.console, seq, tok, self.engine.mtp_depth, s.thinking, self.engine.compiled) if self.tty
+        drafting = drafter_label(self.engine)
+        view = (LiveReply(self.console, seq, tok, drafting, s.thinking, self.engine.compiled) if self.tty
                 else PlainReply(seq, tok, s.thinking))
         with sigint_flag() as stop, view:
             try:

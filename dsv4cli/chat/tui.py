@@ -12,7 +12,7 @@ from rich.text import Text
 
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END
-from dsv4cli.engine import EngineAPI, Metrics
+from dsv4cli.engine import EngineAPI, Metrics, drafter_label
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_count
 
@@ -45,9 +45,10 @@ def sparkline(values: list[float], width: int = 20) -> str:
     return "".join(SPARKS[round((v - lo) / (hi - lo) * 7) if hi > lo else 0] for v in values)
 
 
-def status_bar(m: Metrics, mtp_depth: int, step_s: list[float], steps_run: str | None = None) -> Text:
+def status_bar(m: Metrics, drafting: str, step_s: list[float], steps_run: str | None = None) -> Text:
     """Two lines under a streaming reply: speed and step latency (led by `steps_run`, how the decode steps
-    run, e.g. "eager, compiling", when compile is on), then MTP acceptance."""
+    run, e.g. "eager, compiling", when compile is on), then the drafter (`drafting`: `drafter_label`) and
+    its acceptance; under auto, the drafts verified per drafting step on average."""
     if not m.t_first:
         return Text(f"prefilling {m.prompt_tokens - m.cached_tokens} prompt tokens…", style="dim")
 
@@ -63,17 +64,19 @@ def status_bar(m: Metrics, mtp_depth: int, step_s: list[float], steps_run: str |
         speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
     if steps_run and decoding:      # first: a narrow terminal cuts the line's end
         speed.insert(0, stat("", steps_run))
-    mtp = [stat("MTP", "off")]
-    if mtp_depth:
-        mtp = [stat("MTP", str(mtp_depth)), stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
-               stat("per position", " ".join(f"{p:.2f}" for p in m.per_position) or "-"),
-               stat("mean acceptance length", f"{m.mean_acceptance_length:.2f}")]
+    mtp = [stat("drafter", drafting)]
+    if drafting != "off":
+        if "auto" in drafting:
+            mtp.append(stat("verified", f"{m.draft_tokens / m.drafts:.1f}" if m.drafts else "-"))
+        mtp += [stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
+                stat("per position", " ".join(f"{p:.2f}" for p in m.per_position) or "-"),
+                stat("mean acceptance length", f"{m.mean_acceptance_length:.2f}")]
     bar = Text("\n", style="dim").join([Text(" · ").join(speed), Text(" · ").join(mtp)])
     bar.no_wrap, bar.overflow = True, "ellipsis"
     return bar
 
 
-def summary_line(m: Metrics, mtp_depth: int, finish_reason: str | None) -> Text:
+def summary_line(m: Metrics, drafting: str, finish_reason: str | None) -> Text:
     """One line after each reply."""
     reused = f" ({m.cached_tokens} reused)" if m.cached_tokens else ""
     parts = [f"{m.output_tokens} tokens", f"prompt {m.prompt_tokens}{reused}"]
@@ -81,7 +84,7 @@ def summary_line(m: Metrics, mtp_depth: int, finish_reason: str | None) -> Text:
         parts.append(f"TTFT {ms(m.ttft)}")
     if m.output_tokens > 1:
         parts.append(f"{m.tokens_per_s:.1f} tok/s (mean over the reply)")
-    if mtp_depth and m.drafts:
+    if drafting != "off" and m.drafts:
         parts.append(f"accept {100 * m.acceptance_rate:.1f}% (mean length {m.mean_acceptance_length:.2f})")
     line = Text(" · ".join(parts), style="dim")
     if finish_reason == "cancelled":
@@ -121,9 +124,10 @@ class LiveReply:
     ten times a second. Closing it replaces the live view with the whole reply and a summary line.
     Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
 
-    def __init__(self, console: Console, seq, tok: Tokenizer, mtp_depth: int, thinking: bool, compiled=None):
-        """`compiled`: the engine's compiled step (its `status` shows in the bar), or None."""
-        self.console, self.seq, self.tok, self.mtp_depth, self.thinking = console, seq, tok, mtp_depth, thinking
+    def __init__(self, console: Console, seq, tok: Tokenizer, drafting: str, thinking: bool, compiled=None):
+        """`drafting`: the engine's `drafter_label`; `compiled`: its compiled step (its `status` shows in the
+        bar), or None."""
+        self.console, self.seq, self.tok, self.drafting, self.thinking = console, seq, tok, drafting, thinking
         self.compiled = compiled
         self.step_s: list[float] = []
         self.drawn = 0.0
@@ -137,7 +141,7 @@ class LiveReply:
         answer = answer[-keep:]
         reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
         yield Tail(reply_view(reasoning, answer, markdown=False), height)
-        yield status_bar(self.seq.metrics, self.mtp_depth, self.step_s,
+        yield status_bar(self.seq.metrics, self.drafting, self.step_s,
                          self.compiled.status if self.compiled is not None else None)
 
     def __enter__(self):
@@ -150,7 +154,7 @@ class LiveReply:
         self.tty.__exit__()
         self.console.print(reply_view(*split_reply(self.seq.text[: self.seq.emitted], self.thinking, self.tok,
                                                    final=True)))
-        self.console.print(summary_line(self.seq.metrics, self.mtp_depth, self.seq.finish_reason))
+        self.console.print(summary_line(self.seq.metrics, self.drafting, self.seq.finish_reason))
 
     def update(self) -> None:
         if time.perf_counter() - self.drawn >= 0.1:
@@ -206,9 +210,9 @@ def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
             ("device", str(engine.device)),
             ("dtype", info.dtype),
             ("tensor parallel", str(settings.tp)),
-            ("MTP depth", str(engine.mtp_depth) if engine.mtp_depth else "off"),
+            ("drafter", drafter_label(engine)),
             ("parameters", human_count(info.parameters)),
-            ("layers", f"{info.layers} (+{info.mtp_layers} MTP)"),
+            ("layers", f"{info.layers} (+{info.mtp_layers} {'DSpark stages' if info.drafter == 'dspark' else 'MTP'})"),
             ("vocab", str(info.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),
             ("KV prefix reuse", "on: a turn prefills only what follows the state the previous turn left")]
@@ -217,7 +221,7 @@ def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
 def header(engine: EngineAPI, settings: Settings) -> Group:
     info = dict(model_rows(engine, settings))
     facts = [info["format"].split()[0], info["device"], info["dtype"], f"TP {info['tensor parallel']}",
-             f"MTP {info['MTP depth']}", f"{info['parameters']} params"]
+             f"drafter {info['drafter']}", f"{info['parameters']} params"]
     return Group(Text.assemble(("dsv4 chat ", "bold"), (info["model"], "cyan")),
                  Text(" · ".join(facts), style="dim"),
                  Text('/help for commands · """ for multi-line · Ctrl-C stops a reply · Ctrl-D quits', style="dim"))

@@ -73,3 +73,24 @@ class EngineAPI(Protocol):
         """The same loaded model with another batch size or MTP depth (and compiled step or not;
         None: as this one)."""
         ...
+
+
+def drafter_label(engine: EngineAPI) -> str:
+    """How the engine drafts, as the front ends name it: "DSpark auto (block 5)", "DSpark 3 of 5", "MTP 2" or
+    "off"."""
+    info = engine.model_info
+    if not engine.mtp_depth:
+        return "off"
+    if info.drafter == "dspark":
+        return f"DSpark auto (block {info.block_size})" if engine.mtp == "auto" else \
+            f"DSpark {engine.mtp} of {info.block_size}"
+    return f"MTP {engine.mtp_depth}"
+
+
+def acceptance_text(m: Metrics) -> str:
+    """A request's (or a run's) acceptance in one phrase: rate, mean acceptance length (accepted + bonus per
+    drafting step) and each position's rate; "" without drafts."""
+    if not m.drafts:
+        return ""
+    per = " ".join(f"{p:.2f}" for p in m.per_position)
+    return f"accept {100 * m.acceptance_rate:.1f}% · mean length {m.mean_acceptance_length:.2f} · per position {per}"

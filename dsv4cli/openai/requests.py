@@ -163,8 +163,9 @@ class BodyParser:
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
-        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of,
-                       body["prompt"] if echo else None)
+        prompt = body.get("prompt")
+        echoed = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else None
+        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed)
 
     def tokenize(self, body) -> tuple[list[int], bool]:
         """A `/tokenize` body (vLLM's) -> the prompt's token ids, and whether each token's text is wanted
@@ -270,9 +271,20 @@ class BodyParser:
         return self._encode(text, [])
 
     def _completion_ids(self, body: dict, place: str) -> list[int]:
+        """A completion's prompt: a text (BOS, then its tokens), or token ids used as they are (OpenAI's
+        other form; a list of prompts is not taken: one request, one prompt)."""
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = next((t for t in prompt if not 0 <= t < self.tok.vocab_size), None)
+            if bad is not None:
+                raise BadRequest("invalid_prompt",
+                                 f"{place}prompt: {bad} is not a token id (0..{self.tok.vocab_size - 1})")
+            if len(prompt) > self.max_prompt_tokens:
+                raise BadRequest("prompt_too_long", f"the prompt has {len(prompt)} tokens; at most "
+                                                    f"{self.max_prompt_tokens} fit ({self.prompt_limit})")
+            return list(prompt)
         if not isinstance(prompt, str):
-            raise BadRequest("invalid_prompt", f"{place}prompt: must be a string")
+            raise BadRequest("invalid_prompt", f"{place}prompt: must be a string or a non-empty list of token ids")
         return self._encode(prompt, [self.tok.bos_id])
 
     def _encode(self, text: str, ids: list[int]) -> list[int]:

@@ -43,6 +43,7 @@ def run_serve(s: Settings) -> int:
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          f"{install_hint('serve')}") from None
+    from dsv4cli.engine import drafter_label
     from dsv4cli.loading import load_engine, sampling_params
     from dsv4cli.openai.requests import BodyParser
 
@@ -53,7 +54,7 @@ def run_serve(s: Settings) -> int:
     engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
                         s.max_messages, s.max_prompt_tokens)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(engine.model_info.drafter if engine.mtp_depth else None, engine.mtp, engine.mtp_depth)
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True))
     host, port = sock.getsockname()[:2]
@@ -65,7 +66,7 @@ def run_serve(s: Settings) -> int:
     shown = f"[{host}]" if ":" in host else host
     key = ", API key required" if s.api_key else ""
     print(f"dsv4 serve: {s.model_name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
-          f"MTP {engine.mtp_depth}{key})", flush=True)
+          f"drafter {drafter_label(engine)}{key})", flush=True)
     loop.start()
     try:
         server.run(sockets=[sock])

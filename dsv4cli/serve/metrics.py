@@ -28,12 +28,15 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self, drafter: str | None = None, mtp: int | str = 0, positions: int = 0):
+        """`drafter`: the engine's drafter kind ("dspark", "mtp", None: plain decoding), `mtp` its setting,
+        `positions` the drafts a step may verify (each gets its counters from the start, at 0)."""
+        self.drafter, self.mtp = drafter, mtp
         self.lock = threading.Lock()
         self.finished: Counter[str] = Counter()     # requests by finish reason
         self.prompt_tokens = self.generation_tokens = 0
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
-        self.accepted_per_position: list[int] = []
+        self.accepted_per_position, self.proposed_per_position = [0] * positions, [0] * positions
         self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self.running = self.waiting = 0
 
@@ -51,10 +54,11 @@ class ServerMetrics:
             self.drafts += m.drafts
             self.draft_tokens += m.draft_tokens
             self.accepted_tokens += m.accepted_tokens
-            per = self.accepted_per_position
-            per += [0] * (len(m.accepted_per_position) - len(per))
-            for i, n in enumerate(m.accepted_per_position):
-                per[i] += n
+            for mine, theirs in ((self.accepted_per_position, m.accepted_per_position),
+                                 (self.proposed_per_position, m.proposed_per_position)):
+                mine += [0] * (len(theirs) - len(mine))
+                for i, n in enumerate(theirs):
+                    mine[i] += n
 
     def set_load(self, running: int, waiting: int) -> None:
         with self.lock:
@@ -81,15 +85,26 @@ class ServerMetrics:
                         *self.ttft.lines("dsv4:time_to_first_token_seconds")),
                 *metric("time_per_output_token_seconds", "histogram", "Mean time between a request's tokens.",
                         *self.tpot.lines("dsv4:time_per_output_token_seconds")),
-                *metric("spec_decode_num_drafts_total", "counter", "MTP steps that proposed drafts.",
+                *metric("spec_decode_info", "gauge", "The drafter (dspark, mtp or none) and the drafts setting.",
+                        f'dsv4:spec_decode_info{{drafter="{self.drafter or "none"}",mtp="{self.mtp}"}} 1'),
+                *metric("spec_decode_num_drafts_total", "counter", "Steps that verified drafts.",
                         f"dsv4:spec_decode_num_drafts_total {self.drafts}"),
-                *metric("spec_decode_num_draft_tokens_total", "counter", "MTP draft tokens proposed.",
+                *metric("spec_decode_num_draft_tokens_total", "counter", "Drafts verified.",
                         f"dsv4:spec_decode_num_draft_tokens_total {self.draft_tokens}"),
-                *metric("spec_decode_num_accepted_tokens_total", "counter", "MTP draft tokens accepted.",
+                *metric("spec_decode_num_accepted_tokens_total", "counter", "Drafts accepted.",
                         f"dsv4:spec_decode_num_accepted_tokens_total {self.accepted_tokens}"),
                 *metric("spec_decode_num_accepted_tokens_per_pos_total", "counter",
-                        "Drafts accepted at each position (divide by drafts for the acceptance rate).",
+                        "Drafts accepted at each position (divide by the verifications there for its rate).",
                         *(f'dsv4:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}'
                           for i, n in enumerate(self.accepted_per_position))),
+                *metric("spec_decode_num_verified_tokens_per_pos_total", "counter",
+                        "Steps that verified a draft at each position (with DSpark's auto, fewer further on).",
+                        *(f'dsv4:spec_decode_num_verified_tokens_per_pos_total{{position="{i}"}} {n}'
+                          for i, n in enumerate(self.proposed_per_position))),
+                *metric("spec_decode_mean_acceptance_length", "gauge",
+                        "Tokens committed per drafting step: accepted drafts + the bonus token, as DeepSeek and vLLM "
+                        "define it (1 without drafts).",
+                        f"dsv4:spec_decode_mean_acceptance_length "
+                        f"{1 + self.accepted_tokens / self.drafts if self.drafts else 1.0}"),
             ]
         return "\n".join(lines) + "\n"
