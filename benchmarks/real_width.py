@@ -7,8 +7,9 @@ The model has V4 Flash's widths (hidden 4096, 64 heads x 512, q/o rank 1024, 8 o
 experts of width 2048 with 6 routed per token, the indexer's 64 x 128 heads and top-512, vocabulary
 129,280) and the layers given by `--layers` (compress ratios: 0 window-only, 4 CSA, 128 HCA) plus
 the drafter: the preview's MTP layer, or (`--drafter dspark`) 0731's three DSpark stages with block 5,
-Markov rank 256, the last three trunk layers as targets and the W8A8 copies of embed and head; random
-W8A8 weights built in memory (no files). The decode state is filled
+Markov rank 256, the last three trunk layers as targets, sharing the trunk's embed and head (as the official
+release does; W8A8's copies of them read the same bytes a step); random W8A8 weights built in memory (no
+files). The decode state is filled
 with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
 
 Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
@@ -28,7 +29,6 @@ With DSpark, each depth also gets the tokens a step yields at the acceptance pee
 the 43 layers; "auto" is the depth with the most, which the engine's cost-based choice converges to.
 """
 import argparse
-import dataclasses
 import inspect
 import json
 import math
@@ -500,8 +500,6 @@ def main():
                    dspark_noise_token_id=min(DSPARK["dspark_noise_token_id"], a.vocab - 1),
                    dspark_target_layer_ids=list(range(len(ratios)))[-3:])
     cfg = ModelConfig.from_dict(cfg)
-    if a.drafter == "dspark":        # W8A8's own (unrotated) embed and head for the drafter
-        cfg = dataclasses.replace(cfg, dspark_vocab_copies=True)
     t = clock()
     model = build_model(cfg, getattr(torch, a.dtype))
     built = clock() - t

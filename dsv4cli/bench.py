@@ -224,7 +224,9 @@ def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: b
                             continue          # the peer's trunk is the same model's: plain decoding ran above
                         eng = model_engine.resized(batch, depth, compile_on)
                         t0 = time.perf_counter()
-                        run_config(eng, prompts, 2)       # warm-up: compiles the batch's step and chunk shapes
+                        # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
+                        # measures them (a step that compiles is not a measure)
+                        run_config(eng, prompts, 2 if depth != "auto" else 8 * (eng.mtp_depth + 2))
                         warmup_s = time.perf_counter() - t0
                         r = run_config(eng, prompts, max_tokens)
                         base = r["tokens_per_s"] if depth == 0 and not compile_on else base
@@ -302,7 +304,8 @@ def bench_command(
                                          "gaps, over --max-tokens steps before and after it"),
     streams: int = typer.Option(8, "--streams", min=1, help="Running streams, with --under-load"),
 ) -> int:
-    """Decode speed: plain vs MTP K = 1..4 at several batch sizes and prompt lengths, with a peer."""
+    """Decode speed: plain vs the drafter (DSpark at each length and auto, the MTP chain) at several batch sizes
+    and prompt lengths, with peers."""
     settings, sources = opts.resolve()
     kinds = [k.strip() for k in prompts.split(",") if k.strip()]
     if not kinds or set(kinds) - {"short", "long"}:

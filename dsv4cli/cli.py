@@ -55,8 +55,8 @@ VERBS = {
                   "into -o OUT.jsonl; --resume continues a run."),
     "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
                   "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
-    "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs MTP K = 1..4 at several batch sizes and "
-                  "prompt lengths, with a peer."),
+    "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs the drafter (DSpark at each length and "
+                  "auto, the MTP chain) at several batch sizes and prompt lengths, with peers."),
     "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "
                     "parameters, layers, memory."),
     "convert": Verb("dsv4cli.tools.commands:convert", "Convert a checkpoint, streaming shard by shard with bounded "

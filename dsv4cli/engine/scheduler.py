@@ -245,13 +245,15 @@ class Engine:
                       propose, limits is not None)
         if limits is not None:
             self.runner.set_limits(limits)
+        # a step that compiles (or runs eager while its graph compiles) is no measure of the length's cost
+        steady = self.compiled is None or self.compiled.is_ready(key)
         t0 = time.perf_counter()
         packed = self.runner.run(key, *inputs)
         if not (ending or nb):
             return []                       # nothing committed: nothing to read
         packed = packed.tolist()            # the one host read
         now = time.perf_counter()
-        if self.lengths is not None and nb and not chunks and (drafts > 0) == propose:
+        if self.lengths is not None and nb and not chunks and steady and (drafts > 0) == propose:
             self.lengths.observe(nb, drafts, now - t0)
         for i, d in enumerate(decoding):
             if d:
