@@ -91,10 +91,12 @@ def raw_read(path: Path) -> dict:
 def load(path: Path, device: str, dtype: str, threads: str) -> dict:
     import torch
 
+    from dsv4cli.kernels import module_for
     from dsv4cli.model import load_model
 
     if int(threads):
         torch.set_num_threads(int(threads))
+    module_for(torch.device(device))    # the kernels' code (a native extension on the CPU) is no part of the load
     before = peak_rss()
     start = time.perf_counter()
     model = load_model(path, device, getattr(torch, dtype), progress=False)

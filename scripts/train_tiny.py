@@ -1,6 +1,7 @@
-"""Train the bundled default model, dsv4-tiny: a small DeepSeek V4 with an MTP layer, from scratch on CPU.
+"""Train the bundled preview-layout model, dsv4-tiny-mtp: a small DeepSeek V4 with an MTP layer, from scratch on CPU
+(scripts/train_dspark.py then gives its trunk the DSpark drafter of the default dsv4-tiny).
 
-Usage: python scripts/train_tiny.py [--out dsv4cli/assets/dsv4-tiny] [--steps 1200] [--minutes 120] [--threads 2]
+Usage: python scripts/train_tiny.py [--out dsv4cli/assets/dsv4-tiny-mtp] [--steps 1200] [--minutes 120] [--threads 2]
 
 Builds the synthetic corpus (scripts/corpus.py), trains a byte-level BPE tokenizer with the DSV4
 special tokens, trains the model (trunk next-token loss + MTP next-next-token loss) on packed
@@ -263,7 +264,7 @@ def sample_text(model: Transformer, tok: Tokenizer, text: str, n: int = 48) -> s
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "dsv4cli" / "assets" / "dsv4-tiny"))
+    ap.add_argument("--out", default=str(ROOT / "dsv4cli" / "assets" / "dsv4-tiny-mtp"))
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--minutes", type=float, default=120.0,
                     help="stop training early after this long (the shipped model ran all its steps: 38 minutes here)")

@@ -188,7 +188,7 @@ def test_a_resumed_chat_turn_leaves_the_drafters_rings_as_a_fresh_prefill_does(m
 def test_auto_verifies_the_length_with_the_most_tokens_per_second():
     """DraftLength: each length measured first, then the one with the most expected tokens per measured
     second; plain (L 0) when no length pays for its step."""
-    lengths, sure = DraftLength(5, torch.device("cpu")), [[0.9] * 5]
+    lengths, sure = DraftLength(5, torch.device("cpu"), 1), [[0.9] * 5]
     for n in range(6):
         assert lengths.choose(1, sure) == n
         lengths.observe(1, n, 1.0 + 0.1 * n)

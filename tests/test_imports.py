@@ -143,3 +143,40 @@ def test_the_verb_and_mode_tables_name_what_runs():
         assert command.name == name and " ".join(command.help.split()) == verb.help
     assert tuple(MODES) == SPEC["mode"].choices
     assert all(callable(load(target)) for target in MODES.values())
+
+
+def test_the_engine_stays_in_small_parts():
+    """Each class of the engine at most 250 lines with one reason to change, no function in it over 60."""
+    import ast
+
+    big = []
+    for path in sorted((PACKAGE / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            n = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
+            if isinstance(node, ast.ClassDef) and n > 250 or \
+                    isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and n > 60:
+                big.append(f"{path.name}: {node.name} ({n} lines)")
+    assert not big, big
+
+
+def test_the_architecture_doc_names_what_is_there():
+    """docs/architecture.md: at most 250 lines, and every module, file and class it names exists; history
+    stays in git ("stop N" nowhere in the docs or the code)."""
+    import builtins
+    import re
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert len(doc.splitlines()) <= 250
+    text = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py")])
+    missing = []
+    for name in set(re.findall(r"`([\w/]+\.(?:py|md))`", doc)):
+        if not any(p.as_posix().endswith(name) for p in [*ROOT.glob("**/*.py"), *ROOT.glob("**/*.md")]
+                   if ".venv" not in p.parts):
+            missing.append(name)
+    for name in set(re.findall(r"`([A-Z][A-Za-z]+)(?:[.(`])", doc)) - set(dir(builtins)):
+        if not re.search(rf"^\s*(class|def) {name}\b|^{name} = ", text, re.M):
+            missing.append(name)
+    assert not missing, missing
+    for path in [ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "benchmarks" / "README.md",
+                 *PACKAGE.rglob("*.py")]:
+        assert not re.search(r"\bstop \d+\b", path.read_text(), re.I), path

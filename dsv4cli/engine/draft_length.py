@@ -24,8 +24,12 @@ EMA = 0.3              # weight of a new measurement in a length's cost
 
 
 class DraftLength:
-    def __init__(self, most: int, device: torch.device):
+    """The lengths' costs and the choices, and what it needs to know of each of `max_batch` slots."""
+
+    def __init__(self, most: int, device: torch.device, max_batch: int):
         self.most, self.device = most, device
+        self.confidence: list[list[float]] = [[] for _ in range(max_batch)]   # each slot's next drafts'
+        self.drafted = [False] * max_batch      # each slot's drafts are for its next positions
         self.cost: dict[tuple[int, int], float] = {}       # (batch, L) -> seconds per step
         self.seen: dict[tuple[int, int], int] = {}          # (batch, L) -> the step it was last measured at
         self.steps = 0
@@ -44,6 +48,29 @@ class DraftLength:
             n = max(lengths, key=lambda n: self.expected_tokens(n, confidences) / self.cost[batch, n])
         self.chosen[n] = self.chosen.get(n, 0) + 1
         return n
+
+    def plan(self, nb: int, decoding: list[bool], params: list) -> tuple[int, bool, list[int] | None]:
+        """A step's (drafts verified, whether it drafts the next ones, each decode row's own count when they
+        differ) for the decode rows [0, nb), `decoding` saying which slots decode, `params` their requests'
+        SamplingParams. A slot whose drafts are stale (it stepped plain) verifies none; a sampled request
+        with a seed verifies the whole block every step, so its tokens don't follow the measured costs: they
+        are those of --mtp at the block size, in every run and batch."""
+        live = [i for i, d in enumerate(decoding) if d]
+        n = self.choose(nb, [self.confidence[i] for i in live])
+        seeded = {i for i in live if params[i].temperature > 0 and params[i].seed is not None}
+        want = [(self.most if i in seeded else n) if decoding[i] and self.drafted[i] else 0 for i in range(nb)]
+        drafts, propose = max(want), n > 0 or bool(seeded)
+        same = all(w == drafts for i, w in enumerate(want) if decoding[i])
+        return drafts, propose, None if same else want
+
+    def stepped(self, decoding: list[bool], propose: bool, joined: list[int]) -> None:
+        """A step ran: the decoding slots have fresh drafts if it proposed; slots `joined` (their prompts'
+        last chunks ran) have their first."""
+        for i, d in enumerate(decoding):
+            if d:
+                self.drafted[i] = propose
+        for i in joined:
+            self.drafted[i] = True
 
     @staticmethod
     def expected_tokens(n: int, confidences: list[list[float]]) -> float:

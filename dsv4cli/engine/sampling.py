@@ -35,10 +35,11 @@ class SamplingParams:
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
 
-    def problem(self) -> str | None:
-        """Why these settings can't run on the device, or None: a number no float32 or int64 holds, a
-        negative temperature or a penalty that rounds to 0 (it divides). The front ends refuse values
-        outside the meaningful ranges (`config.SPEC`); this guards the engine's own callers."""
+    def problem(self, vocab: int) -> str | None:
+        """Why these settings can't run on the device of a model with `vocab` tokens, or None: a number no
+        float32 or int64 holds, a negative temperature or a penalty that rounds to 0 (it divides), more
+        logprobs than the step returns, a biased id that is no token. The front ends refuse values outside
+        the meaningful ranges (`config.SPEC`); this guards the engine's own callers."""
         floats = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                                                           "presence_penalty", "frequency_penalty")}
         for name, v in (floats | {f"logit_bias[{t}]": b for t, b in self.logit_bias.items()}).items():
@@ -53,6 +54,11 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -INT64_MAX <= v <= INT64_MAX):
                 return f"{name}: must be an integer that fits in 64 bits, got {v!r}"
+        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
+            return f"logprobs: must be 0..{TOP_LOGPROBS}, got {self.logprobs}"
+        bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})"
         return None
 
 

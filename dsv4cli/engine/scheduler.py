@@ -21,7 +21,7 @@ from .output import append_output
 from .prefix import SlotHistory
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
-from .sampling import TOP_LOGPROBS, SamplingParams, needs_sort, plain_greedy
+from .sampling import SamplingParams, needs_sort, plain_greedy
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
 # failed): `step` then raises EngineFailed, and a server exits so its supervisor restarts it.
@@ -45,6 +45,26 @@ def chunk_bucket(rows: int, longest: int) -> int:
     """A compiled prefill chunk's rows: the next power of two from MIN_CHUNK, at most `longest`, the
     longest chunk the scheduler cuts (the commonest: every chunk of a long prompt but its last)."""
     return min(max(MIN_CHUNK, 1 << (rows - 1).bit_length()), longest)
+
+
+def prefill_chunks(prefilling: list[Sequence], budget: int, longest: int) -> list[tuple[Sequence, int, int]]:
+    """A step's prefill chunks (request, a, b) of at most `longest` rows, oldest request first, up to `budget`
+    tokens (a chunk is cut to fit)."""
+    chunks = []
+    for seq in prefilling:
+        a, n = seq.prefilled, len(seq.prompt_ids)
+        while budget > 0 and a < n:
+            b = min(a + longest, a + budget, n)
+            chunks.append((seq, a, b))
+            budget, a = budget - (b - a), b
+    return chunks
+
+
+def context_bound(slots: list[Sequence | None], depth: int) -> int:
+    """A bound on every position decode rows of these slots touch (with `depth` drafts), from host-side
+    lengths, rounded up to a bucket so shapes (and captured graphs) repeat."""
+    longest = max(len(s.prompt_ids) + len(s.output_ids) for s in slots if s is not None)
+    return -(-(longest + depth + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
 
 
 class EngineFailed(RuntimeError):
@@ -77,9 +97,7 @@ class Engine:
                                  remake=remake)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
-        self.lengths = DraftLength(self.mtp_depth, self.device) if self.runner.confidences else None
-        self.confidence: list[list[float]] = [[] for _ in range(max_batch)]   # each slot's next drafts'
-        self.drafted = [False] * max_batch      # each slot's drafts are for its next positions (see DraftLength)
+        self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
         self.graphs = graphs
         self.slots: list[Sequence | None] = [None] * max_batch
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
@@ -96,14 +114,8 @@ class Engine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
-        if problem := params.problem():
+        if problem := params.problem(self.model.cfg.vocab_size):
             raise ValueError(problem)
-        if params.logprobs is not None and not 0 <= params.logprobs <= TOP_LOGPROBS:
-            raise ValueError(f"logprobs: must be 0..{TOP_LOGPROBS}, got {params.logprobs}")
-        vocab = self.model.cfg.vocab_size
-        bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
         seq.metrics.t_submit = time.perf_counter()
@@ -113,10 +125,9 @@ class Engine:
         return seq
 
     def cancel(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq in self.prefilling:
-            self.prefilling.remove(seq)
+        for queue in (self.waiting, self.prefilling):
+            if seq in queue:
+                queue.remove(seq)
         if not seq.finished:
             seq.finish_reason = "cancelled"
         if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
@@ -160,7 +171,7 @@ class Engine:
                     raise
                 events.append(self._fail(seq, e))
         running = [s for s in self.slots if s is not None and s not in self.prefilling]
-        chunks = self._prefill_chunks(self.prefill_budget)
+        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk)
         try:
             if self.compiled is None:             # one call: the chunks, then the decode rows
                 events += self._call(chunks, decode=bool(running))
@@ -197,24 +208,11 @@ class Engine:
         starts = {i: self.history[i].resume_point(seq.prompt_ids, cache.lookback, cache.ring)
                   if self.reuse_prefix else 0 for i in free}
         slot = max(free, key=lambda i: (starts[i], -i))
-        reused = starts[slot]
+        reused = starts[slot]      # prompt tokens whose state the slot holds
         self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
         self.history[slot] = self.history[slot].resumed(reused, cache.ring)
-        self.slots[slot], seq.slot = seq, slot
-        seq.metrics.cached_tokens = seq.prefilled = reused
+        self.slots[slot], seq.slot, seq.metrics.cached_tokens, seq.prefilled = seq, slot, reused, reused
         self.prefilling.append(seq)
-
-    def _prefill_chunks(self, budget: int) -> list[tuple[Sequence, int, int]]:
-        """This step's prefill chunks (request, a, b), oldest request first, up to `budget` tokens (a
-        chunk is cut to fit)."""
-        chunks = []
-        for seq in self.prefilling:
-            a, n = seq.prefilled, len(seq.prompt_ids)
-            while budget > 0 and a < n:
-                b = min(a + self.prefill_chunk, a + budget, n)
-                chunks.append((seq, a, b))
-                budget, a = budget - (b - a), b
-        return chunks
 
     # ---- a call of the step ------------------------------------------------------------------
 
@@ -227,7 +225,7 @@ class Engine:
         nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
         drafts, propose, limits = (self.mtp_depth if nb else 0), True, None
         if self.lengths is not None and nb:
-            drafts, propose, limits = self._lengths(nb, decoding)
+            drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
         committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
         logprobs = any(p.logprobs is not None for p in committing)
         keys, inputs = [], []
@@ -238,7 +236,7 @@ class Engine:
                 rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
             keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids)))
             inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows))
-        context = self._context_bound(nb) if nb else 0
+        context = context_bound(self.slots[:nb], self.mtp_depth) if nb else 0
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
         key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing),
@@ -253,19 +251,23 @@ class Engine:
             return []                       # nothing committed: nothing to read
         packed = packed.tolist()            # the one host read
         now = time.perf_counter()
-        if self.lengths is not None and nb and not chunks and steady and (drafts > 0) == propose:
-            self.lengths.observe(nb, drafts, now - t0)
-        for i, d in enumerate(decoding):
-            if d:
-                self.drafted[i] = propose
-        for seq in ending:
-            self.drafted[seq.slot] = True
-        d = self.mtp_depth
+        if self.lengths is not None:
+            if nb and not chunks and steady and (drafts > 0) == propose:
+                self.lengths.observe(nb, drafts, now - t0)
+            self.lengths.stepped(decoding, propose, [seq.slot for seq in ending])
+        return self._events(packed, key, decoding, ending, limits, now)
+
+    def _events(self, packed: list[list], key: StepKey, decoding: list[bool], ending: list[Sequence],
+                limits: list[int] | None, now: float) -> list[Event]:
+        """The step's packed rows (StepKey) into its requests: first tokens of the prompts that ended, each
+        decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
+        d, nb, drafts = self.mtp_depth, key.batch, key.drafts
         base = d + 2 + (d if self.runner.confidences else 0)      # where a row's logprobs start
         width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
         events = []
         for seq, row in zip(ending, packed[nb:]):
-            self.confidence[seq.slot] = row[d + 2: base]
+            if self.lengths is not None:
+                self.lengths.confidence[seq.slot] = row[d + 2: base]
             events.append(self._first_event(seq, int(row[0]), row[base: base + width]
                                             if seq.params.logprobs is not None else None))
         for i, row in enumerate(packed[:nb]):
@@ -273,7 +275,8 @@ class Engine:
             if not decoding[i]:                 # free or prefilling
                 continue
             tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
-            self.confidence[i] = row[d + 2: base]
+            if self.lengths is not None:
+                self.lengths.confidence[i] = row[d + 2: base]
             scored = None
             if seq.params.logprobs is not None:
                 scored = [TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width],
@@ -284,26 +287,6 @@ class Engine:
             self._record(i, tokens[: n + 1])
             events.append(self._emit(seq, tokens[: n + 1], scored))
         return events
-
-    def _lengths(self, nb: int, decoding: list[bool]) -> tuple[int, bool, list[int] | None]:
-        """Under auto: (the drafts the step verifies, whether it drafts the next ones, each decode row's own
-        count when they differ). A slot whose drafts are stale (it stepped plain) verifies none; a sampled
-        request with a seed verifies the whole block every step, so its tokens don't follow the measured
-        costs: they are those of --mtp at the block size, in every run and batch."""
-        live = [i for i, d in enumerate(decoding) if d]
-        n = self.lengths.choose(nb, [self.confidence[i] for i in live])
-        seeded = {i for i in live if self.slots[i].params.temperature > 0 and self.slots[i].params.seed is not None}
-        want = [(self.mtp_depth if i in seeded else n) if d and self.drafted[i] else 0 for i, d in enumerate(decoding)]
-        want = want[:nb]
-        drafts, propose = max(want), n > 0 or bool(seeded)
-        same = all(w == drafts for i, w in enumerate(want) if decoding[i])
-        return drafts, propose, None if same else want
-
-    def _context_bound(self, nb: int) -> int:
-        """A bound on every position the decode rows of slots [0, nb) touch, from host-side lengths, rounded
-        up to a bucket so shapes (and captured graphs) repeat."""
-        longest = max(len(s.prompt_ids) + len(s.output_ids) for s in self.slots[:nb] if s is not None)
-        return -(-(longest + self.mtp_depth + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
 
     # ---- host bookkeeping --------------------------------------------------------------------
 
