@@ -4,9 +4,11 @@ step takes over.
 Two measures per case, each in a fresh process:
 - `dsv4 chat` piped, one message on stdin: every chunk of the reply timestamped as it streams (first chunk,
   next chunk, the longest gap between chunks);
-- the engine as chat builds it (compile in the background), greedy replies one after another until the
-  compiled step is ready, then one more: time to the first token, to the compiled step being ready (compiled,
-  or loaded from the saved step), and tokens/s of the replies before (eager) and of the last (compiled).
+- the engine as chat builds it (compile in the background), greedy replies one after another until one
+  runs compiled throughout (with mtp auto a reply uses a step shape per draft length, compiled one after
+  another): time to the first token, to the first compiled step being ready (compiled, or loaded from the
+  saved step) and to the reply that ran compiled throughout, each reply's tokens/s and eager steps, the
+  tokens/s of the replies before the first step was ready (eager) and of the last (compiled).
 The first token comes out of prefill (eager in every mode); decode steps run eagerly until the step is ready.
 Results: JSON on stdout, or --out.
 """
@@ -46,9 +48,9 @@ def run_chat(compile_mode: str, cache: str, message: str, max_tokens: int) -> di
             "exit_s": round(time.perf_counter() - t0, 2), "chunks": len(chunks), "returncode": proc.returncode}
 
 
-def takeover(reply_tokens: int) -> dict:
-    """In this process: the chat engine, replies one after another until the compiled step is ready, then
-    one more reply, compiled throughout."""
+def takeover(reply_tokens: int, max_replies: int = 200) -> dict:
+    """In this process: the chat engine, replies one after another until one runs compiled throughout (with
+    mtp auto a reply uses a step shape per draft length, each compiled in turn)."""
     t0 = time.perf_counter()
     import dataclasses
 
@@ -60,26 +62,32 @@ def takeover(reply_tokens: int) -> dict:
     loaded = time.perf_counter() - t0
     prompt = engine.tok.encode("Once upon a time, a little fox named Ben lived by the river.")
     params = SamplingParams(temperature=0, max_tokens=reply_tokens, ignore_eos=True)
+    compiled = engine.compiled
     first = ready_at = None
     eager_tokens, eager_s = 0, 0.0          # of the replies that ran eagerly throughout
-    while True:
-        compiled_throughout = ready_at is not None
+    replies = []                            # per reply: (tokens/s, its steps that ran eager)
+    while len(replies) < max_replies:
+        eager_before, started = compiled.eager_steps, time.perf_counter()
         seq = engine.submit(prompt, params)
         while engine.has_work():
             engine.step()
-            if ready_at is None and any(key.batch for key in engine.compiled.ready):
+            if ready_at is None and any(key.batch for key in compiled.ready):
                 ready_at = time.perf_counter()
         m = seq.metrics
         first = m.t_first - t0 if first is None else first
-        if compiled_throughout:
+        replies.append((round(m.tokens_per_s, 1), compiled.eager_steps - eager_before))
+        if replies[-1][1] == 0:             # no step of this reply ran eager: every shape it used is ready
             break
         if ready_at is None:
             eager_tokens, eager_s = eager_tokens + m.output_tokens - 1, eager_s + m.t_last - m.t_first
-    how, seconds = engine.compiled.built[next(key for key in engine.compiled.ready if key.batch)]
+    decode = [key for key in compiled.ready if key.batch]
+    how, seconds = compiled.built[decode[0]]
     return {"load_s": round(loaded, 2), "first_token_s": round(first, 2), "step": how,
-            "step_build_s": round(seconds, 2), "compiled_ready_s": round(ready_at - t0, 2),
+            "step_build_s": round(seconds, 2), "first_compiled_ready_s": round(ready_at - t0, 2),
+            "all_compiled_s": round(started - t0, 2) if replies[-1][1] == 0 else None,
+            "decode_shapes": len(decode), "replies": replies,
             "eager_tokens_per_s": round(eager_tokens / eager_s, 1) if eager_s else None,
-            "compiled_tokens_per_s": round(m.tokens_per_s, 1)}
+            "compiled_tokens_per_s": replies[-1][0] if replies[-1][1] == 0 else None}
 
 
 def run_takeover(compile_mode: str, cache: str, max_tokens: int) -> dict:

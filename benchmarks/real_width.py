@@ -21,7 +21,9 @@ state a query reads (window, compressor rings, indexer keys, the CSA top-k or al
 They are counted as the tensors are held in memory and as stored (int8, fp32 scales, bf16).
 The bandwidth is measured in the same process, just before each timed step, by streaming reads of a
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
-for the median step against its own reading. The 43-layer
+for the median step against its own reading. "bound_roofline" is the roofline model's whole bound: each
+part's time at least its bytes / bandwidth and its float GEMM and attention-core flops / the fp32 matmul
+peak measured in the same process (int8 GEMMs counted by their bytes only), summed. The 43-layer
 estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
 layers counted as HCA, slightly over) and keeps the rest of the step (head, drafter, sampling) once.
 With DSpark, each depth also gets the tokens a step yields at the acceptance peers measured on 0731
@@ -80,6 +82,7 @@ DSPARK_ACCEPTANCE = (0.579, 0.447, 0.316, 0.237, 0.158)    # 0731 on prose, k=5 
 PROFILES = {"0731 prose (peers)": DSPARK_ACCEPTANCE, "agentic": (0.85, 0.72, 0.6, 0.5, 0.4),
             "poor": (0.2, 0.05, 0.01, 0.0, 0.0)}
 DEVICE = torch.device("cpu")
+PARTS = ("attention", "moe", "head", "drafter", "other")
 
 
 def decode_step(engine: Engine, batch: int, depth: int, bound: int):
@@ -201,6 +204,8 @@ class StepProfile:
         self.core_time = defaultdict(float)             # attention kind -> seconds in its core kernels
         self.core_bytes = defaultdict(int)
         self.core_flops = defaultdict(int)
+        self.flops = defaultdict(int)                   # part -> float GEMM flops (int8 ones: memory-bound)
+        self._part = "other"
         self.batch_rows, self.query_rows, self.context, self._kind = 1, 1, 0, None
         self._drafting = False     # within the drafter: what its parts read is the drafter's
         self._patches = []
@@ -230,6 +235,26 @@ class StepProfile:
 
         setattr(kernels, name, kernel)
         self._patches.append((kernels, orig, name))
+
+    def _count_float_gemm(self, name):
+        kernels = kernel_module(self.model)
+        orig = getattr(kernels, name)
+
+        def kernel(x, *args, **kw):
+            out = orig(x, *args, **kw)
+            self.flops["drafter" if self._drafting else self._part] += 2 * x.numel() * out.shape[-1]
+            return out
+
+        setattr(kernels, name, kernel)
+        self._patches.append((kernels, orig, name))
+
+    def _within(self, part, orig, module, args, kw):
+        """orig(module, ...) with its float GEMMs counted to `part`."""
+        outer, self._part = self._part, part
+        try:
+            return orig(module, *args, **kw)
+        finally:
+            self._part = outer
 
     def _wrap_drafter(self):
         prof = self
@@ -271,14 +296,14 @@ class StepProfile:
             prof.core_bytes[prof._kind] += state[0]
             prof.core_flops[prof._kind] += prof._core_flops(module)
             t = clock()
-            out = orig(module, *args, **kw)
+            out = prof._within("attention", orig, module, args, kw)
             prof._add("attention", clock() - t, weight_bytes(module), state)
             return out
 
         def moe(module, orig, args, kw):
             prof._routed = set()
             t = clock()
-            out = orig(module, *args, **kw)
+            out = prof._within("moe", orig, module, args, kw)
             held, stored = weight_bytes(module, skip=tuple(module.experts))
             n = len(prof._routed)
             prof._add("moe", clock() - t, (held + n * prof.expert[0], stored + n * prof.expert[1]))
@@ -291,7 +316,7 @@ class StepProfile:
 
         def head(module, orig, args, kw):
             t = clock()
-            out = orig(module, *args, **kw)
+            out = prof._within("head", orig, module, args, kw)
             prof._add("head", clock() - t, weight_bytes(module))
             return out
 
@@ -321,6 +346,8 @@ class StepProfile:
         for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
             if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
                 self._wrap_kernel(name)
+        for name in ("linear_fp32", "linear"):
+            self._count_float_gemm(name)
         return self
 
     def __exit__(self, *exc):
@@ -363,6 +390,7 @@ class StepProfile:
 
     def reset(self):
         self.core_flops.clear()
+        self.flops.clear()
         self.core_time.clear()
         self.core_bytes.clear()
         self.time.clear()
@@ -417,12 +445,17 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
                 parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
                               {k: list(v) for k, v in prof.block_time.items()},
                               {k: list(v) for k, v in prof.block_bytes.items()},
-                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops)))
+                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops)))
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
     median, bw = steps[mid], reads[mid]
-    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops = parts[mid]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops = parts[mid]
     times["other"] = median - sum(v for k, v in times.items() if k != "other")
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
+
+    core_part = {"dspark": "drafter"}       # the attention cores' flops: the trunk's attention, the drafter's
+    work = {p: flops.get(p, 0) + sum(f for k, f in core_flops.items() if core_part.get(k, "attention") == p)
+            for p in PARTS}
+    bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, work[p] / peak) for p in PARTS}
 
     def roof(b, t):
         return round(b / bw / t, 3) if t > 0 else None
@@ -434,8 +467,14 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
         "bytes_held": total[0], "bytes_stored": total[1], "roofline": roof(total[0], median),
         "parts": {p: {"ms": round(times.get(p, 0.0) * 1e3, 2), "bytes_held": nbytes.get(p, [0, 0])[0],
                       "bytes_stored": nbytes.get(p, [0, 0])[1], "roofline": roof(nbytes.get(p, [0, 0])[0],
-                                                                                  times.get(p, 0.0))}
-                  for p in ("attention", "moe", "head", "drafter", "other")},
+                                                                                  times.get(p, 0.0)),
+                      "flops": work[p], "bound_ms": round(bound[p] * 1e3, 2),
+                      "bound_roofline": round(bound[p] / times[p], 3) if times.get(p, 0.0) > 0 else None}
+                  for p in PARTS},
+        # the roofline model's bound: each part's time at least its bytes over the bandwidth and its float
+        # flops over the fp32 peak (int8 GEMMs counted memory-bound); at 40-48 verified rows the LM head's
+        # product is compute-bound on a CPU core, where the memory roofline alone would call it slow
+        "bound_ms": round(sum(bound.values()) * 1e3, 2), "bound_roofline": round(sum(bound.values()) / median, 3),
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
         # and against the compute peak: the indexer's scan does 2 x 64 heads flops per key byte in
@@ -521,8 +560,8 @@ def main():
                 core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
                          for k, v in r["attention_core"].items())
                 print(f"ctx {context} batch {batch} depth {depth}: step {r['step_ms']['median']} ms, roofline "
-                      f"{r['roofline']}  |  {parts}  |  core: {core}  |  43 layers: {r.get('v4_flash_43_layers')}"
-                      f"  |  compiled: {r.get('compiled')}")
+                      f"{r['roofline']} (with compute: {r['bound_roofline']})  |  {parts}  |  core: {core}  |  "
+                      f"43 layers: {r.get('v4_flash_43_layers')}  |  compiled: {r.get('compiled')}")
                 results.append(r)
             if a.drafter == "dspark":
                 # the 43-layer step time of each depth, and what it yields at each acceptance profile: auto

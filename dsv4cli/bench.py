@@ -12,8 +12,10 @@ import dataclasses
 import json
 import re
 import statistics
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 
 import torch
 import typer
@@ -210,41 +212,80 @@ def depths_for(model, depths: list) -> list:
     return [d for d in depths if d != "auto" and (d == 0 or cfg.drafter)]
 
 
+def configurations(engine: EngineAPI, peer: EngineAPI | None, depths, batch: int, compile_modes):
+    """(engine, compile, depth) for one batch size, in the order they run."""
+    for model_engine in [engine, *([peer] if peer is not None else [])]:
+        for compile_on in compile_modes:
+            for depth in depths_for(model_engine.model, depths):
+                if model_engine is not peer or depth != 0:   # the peer's trunk is the same: plain ran above
+                    yield model_engine, compile_on, depth
+
+
+@contextmanager
+def progress(total: int):
+    """Yields start(label) for each of `total` phases: a rich bar with the phase and the time spent on a
+    terminal's stderr, else a line per phase on stderr (a cold compile can take minutes)."""
+    if not sys.stderr.isatty():
+        count = iter(range(1, total + 1))
+        yield lambda label: print(f"bench [{next(count)}/{total}] {label}", file=sys.stderr, flush=True)
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task, started = bar.add_task("", total=total), []
+
+        def start(label):
+            if started:
+                bar.advance(task)
+            started.append(label)
+            bar.update(task, description=label)
+        yield start
+
+
 def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool,
           compile_modes=(False,), peer: EngineAPI | None = None) -> list[dict]:
     rows = []
-    for kind in kinds:
-        for batch in batches:
-            prompts = bench_prompts(engine.tok, kind, batch)
-            base = None
-            for model_engine in [engine, *([peer] if peer is not None else [])]:
-                for compile_on in compile_modes:
-                    for depth in depths_for(model_engine.model, depths):
-                        if model_engine is peer and depth == 0:
-                            continue          # the peer's trunk is the same model's: plain decoding ran above
-                        eng = model_engine.resized(batch, depth, compile_on)
-                        t0 = time.perf_counter()
-                        # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
-                        # measures them (a step that compiles is not a measure)
-                        run_config(eng, prompts, 2 if depth != "auto" else 8 * (eng.mtp_depth + 2))
-                        warmup_s = time.perf_counter() - t0
-                        r = run_config(eng, prompts, max_tokens)
-                        base = r["tokens_per_s"] if depth == 0 and not compile_on else base
-                        launches = launches_per_step(eng, prompts[0])
-                        layers = eng.model.cfg.n_layers + (eng.model.cfg.n_mtp_layers if eng.mtp_depth else 0)
-                        r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, mtp=depth,
-                                 batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
-                                 speedup=r["tokens_per_s"] / base if base else None, warmup_s=warmup_s,
-                                 launches_per_step=launches, launches_per_layer=launches / layers,
-                                 recompiles=eng.compiled.recompiles if compile_on else None,
-                                 draft_lengths=eng.lengths.report() if getattr(eng, "lengths", None) else None)
-                        rows.append(r)
-            if with_hf and batch == 1:
-                hf = run_transformers(engine, prompts, max_tokens)
-                if hf:
-                    rows.append({**hf, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
-                                 "prompt": kind, "prompt_tokens": len(prompts[0]),
-                                 "speedup": hf["tokens_per_s"] / base})
+    total = sum(len(list(configurations(engine, peer, depths, b, compile_modes))) + (with_hf and b == 1)
+                for b in batches) * len(kinds)
+    with progress(total) as start:
+        for kind in kinds:
+            for batch in batches:
+                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, with_hf, compile_modes, start)
+    return rows
+
+
+def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, with_hf: bool, compile_modes,
+                start) -> list[dict]:
+    """One batch size and prompt kind: every configuration, then transformers at batch 1."""
+    rows, base = [], None
+    prompts = bench_prompts(engine.tok, kind, batch)
+    for model_engine, compile_on, depth in configurations(engine, peer, depths, batch, compile_modes):
+        name = (model_engine.model_info.drafter or "plain") if depth else "plain"
+        start(f"{name} {'auto' if depth == 'auto' else f'K {depth}'}, batch {batch}, {kind} prompt"
+              f"{', compiled (compiles on its first steps)' if compile_on else ''}")
+        eng = model_engine.resized(batch, depth, compile_on)
+        t0 = time.perf_counter()
+        # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
+        # measures them (a step that compiles is not a measure)
+        run_config(eng, prompts, 2 if depth != "auto" else 8 * (eng.mtp_depth + 2))
+        warmup_s = time.perf_counter() - t0
+        r = run_config(eng, prompts, max_tokens)
+        base = r["tokens_per_s"] if depth == 0 and not compile_on else base
+        launches = launches_per_step(eng, prompts[0])
+        layers = eng.model.cfg.n_layers + (eng.model.cfg.n_mtp_layers if eng.mtp_depth else 0)
+        r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, mtp=depth,
+                 batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
+                 speedup=r["tokens_per_s"] / base if base else None, warmup_s=warmup_s,
+                 launches_per_step=launches, launches_per_layer=launches / layers,
+                 recompiles=eng.compiled.recompiles if compile_on else None,
+                 draft_lengths=eng.lengths.report() if getattr(eng, "lengths", None) else None)
+        rows.append(r)
+    if with_hf and batch == 1:
+        start(f"transformers generate, batch 1, {kind} prompt")
+        hf = run_transformers(engine, prompts, max_tokens)
+        if hf:
+            rows.append({**hf, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
+                         "prompt": kind, "prompt_tokens": len(prompts[0]), "speedup": hf["tokens_per_s"] / base})
     return rows
 
 

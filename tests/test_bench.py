@@ -16,6 +16,10 @@ def test_bench_json(tiny_model_dir):
     assert all(x["tokens_per_s"] > 0 for x in rows)
     assert all(x["speedup"] == 1.0 for x in rows if x["impl"] == "dsv4" and x["mtp"] == 0)
     assert any(x["impl"] == "transformers" for x in rows)                  # the peer, on the same weights
+    # long work shows progress: with stderr no terminal, a line as each configuration starts
+    phases = [line for line in r.stderr.splitlines() if line.startswith("bench [")]
+    assert [p.split("]")[0] for p in phases] == [f"bench [{i}/7" for i in range(1, 8)], r.stderr
+    assert phases[0].endswith("plain K 0, batch 1, short prompt") and "transformers" in phases[3]
 
 
 def test_bench_bad_list_is_usage_error(tiny_model_dir):

@@ -161,6 +161,8 @@ def test_greedy_with_dspark_equals_greedy_without(model, tok):
             eng = Engine(model, tok, max_batch=batch, max_seq_len=320, mtp=k, isolate_failures=False)
             assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain, (k, batch)
             assert eng.totals.draft_tokens > 0
+            if k != "auto":         # --mtp L verifies L of the block's drafts every step, not the whole block
+                assert eng.totals.draft_tokens == k * eng.totals.drafts, (k, batch)
     eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=5, prefill_chunk=16, prefill_budget=16)
     assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain
 

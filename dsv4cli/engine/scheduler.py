@@ -97,6 +97,7 @@ class Engine:
                                  remake=remake)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
+        self.verified = drafter_depth(model.cfg, mtp)   # the drafts a step verifies, but under auto: --mtp L
         self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
         self.graphs = graphs
         self.slots: list[Sequence | None] = [None] * max_batch
@@ -223,7 +224,7 @@ class Engine:
         ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
         decoding = [decode and s is not None and s not in self.prefilling for s in self.slots]
         nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
-        drafts, propose, limits = (self.mtp_depth if nb else 0), True, None
+        drafts, propose, limits = (self.verified if nb else 0), True, None
         if self.lengths is not None and nb:
             drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
         committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
