@@ -278,11 +278,9 @@ class Engine:
             tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
             if self.lengths is not None:
                 self.lengths.confidence[i] = row[d + 2: base]
-            scored = None
-            if seq.params.logprobs is not None:
-                scored = [TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width],
-                                                   seq.params.logprobs)
-                          for j in range(n + 1)]
+            scored = None if seq.params.logprobs is None else [
+                TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width], seq.params.logprobs)
+                for j in range(n + 1)]
             seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
             seq.metrics.t_last = now
             self._record(i, tokens[: n + 1])

@@ -80,10 +80,17 @@ def is_packed(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _onednn_int8() -> bool:
+    """Whether oneDNN's int8 GEMM gives exact int32 sums here. Without VNNI (AVX2 only) it multiplies
+    u8 x s8 pairs into saturating int16 sums (vpmaddubsw), so full-range weights come out wrong: the
+    probe's extreme and random values catch that, and such a CPU keeps `torch._int_mm`."""
     try:
-        w = torch.ones(2, 4, dtype=torch.int8)
-        y = packed_int_mm(torch.ones(1, 4, dtype=torch.int8), torch.ops.onednn.qlinear_prepack(w, [1, 4]))
-        return torch.equal(y, torch.full((1, 2), 4.0))
+        g = torch.Generator().manual_seed(0)
+        x = torch.cat([torch.full((1, 64), 127, dtype=torch.int8), torch.full((1, 64), -128, dtype=torch.int8),
+                       torch.randint(-128, 128, (6, 64), generator=g, dtype=torch.int8)])
+        w = torch.cat([torch.full((16, 64), 127, dtype=torch.int8), torch.full((16, 64), -127, dtype=torch.int8),
+                       torch.randint(-127, 128, (32, 64), generator=g, dtype=torch.int8)])
+        y = packed_int_mm(x, torch.ops.onednn.qlinear_prepack(w, [1, 64]))
+        return torch.equal(y, torch._int_mm(x, w.t()).float())
     except (AttributeError, RuntimeError):
         return False
 
