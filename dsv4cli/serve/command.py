@@ -41,6 +41,8 @@ def run_serve(s: Settings) -> int:
 
         from .app import create_app
         from .http import BACKLOG, Server, connection_limit, protocol
+        if s.batch_dir:
+            import python_multipart  # noqa: F401 - the Batch API's uploads
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          f"{install_hint('serve')}") from None
