@@ -32,15 +32,16 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--cpus-per-shard", type=float, default=1)
     p.add_argument("--gpus-per-shard", type=float, default=0)
-    p.add_argument("flags", nargs="*", help="dsv4 batch flags, after --")
-    args = p.parse_args()
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)     # what follows -- goes to dsv4 batch
+    args, flags = p.parse_args(argv[:cut]), argv[cut + 1:]
     ray.init()
     task = shard.options(num_cpus=args.cpus_per_shard, num_gpus=args.gpus_per_shard)
-    runs = [task.remote(i, args.shards, args.input, args.output, args.flags) for i in range(args.shards)]
+    runs = [task.remote(i, args.shards, args.input, args.output, flags) for i in range(args.shards)]
     for line in ray.get(runs):
         print(line, file=sys.stderr)
     merged = subprocess.run([sys.executable, "-m", "dsv4cli", "batch", "merge", args.output, "--retry-failed",
-                             *args.flags])
+                             *flags])
     sys.exit(merged.returncode)
 
 

@@ -13,7 +13,7 @@ set -euo pipefail
 IN=${1:?usage: slurm-batch.sh IN.jsonl OUT.jsonl [dsv4 batch flags]}
 OUT=${2:?usage: slurm-batch.sh IN.jsonl OUT.jsonl [dsv4 batch flags]}
 shift 2
-FLAGS=$(printf ' %q' "$@")
+FLAGS=$( (( $# )) && printf ' %q' "$@" || true)
 SHARDS=${SHARDS:-4}
 
 job=$(sbatch --parsable --job-name=dsv4-batch --array=0-$((SHARDS - 1)) --requeue \
