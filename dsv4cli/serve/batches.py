@@ -8,6 +8,7 @@ ends) exactly as `dsv4 batch` appends them, so a server killed mid-batch resumes
 way `--resume` does (a torn last line cut off, answered ids skipped): every request once. DIR is locked by
 one server at a time.
 """
+import dataclasses
 import fcntl
 import json
 import os
@@ -90,7 +91,9 @@ class ApiBatch:
         self.paths = store.path(run["output"]), store.path(run["errors"])
         out, errors = ResultFile(self.paths[0]), ResultFile(self.paths[1])
         done, errored = answered(list(self.paths))           # what a server stopped mid-batch wrote
-        parser = RequestParser(bodies.tok, bodies.defaults, run["seed"], bodies.max_seq_len, bodies.thinking,
+        # background requests: a step that prefills an online prompt does not decode them (`engine.scheduler`)
+        defaults = dataclasses.replace(bodies.defaults, background=True)
+        parser = RequestParser(bodies.tok, defaults, run["seed"], bodies.max_seq_len, bodies.thinking,
                                bodies.reasoning_effort)
         self.run = BatchRun(engine, parser, out, errors, model, done, errored, name=batch["id"])
         self.input = open(store.path(batch["input_file_id"]), "rb")  # noqa: SIM115 - read until the batch ends

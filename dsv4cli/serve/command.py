@@ -11,6 +11,7 @@ from dsv4cli.errors import RunError, UsageError, install_hint
 from dsv4cli.options import CliOptions, model_options
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
+SWITCH_INTERVAL = 0.0005    # seconds a thread holds the interpreter lock while another waits for it
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -74,6 +75,10 @@ def run_serve(s: Settings) -> int:
     batches = f", batches in {s.batch_dir} ({loop.batch_slots} slots)" if store else ""
     print(f"dsv4 serve: {s.model_name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
           f"drafter {drafter_label(engine)}{key}{batches})", flush=True)
+    # The engine thread holds the interpreter lock through each step's Python work, and a thread waiting for it
+    # gets it only after the switch interval (5 ms by default): an HTTP request takes several hand-offs, so
+    # under a busy engine each one cost an online request up to 5 ms of its TTFT (benchmarks/batch_api.py).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     loop.start()
     try:
         server.run(sockets=[sock])
