@@ -301,7 +301,7 @@ class Settings:
     )
     batch_slots: int | None = _key(
         "serve", None, "Most slots API batches hold at once; they take only slots no online request waits for "
-        "(unset: half of max_batch, at least 1)", lo=1
+        "(unset: a quarter of max_batch, at least 1)", lo=1
     )
     max_file_bytes: int = _key("serve", 200 << 20, "Largest file upload (POST /v1/files); a larger one gets HTTP 413",
                                lo=1)

@@ -63,7 +63,7 @@ def run_serve(s: Settings) -> int:
     metrics = ServerMetrics(engine.model_info.drafter if engine.mtp_depth else None, engine.mtp, engine.mtp_depth)
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True),
-                      batch_slots=min(s.batch_slots or max(1, engine.max_batch // 2), engine.max_batch))
+                      batch_slots=min(s.batch_slots or max(1, engine.max_batch // 4), engine.max_batch))
     host, port = sock.getsockname()[:2]
     app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
                      answered_hosts(s, host), s.cors_origins, store, s.max_file_bytes)
