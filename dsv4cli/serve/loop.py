@@ -10,9 +10,10 @@ A request of n choices (or best_of candidates) is that many sequences, all admit
 
 API batches (`batches.py`) share the engine with online requests at a lower priority: between steps the
 thread feeds a batch's requests into the engine only into slots that are free and that no online request
-waits for, and into at most `batch_slots` of them, so an online request never queues behind a batch and
-always finds `max_batch - batch_slots` slots the batches cannot take. Their results are written here, on
-this thread, as each one ends.
+waits for, into at most `batch_slots` of them, and not while an online request waits for its first token,
+so an online request never queues behind a batch, always finds `max_batch - batch_slots` slots the batches
+cannot take, and prefills alone (batch requests are background requests: `engine.scheduler.decoding`).
+Their results are written here, on this thread, as each one ends.
 """
 import asyncio
 import contextlib
@@ -198,7 +199,10 @@ class EngineLoop:
                 self.metrics.finish(seq)
 
     def _feed_batches(self) -> None:
-        """API batches' requests into the slots no online request waits for, up to batch_slots of them."""
+        """API batches' requests into the slots no online request waits for, up to batch_slots of them; none
+        while an online request waits for its first token (its prefill runs alone, `scheduler.decoding`)."""
+        if any(not job.seqs[index].output_ids for job, index in self.jobs.values()):
+            return
         free = self.engine.max_batch - self.running - self.waiting - (self.batch_held - self._batch_running())
         room = min(free, self.batch_slots - self.batch_held)
         for batch in list(self.batches):
