@@ -12,7 +12,7 @@ API batches (`batches.py`) share the engine with online requests at a lower prio
 thread feeds a batch's requests into the engine only into slots that are free and that no online request
 waits for, into at most `batch_slots` of them, and not while an online request waits for its first token,
 so an online request never queues behind a batch, always finds `max_batch - batch_slots` slots the batches
-cannot take, and prefills alone (batch requests are background requests: `engine.scheduler.decoding`).
+cannot take, and prefills alone (batch requests are background requests: `engine.scheduler.streams_to_decode`).
 Their results are written here, on this thread, as each one ends.
 """
 import asyncio
@@ -200,7 +200,7 @@ class EngineLoop:
 
     def _feed_batches(self) -> None:
         """API batches' requests into the slots no online request waits for, up to batch_slots of them; none
-        while an online request waits for its first token (its prefill runs alone, `scheduler.decoding`)."""
+        while an online request waits for its first token (its prefill runs alone, `scheduler.streams_to_decode`)."""
         if any(not job.seqs[index].output_ids for job, index in self.jobs.values()):
             return
         free = self.engine.max_batch - self.running - self.waiting - (self.batch_held - self._batch_running())
