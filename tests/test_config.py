@@ -260,6 +260,6 @@ def test_the_sampling_settings_are_the_engines_request_params():
     assert given.keys() == set(SAMPLING_KEYS)
     settings = Settings(**given)
     params = sampling_params(settings)
-    assert dataclasses.asdict(params) == {**given, "logit_bias": {}}
+    assert dataclasses.asdict(params) == {**given, "logit_bias": {}, "background": False}
     assert params.stop is not settings.stop
     assert set(SAMPLING_FIELDS.values()) == set(SAMPLING_KEYS) - {"logprobs"}
