@@ -43,6 +43,8 @@ typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_fla
 class Verb(NamedTuple):
     command: str    # "module:function", the typer command function
     help: str       # what `dsv4 --help` lists: the function's docstring
+    # `dsv4 VERB SUB ...` runs SUB's "module:function"; any other first argument is the verb's own (an input file)
+    subverbs: dict[str, str] = {}
 
 
 VERBS = {
@@ -52,7 +54,8 @@ VERBS = {
     "generate": Verb("dsv4cli.generate:generate", "Generate a reply to one prompt with the model (the bundled one "
                      "by default); the prompt can come from -p, --prompt-file or stdin."),
     "batch": Verb("dsv4cli.batch.command:batch", "Answer every request of a JSONL file (OpenAI batch format) "
-                  "into -o OUT.jsonl; --resume continues a run."),
+                  "into -o OUT.jsonl; --resume continues a run, --shard I/N answers one shard, `dsv4 batch merge` "
+                  "joins the shards.", {"merge": "dsv4cli.batch.command:merge"}),
     "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
                   "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
     "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs the drafter (DSpark at each length and "
@@ -73,10 +76,11 @@ def load(target: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def load_verb(name: str) -> typer.core.TyperCommand:
-    """The click command of verb `name`, its module imported now."""
+def load_verb(name: str, target: str | None = None) -> typer.core.TyperCommand:
+    """The click command of verb `name` (or of the "module:function" `target`, one of its subverbs), its
+    module imported now."""
     single = typer.Typer(add_completion=False)
-    single.command(name)(load(VERBS[name].command))
+    single.command(name)(load(target or VERBS[name].command))
     return typer.main.get_command(single)
 
 
@@ -91,7 +95,12 @@ class _Verbs(typer.core.TyperGroup):
 
     def resolve_command(self, ctx: Any, args: list[str]) -> tuple[str | None, Any, list[str]]:
         name, command, rest = super().resolve_command(ctx, args)
-        return name, load_verb(name) if name in VERBS else command, rest
+        if name not in VERBS:
+            return name, command, rest
+        if rest and rest[0] in VERBS[name].subverbs:
+            sub = f"{name} {rest[0]}"
+            return sub, load_verb(sub, VERBS[name].subverbs[rest[0]]), rest[1:]
+        return name, load_verb(name), rest
 
 
 app = typer.Typer(

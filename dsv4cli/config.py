@@ -253,6 +253,11 @@ class Settings:
     )
     errors: str | None = _key("batch", None, "Failed requests go here instead of into the output", path=True)
     resume: bool = _key("batch", False, "Skip requests whose custom_id is already in the output")
+    shard: str | None = _key(
+        "batch", None, "Answer one shard of the input: I/N (the requests whose custom_id hashes to I of N; files "
+        "OUT.shard-I-of-N), auto (I and N of a Slurm array job) or auto/N (I: Kubernetes' JOB_COMPLETION_INDEX or "
+        "Slurm's)", nonempty=True
+    )
     # [serve]
     host: str = _key("serve", "127.0.0.1", "Address to listen on (0.0.0.0: every interface)")
     port: int = _key("serve", 8000, "Port to listen on; 0 picks a free one", lo=0, hi=65535)
@@ -290,6 +295,16 @@ class Settings:
         "serve", 1024, "Most open connections (and no more than the open-file limit allows); one more closes the "
         "oldest connection that has not sent a whole request yet", lo=1
     )
+    batch_dir: str | None = _key(
+        "serve", None, "Serve OpenAI's Files and Batches API (/v1/files, /v1/batches), keeping files and batches in "
+        "this directory; a batch a stopped server left unfinished resumes at the next start (unset: off)", path=True
+    )
+    batch_slots: int | None = _key(
+        "serve", None, "Most slots API batches hold at once; they take only slots no online request waits for "
+        "(unset: a quarter of max_batch, at least 1)", lo=1
+    )
+    max_file_bytes: int = _key("serve", 200 << 20, "Largest file upload (POST /v1/files); a larger one gets HTTP 413",
+                               lo=1)
     shutdown_timeout: float = _key(
         "serve", 20.0, "Seconds a stopping server (SIGTERM, Ctrl-C) gives running requests to finish; then they end "
         "with an error", lo=0

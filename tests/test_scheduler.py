@@ -1,6 +1,8 @@
 """The token-budget scheduler: prefill chunks interleave with decode steps (in the same forward passes, or
 in passes of their own), and greedy outputs equal each request run alone, whatever the interleaving
 (chunk cuts at window 16, ratio 4 and ratio 128 edges)."""
+import dataclasses
+
 import pytest
 import torch
 from tiny import prompts
@@ -130,3 +132,31 @@ def test_mixed_pass_logprobs_equal_passes_alone(model, tok):
         for (t, lp, top), (t_sep, lp_sep, top_sep) in zip(lps, lps_sep):
             assert t == t_sep and lp == pytest.approx(lp_sep, abs=1e-5)
             assert [i for i, _ in top] == [i for i, _ in top_sep]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("k", [0, 2])
+def test_background_streams_give_way_to_a_foreground_prompt(model, tok, k):
+    """Background requests (an API batch's) decode; a foreground prompt arrives: the step that prefills it
+    decodes none of them (its first token waits for no background decoding), the next one decodes them all
+    with it, and every output, greedy and seeded sampled, is the one the same requests give in the foreground.
+    A background prompt's prefill does not pause them."""
+    ps = prompts([9, 12, 20, 6], tok.vocab_size, seed=11)
+    sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
+
+    def run(background: bool) -> list[list[int]]:
+        eng = Engine(model, tok, max_batch=4, max_seq_len=320, mtp=k)
+        bg = [eng.submit(p, dataclasses.replace(params, background=background))
+              for p, params in zip(ps[:2], (GREEDY, sampled))]
+        while len(bg[1].output_ids) < 4:
+            eng.step()
+        late = eng.submit(ps[3], dataclasses.replace(GREEDY, background=background))
+        assert {e.seq.id for e in eng.step()} == {bg[0].id, bg[1].id, late.id}     # decoded while it prefilled
+        fg = eng.submit(ps[2], GREEDY)
+        assert {e.seq.id for e in eng.step()} == ({fg.id} if background else {fg.id, late.id, *(s.id for s in bg)})
+        assert {e.seq.id for e in eng.step()} == {fg.id, late.id, *(s.id for s in bg)}
+        while eng.has_work():
+            eng.step()
+        return [s.output_ids for s in (*bg, late, fg)]
+
+    assert run(background=True) == run(background=False)

@@ -115,6 +115,18 @@ def scan(path: Path) -> tuple[set[str], set[int]]:
     return done, errored
 
 
+def answered(paths: list[Path | None]) -> tuple[set[str], set[int]]:
+    """What earlier runs wrote to these result files (those that exist), each repaired first: the custom_ids
+    answered and the input lines recorded as errors."""
+    done, errored = set(), set()
+    for path in filter(None, paths):
+        repair(path)
+        ids, lines = scan(path)
+        done |= ids
+        errored |= lines
+    return done, errored
+
+
 def run_seed(out: Path, seed: int | None, resume: bool) -> int:
     """The seed of this run's unseeded requests: --seed, else the one a resumed run kept in OUT.seed, else a
     new random one. Kept in OUT.seed (OUT holds only result lines) so --resume samples as the first run did."""

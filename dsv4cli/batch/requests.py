@@ -15,6 +15,8 @@ from dsv4cli.openai import requests as body_requests
 from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser, load_json
 from dsv4cli.tokenizer import Tokenizer
 
+from .shards import Shard
+
 LINE_KEYS = {"custom_id", "method", "url", "body"}     # an OpenAI batch line around its body
 
 
@@ -43,28 +45,34 @@ class RequestParser:
     """Parses lines in input order; remembers the custom_ids seen so a repeat is a `duplicate_custom_id`."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
-                 thinking: bool = False, reasoning_effort: str | None = None):
+                 thinking: bool = False, reasoning_effort: str | None = None, shard: Shard | None = None):
+        """`shard`: parse only that shard's lines (`parse` returns None for the others, untokenised)."""
         self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort)
-        self.run_seed = run_seed
+        self.run_seed, self.shard = run_seed, shard
         self.seen: set[str] = set()
 
-    def parse(self, line: int, raw: bytes) -> Request:
-        """One non-blank input line (1-based number `line`) -> Request, or raise BadLine (with the line's
-        custom_id once the line has claimed it)."""
-        custom_id = None
+    def parse(self, line: int, raw: bytes) -> Request | None:
+        """One non-blank input line (1-based number `line`) -> Request, None when another shard answers it, or
+        raise BadLine (with the line's custom_id once the line has claimed it)."""
+        owner = custom_id = None        # the line's id; and once claimed (a repeat's record keeps null)
         try:
             obj = load_json(raw)
             if not isinstance(obj, dict):
                 raise BadLine("invalid_request", f"a line must be a JSON object, got {type(obj).__name__}")
-            custom_id = self._custom_id(obj)
+            owner = self._custom_id(obj)
+            if self.shard is not None and not self.shard.owns(owner):
+                return None             # before tokenising: each shard parses only its own lines
+            custom_id = self._claim(owner)
             return self._request(line, obj, custom_id)
         except BadRequest as e:
+            if self.shard is not None and not self.shard.owns(owner):
+                return None
             bad = e if isinstance(e, BadLine) else BadLine(e.code, e.message)
             bad.line, bad.custom_id = line, bad.custom_id or custom_id
             raise bad from None
 
     def _custom_id(self, obj: dict) -> str:
-        """The line's custom_id (an int `id` of a simple line counts too), claimed even if the rest is bad."""
+        """The line's custom_id (an int `id` of a simple line counts too)."""
         openai = "body" in obj
         cid = obj.get("custom_id") if openai else obj.get("custom_id", obj.get("id"))
         if cid is None:
@@ -74,6 +82,10 @@ class RequestParser:
         cid = str(cid)
         if not cid:
             raise BadLine("invalid_request", "custom_id: must not be empty")
+        return cid
+
+    def _claim(self, cid: str) -> str:
+        """The line takes its custom_id, even if the rest of it is bad; a repeat is a `duplicate_custom_id`."""
         if cid in self.seen:
             # the record keeps custom_id null: the id already belongs to the earlier line's record, and a
             # reader matching results by custom_id must find each id once

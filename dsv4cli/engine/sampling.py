@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
+    # a background request (an API batch's) gives way: a step that prefills a foreground prompt while only
+    # background requests decode runs the prefill alone (`scheduler.streams_to_decode`); its tokens are the same
+    background: bool = False
 
     def problem(self, vocab: int) -> str | None:
         """Why these settings can't run on the device of a model with `vocab` tokens, or None: a number no

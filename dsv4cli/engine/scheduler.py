@@ -67,6 +67,15 @@ def context_bound(slots: list[Sequence | None], depth: int) -> int:
     return -(-(longest + depth + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET
 
 
+def streams_to_decode(running: list[Sequence], chunks: list[tuple[Sequence, int, int]]) -> list[Sequence]:
+    """The running streams a step decodes: none when every one is a background request's and a foreground
+    prompt prefills (its first token then waits for no background decoding), else all. Never some of them: a
+    slot left out inside the decode rows would still advance on the device."""
+    if all(s.params.background for s in running) and any(not seq.params.background for seq, _, _ in chunks):
+        return []
+    return running
+
+
 class EngineFailed(RuntimeError):
     """The engine cannot go on: its steps keep failing whatever requests they hold."""
 
@@ -171,8 +180,8 @@ class Engine:
                 if not self.isolate_failures:
                     raise
                 events.append(self._fail(seq, e))
-        running = [s for s in self.slots if s is not None and s not in self.prefilling]
         chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk)
+        running = streams_to_decode([s for s in self.slots if s is not None and s not in self.prefilling], chunks)
         try:
             if self.compiled is None:             # one call: the chunks, then the decode rows
                 events += self._call(chunks, decode=bool(running))

@@ -43,25 +43,11 @@ from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
 
+from .batch_api import batch_routes
+from .batches import Store
+from .errors import ERROR_TYPES, Refusal, error
 from .loop import Delta, EngineLoop, Job, QueueFull, Stopping
 from .metrics import ServerMetrics
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
-
-def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    body = {"message": message, "type": ERROR_TYPES[status], "param": param, "code": code}
-    return JSONResponse({"error": body}, status_code=status)
-
-
-class Refusal(Exception):
-    """A request answered with an error (`error`'s arguments) before or instead of its reply."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
 
 
 def bad_request(e: BadRequest) -> JSONResponse:
@@ -175,8 +161,10 @@ class EventStream:
 
 def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, metrics: ServerMetrics,
                api_key: str | None, log_prompts: bool, max_body_bytes: int = 8 << 20,
-               hosts: set[str] | None = None, cors_origins: list[str] = ()) -> ASGIApp:
-    """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed."""
+               hosts: set[str] | None = None, cors_origins: list[str] = (), store: Store | None = None,
+               max_file_bytes: int = 200 << 20) -> ASGIApp:
+    """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed; `store`: the
+    Files and Batches API's directory (None: off)."""
     numbers = itertools.count(1)
     created = int(time.time())
     card = {"id": model, "object": "model", "created": created, "owned_by": "dsv4cli",
@@ -327,6 +315,8 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
               Route("/detokenize", endpoint(detokenize), methods=["POST"]),
               Route("/health", endpoint(health, keyed=False), methods=["GET"]),
               Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
+    if store is not None:
+        routes += batch_routes(store, loop, parser, model, endpoint, parsed, max_file_bytes, list(cors_origins))
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
     if cors_origins:
         app = CORSMiddleware(app, allow_origins=cors_origins, allow_methods=["GET", "POST"], allow_headers=["*"])

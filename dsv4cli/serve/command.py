@@ -4,12 +4,14 @@ import ipaddress
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from dsv4cli.config import Settings
 from dsv4cli.errors import RunError, UsageError, install_hint
 from dsv4cli.options import CliOptions, model_options
 
 LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
+SWITCH_INTERVAL = 0.0005    # seconds a thread holds the interpreter lock while another waits for it
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -40,6 +42,8 @@ def run_serve(s: Settings) -> int:
 
         from .app import create_app
         from .http import BACKLOG, Server, connection_limit, protocol
+        if s.batch_dir:
+            import python_multipart  # noqa: F401 - the Batch API's uploads
     except ImportError as e:
         raise UsageError(f"dsv4 serve needs the serve extra ({e.name} is missing): "
                          f"{install_hint('serve')}") from None
@@ -47,26 +51,34 @@ def run_serve(s: Settings) -> int:
     from dsv4cli.loading import load_engine, sampling_params
     from dsv4cli.openai.requests import BodyParser
 
+    from .batches import Store
     from .loop import EngineLoop
     from .metrics import ServerMetrics
 
     sock = bind(s.host, s.port)     # before loading: a taken port fails in a second, not after the model
+    store = Store(Path(s.batch_dir)) if s.batch_dir else None      # and a batch directory another server holds
     engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
                         s.max_messages, s.max_prompt_tokens)
     metrics = ServerMetrics(engine.model_info.drafter if engine.mtp_depth else None, engine.mtp, engine.mtp_depth)
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
-    loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True))
+    loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True),
+                      batch_slots=min(s.batch_slots or max(1, engine.max_batch // 4), engine.max_batch))
     host, port = sock.getsockname()[:2]
     app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
-                     answered_hosts(s, host), s.cors_origins)
+                     answered_hosts(s, host), s.cors_origins, store, s.max_file_bytes)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
                             http=protocol(s.read_timeout, connection_limit(s.max_connections)))
     server = Server(config, loop, s.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
     key = ", API key required" if s.api_key else ""
+    batches = f", batches in {s.batch_dir} ({loop.batch_slots} slots)" if store else ""
     print(f"dsv4 serve: {s.model_name} on http://{shown}:{port}/v1 (max batch {engine.max_batch}, "
-          f"drafter {drafter_label(engine)}{key})", flush=True)
+          f"drafter {drafter_label(engine)}{key}{batches})", flush=True)
+    # The engine thread holds the interpreter lock through each step's Python work, and a thread waiting for it
+    # gets it only after the switch interval (5 ms by default): an HTTP request takes several hand-offs, so
+    # under a busy engine each one cost an online request up to 5 ms of its TTFT (benchmarks/batch_api.py).
+    sys.setswitchinterval(SWITCH_INTERVAL)
     loop.start()
     try:
         server.run(sockets=[sock])
@@ -80,7 +92,8 @@ def run_serve(s: Settings) -> int:
 
 @model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort",
                "served_model_name", "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages",
-               "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout")
+               "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout", "batch_dir", "batch_slots",
+               "max_file_bytes")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     streaming), with continuous batching."""

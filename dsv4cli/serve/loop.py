@@ -7,6 +7,13 @@ spinning). What a step produced goes back to each request's asyncio queue with
 `call_soon_threadsafe`, as plain values: a handler never reads a Sequence the engine is still writing.
 Batching is the engine's own: every step admits waiting requests into free slots (continuous batching).
 A request of n choices (or best_of candidates) is that many sequences, all admitted at once.
+
+API batches (`batches.py`) share the engine with online requests at a lower priority: between steps the
+thread feeds a batch's requests into the engine only into slots that are free and that no online request
+waits for, into at most `batch_slots` of them, and not while an online request waits for its first token,
+so an online request never queues behind a batch, always finds `max_batch - batch_slots` slots the batches
+cannot take, and prefills alone (batch requests are background requests: `engine.scheduler.streams_to_decode`).
+Their results are written here, on this thread, as each one ends.
 """
 import asyncio
 import contextlib
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from dsv4cli.engine import EngineAPI, EngineFailed, SamplingParams, Sequence, TokenLogprob
 from dsv4cli.errors import RunError
 
+from .batches import ApiBatch
 from .metrics import ServerMetrics
 
 
@@ -55,16 +63,23 @@ class Job:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineAPI, max_waiting: int, metrics: ServerMetrics, on_fatal=lambda: None):
-        """`on_fatal()` is called (on the engine thread) once the engine cannot go on: the server exits."""
+    def __init__(self, engine: EngineAPI, max_waiting: int, metrics: ServerMetrics, on_fatal=lambda: None,
+                 batch_slots: int = 1):
+        """`on_fatal()` is called (on the engine thread) once the engine cannot go on: the server exits.
+        `batch_slots`: the most slots API batches hold at once."""
         self.engine, self.max_waiting, self.metrics, self.on_fatal = engine, max_waiting, metrics, on_fatal
+        self.batch_slots = batch_slots
         self.wake = threading.Condition()
         self.inbox: list[Job] = []          # submitted, not yet in the engine
         self.cancels: list[Job] = []
         self.jobs: dict[str, tuple[Job, int]] = {}      # in the engine: Sequence.id -> (job, index in job.seqs)
-        # sequences in the engine holding a slot / waiting for one, counted whenever jobs come or go (under
-        # the lock, so a submit never sees a job that is in neither the inbox nor these counts)
-        self.running = self.waiting = 0
+        self.batch_inbox: list[ApiBatch] = []       # to start / to cancel, not yet seen by the engine thread
+        self.batch_cancels: list[ApiBatch] = []
+        self.batches: list[ApiBatch] = []           # running, oldest first (fed first)
+        # sequences in the engine holding a slot (API batches' too) / online ones waiting for one, counted
+        # whenever jobs come or go (under the lock, so a submit never sees a job that is in neither the inbox nor
+        # these counts); and API batches' sequences in the engine
+        self.running = self.waiting = self.batch_held = 0
         self.stopping = False
         self.closed: str | None = None      # why no more requests are taken (the server is stopping)
         self.error: str | None = None
@@ -79,10 +94,27 @@ class EngineLoop:
         self.thread.start()
 
     def stop(self) -> None:
+        """Stop the engine thread; a running API batch stays in progress (the next start resumes it)."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
         self.thread.join()
+        for batch in self.batches + self.batch_inbox:
+            with contextlib.suppress(RunError):
+                batch.run.out.close()
+                batch.run.errors.close()
+
+    def start_batch(self, batch: ApiBatch) -> None:
+        with self.wake:
+            self.batch_inbox.append(batch)
+            self.wake.notify()
+
+    def cancel_batch(self, batch: ApiBatch) -> None:
+        """Cancel an API batch: its requests in the engine end before the next step, and it is stored cancelled
+        with what it answered so far."""
+        with self.wake:
+            self.batch_cancels.append(batch)
+            self.wake.notify()
 
     def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> Job:
         """Queue a request of len(params) sequences (from the event loop); raises QueueFull when they would
@@ -121,7 +153,8 @@ class EngineLoop:
         try:
             while True:
                 with self.wake:
-                    while not (self.inbox or self.cancels or self.stopping or self.engine.has_work()):
+                    while not (self.inbox or self.cancels or self.stopping or self.engine.has_work() or self.batches
+                               or self.batch_inbox or self.batch_cancels):
                         self.wake.wait()
                     if self.stopping:
                         return
@@ -129,7 +162,12 @@ class EngineLoop:
                         self._admit(self.inbox.pop(0))
                     while self.cancels:
                         self._cancel(self.cancels.pop())
+                    self.batches += self.batch_inbox
+                    self.batch_inbox.clear()
+                    while self.batch_cancels:
+                        self._end_batch(self.batch_cancels.pop(), "cancelled")
                     self._count()
+                self._feed_batches()
                 if self.engine.has_work():
                     self._step()
         except Exception as e:  # noqa: BLE001 - the server cannot go on; every request is told why
@@ -160,11 +198,58 @@ class EngineLoop:
                 self.engine.cancel(seq)
                 self.metrics.finish(seq)
 
+    def _feed_batches(self) -> None:
+        """API batches' requests into the slots no online request waits for, up to batch_slots of them; none
+        while an online request waits for its first token (its prefill runs alone, `scheduler.streams_to_decode`)."""
+        if any(not job.seqs[index].output_ids for job, index in self.jobs.values()):
+            return
+        free = self.engine.max_batch - self.running - self.waiting - (self.batch_held - self._batch_running())
+        room = min(free, self.batch_slots - self.batch_held)
+        for batch in list(self.batches):
+            if room <= 0:
+                break
+            try:
+                fed = batch.run.feed(room)
+            except RunError as e:       # its results cannot be written (a full disk): it fails, the server goes on
+                self._end_batch(batch, "failed", str(e))
+                continue
+            room -= fed
+            self.batch_held += fed
+            if batch.run.finished:      # the rest of its lines were answered already, or bad
+                self._end_batch(batch, "completed")
+
+    def _batch_running(self) -> int:
+        return sum(seq.slot >= 0 for batch in self.batches for _, seq in batch.run.in_flight.values())
+
+    def _end_batch(self, batch: ApiBatch, status: str, error: str | None = None) -> None:
+        for _, seq in batch.run.in_flight.values():     # a cancelled or failed one's
+            self.engine.cancel(seq)
+        batch.run.in_flight.clear()
+        if batch in self.batches:
+            self.batches.remove(batch)
+        batch.end(status, error)
+
+    def _batch_event(self, seq: Sequence) -> None:
+        """An API batch's request ended: its record written (by the batch's runner), the batch ended when it was
+        its last."""
+        batch = next((b for b in self.batches if seq.id in b.run.in_flight), None)
+        if batch is None:
+            return
+        try:
+            batch.run.finish(seq)
+        except RunError as e:
+            self._end_batch(batch, "failed", str(e))
+            return
+        if batch.run.finished:
+            self._end_batch(batch, "completed")
+
     def _step(self) -> None:
         deliveries = []
         for event in self.engine.step():
             entry = self.jobs.get(event.seq.id)
             if entry is None:
+                if event.finished:
+                    self._batch_event(event.seq)
                 continue
             seq = event.seq
             logprobs = seq.logprobs[len(seq.logprobs) - len(event.token_ids):] if seq.params.logprobs is not None \
@@ -183,8 +268,10 @@ class EngineLoop:
             _call_soon(deliveries[0][0].aloop, _put_all, deliveries)
 
     def _count(self) -> None:
-        self.running = sum(job.seqs[index].slot >= 0 for job, index in self.jobs.values())
-        self.waiting = len(self.jobs) - self.running
+        online = sum(job.seqs[index].slot >= 0 for job, index in self.jobs.values())
+        self.waiting = len(self.jobs) - online
+        self.batch_held = sum(len(batch.run.in_flight) for batch in self.batches)
+        self.running = online + self._batch_running()
         self.metrics.set_load(self.running, self.waiting)
 
 

@@ -1,0 +1,20 @@
+"""OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, and the exception a route raises to
+answer with one."""
+from starlette.responses import JSONResponse
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    body = {"message": message, "type": ERROR_TYPES[status], "param": param, "code": code}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+class Refusal(Exception):
+    """A request answered with an error (`error`'s arguments) before or instead of its reply."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
