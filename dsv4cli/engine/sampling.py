@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constraint import Grammar
+
 FLOAT32_MAX = 3.4e38
 INT64_MAX = (1 << 63) - 1
 
@@ -34,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
+    grammar: Grammar | None = None      # what the reply must match (structured output: `constraint.py`)
 
     def problem(self, vocab: int) -> str | None:
         """Why these settings can't run on the device of a model with `vocab` tokens, or None: a number no
@@ -62,6 +65,8 @@ class SamplingParams:
         return None
 
 
+# the logprob reported for a token a grammar forbids (OpenAI's figure for "never")
+MASKED_LOGPROB = -9999.0
 # alternatives the device returns whenever logprobs are on: a fixed width keeps the step capturable
 TOP_LOGPROBS = 20
 
@@ -180,7 +185,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W] float64: the token's
     logprob, then the W = TOP_LOGPROBS highest logprobs and their ids (exact in float64), so they travel in
     the step's one packed tensor."""
-    lp = logits.log_softmax(-1)
+    lp = logits.log_softmax(-1).clamp(min=MASKED_LOGPROB)     # a token a grammar forbids: -inf, which JSON lacks
     top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), -1)
     return torch.cat([lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)], -1).double()
 
