@@ -6,6 +6,7 @@ reasoning stays free. A grammar that cannot constrain a reply (a bad schema, an 
 token it allows) is a ValueError naming the problem; the front ends make it a 400 or a usage error."""
 import json
 import re
+from pathlib import Path
 
 from dsv4cli.encoding import DSML, THINK_END, TOOL_CALLS_END, TOOL_CALLS_OPENING
 from dsv4cli.engine.constraint import JSON_OPTIONS, Grammar
@@ -119,21 +120,24 @@ def _text(text: str, tok: Tokenizer) -> str:
                     for p in parts if p)
 
 
-def format_grammar(value: str, tok: Tokenizer, vocab: int, thinking: bool, read) -> Grammar | None:
-    """The grammar of chat's `format` setting: text (none), json, json-schema FILE, grammar FILE; `read(path)`
-    reads a file's text."""
+def format_grammar(value: str, tok: Tokenizer, vocab: int, thinking: bool) -> Grammar | None:
+    """The grammar of chat's `format` setting: text (none), json, json-schema FILE, grammar FILE."""
     kind, _, path = value.strip().partition(" ")
+    path = path.strip()
     if kind == "text" and not path:
         return None
     if kind == "json" and not path:
         return json_grammar(None, tok, vocab, thinking)
-    if kind in ("json-schema", "grammar") and path.strip():
-        text = read(path.strip())
-        if kind == "grammar":
-            return text_grammar(text, tok, vocab, thinking)
-        try:
-            schema = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"{path.strip()}: not JSON: {e}") from None
-        return json_grammar(schema, tok, vocab, thinking)
-    raise ValueError(f"must be one of: {', '.join(FORMATS)}; got {value!r}")
+    if kind not in ("json-schema", "grammar") or not path:
+        raise ValueError(f"must be one of: {', '.join(FORMATS)}; got {value!r}")
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read: {e.strerror}") from None
+    if kind == "grammar":
+        return text_grammar(text.removesuffix("\n"), tok, vocab, thinking)
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
+    return json_grammar(schema, tok, vocab, thinking)

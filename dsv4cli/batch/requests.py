@@ -43,8 +43,8 @@ class RequestParser:
     """Parses lines in input order; remembers the custom_ids seen so a repeat is a `duplicate_custom_id`."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
-                 thinking: bool = False, reasoning_effort: str | None = None):
-        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort)
+                 thinking: bool = False, reasoning_effort: str | None = None, vocab: int | None = None):
+        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort, vocab=vocab)
         self.run_seed = run_seed
         self.seen: set[str] = set()
 

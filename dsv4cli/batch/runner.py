@@ -163,7 +163,8 @@ def run_batch(s: Settings) -> int:
     # the job's size at most (a line's own max_tokens may ask for fewer): `compile = auto` compiles only
     # a job long enough to gain from it
     engine = load_engine(s, "batch", job_tokens=max(total - len(done), 0) * s.max_tokens)
-    parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort)
+    parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort,
+                           engine.model_info.vocab_size)
     bar = progress_bar(total) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_name, done, errored, bar)
     interrupted, failed = False, None
