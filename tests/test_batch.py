@@ -414,7 +414,8 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
     records, _, _ = in_process_run(tiny_model_dir, tmp_path, rows)
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
     assert sorted(r["custom_id"] for r in records if r["response"]) == ["ok", "ok2"]
-    names = {"schema": "body.response_format.json_schema.schema", "n2": "body.n", "audio": "body.audio", "unknown": "body.frobnicate",
+    names = {"schema": "body.response_format.json_schema.schema", "n2": "body.n", "audio": "body.audio",
+             "unknown": "body.frobnicate",
              "required": "body.tool_choice", "named": "body.tool_choice", "top21": "body.top_logprobs",
              "toponly": "body.top_logprobs", "stops": "body.stop", "bias": "body.logit_bias", "badtool": "body.tools",
              "outer": "extra", "simple-unknown": "temprature"}

@@ -14,8 +14,10 @@ import jsonschema
 import pytest
 import torch
 from test_engine import spy
-from tiny import random_model, tiny_dspark_config
+from tiny import random_model, tiny_config, tiny_dspark_config
 
+from benchmarks.structured import TOOLS, check_answers, schema_requests, tool_requests
+from dsv4cli import platforms
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING, parse_completion, tool_calls_so_far
 from dsv4cli.engine import Engine, SamplingParams, Sequence
@@ -207,6 +209,27 @@ def test_unconstrained_requests_and_steps_are_untouched(tok, dspark):
     assert len(constrained.output_ids) < 80                  # it ended first: the later steps had no grammar
 
 
+@torch.no_grad()
+@pytest.mark.skipif(platforms.get("cpu").compile_unavailable_reason() is not None, reason="no C++ compiler")
+def test_the_compiled_step_masks_as_the_eager_one(tok, tmp_path, monkeypatch):
+    """A constrained request through compiled steps (the masks awaited inside the graph, a custom op): the eager
+    tokens, valid JSON, no step eager, no recompile; a later engine loads the saved masked steps."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
+    cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3, vocab_size=tok.vocab_size)
+    model = random_model(cfg, seed=3).prepare()
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "b": {"enum": ["x", "yy"]}}, "required": ["a", "b"]}
+    params = SamplingParams(temperature=0, max_tokens=30, grammar=json_grammar(schema, tok, tok.vocab_size, False))
+    want = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2).generate([[5, 6, 7, 8, 9]], params)[0]
+    jsonschema.validate(json.loads(want.text), schema)
+    for how in ("compiled", "loaded"):
+        engine = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True)
+        assert engine.generate([[5, 6, 7, 8, 9]], params)[0].output_ids == want.output_ids
+        assert all(k.masked for k in engine.compiled.ready) and len(engine.compiled.ready) == 2
+        assert {b[0] for b in engine.compiled.built.values()} == {how}
+        assert engine.compiled.eager_steps == 0 and engine.compiled.recompiles == 0
+
+
 # ---- grammars --------------------------------------------------------------------------------------
 
 def test_tool_call_grammar_takes_the_offered_calls_and_nothing_else(tok):
@@ -360,6 +383,33 @@ def test_generate_json_schema_and_grammar(tmp_path):
         out = dsv4("generate", "-p", "Hi", *args)
         assert out.returncode == 2 and out.stderr.startswith("error: ") and says in out.stderr, out.stderr
         assert len(out.stderr.splitlines()) == 1
+
+
+def test_batch_answers_fit_their_schemas_and_tool_calls_their_tools(tmp_path):
+    """`dsv4 batch`, sampled, DSpark drafting: 20 requests over the 10 schemas of benchmarks/structured.py all
+    parse and validate; 6 forced tool calls (required, and each tool by name) are calls of an offered tool, the
+    named one when named, with valid arguments; an invalid schema, an unsupported keyword and a named tool not
+    offered are error records naming the field, and the run goes on."""
+    lines = schema_requests(20, 300) + tool_requests(6, 300)
+    bad = [{"custom_id": "bad-type", "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}},
+           {"custom_id": "bad-keyword", "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
+               "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}}},
+           {"custom_id": "bad-tool", "body": {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
+                                              "tool_choice": {"type": "function", "function": {"name": "fly"}}}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"method": "POST", "url": "/v1/chat/completions", **line}) + "\n"
+                           for line in lines + bad))
+    done = dsv4("batch", str(src), "-o", str(out), "--mtp", "auto", "--temperature", "0.8", "--seed", "1")
+    assert done.returncode == 0, done.stderr
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
+    assert errors.keys() == {"bad-type", "bad-keyword", "bad-tool"}
+    assert errors["bad-type"].startswith("body.response_format: Invalid type")
+    assert errors["bad-keyword"].startswith("body.response_format: Unimplemented keys")
+    assert errors["bad-tool"].startswith("body.tool_choice: 'fly' is not one of the offered tools")
+    checked = check_answers([r for r in records if not r["error"]], {line["custom_id"]: line for line in lines})
+    assert checked["valid"] == len(lines), checked
 
 
 def test_chat_format_setting(tmp_path):
