@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from dsv4cli.encoding import DSML, THINK_END, TOOL_CALLS_END, TOOL_CALLS_OPENING
-from dsv4cli.engine.constraint import JSON_OPTIONS, Grammar
+from dsv4cli.engine.grammar import JSON_OPTIONS, Grammar
 from dsv4cli.tokenizer import Tokenizer
 
 ANY_OBJECT = {"type": "object"}

@@ -21,7 +21,7 @@ from dsv4cli import platforms
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING, parse_completion, tool_calls_so_far
 from dsv4cli.engine import Engine, SamplingParams, Sequence
-from dsv4cli.engine.constraint import Grammar, new_matcher
+from dsv4cli.engine.grammar import Grammar, new_matcher
 from dsv4cli.kernels import cpu
 from dsv4cli.model import load_model
 from dsv4cli.openai.requests import BodyParser

@@ -22,79 +22,15 @@ the reply, which is not complete) ends the request when that end is committed, w
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from dsv4cli.tokenizer import Tokenizer
 
-if TYPE_CHECKING:
-    from .request import Sequence
-    from .runner import StepRunner
-
-# JSON as json.dumps writes it: one space after , and :, no other whitespace (a model may not pad forever)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def llguidance():
-    """The grammar library (the `structured` extra), imported when a request first needs it."""
-    try:
-        import llguidance
-    except ImportError:
-        raise ValueError("structured output needs llguidance: pip install 'dsv4cli[structured]'") from None
-    return llguidance
-
-
-@dataclass(frozen=True)
-class Grammar:
-    """What a constrained reply matches: an llguidance grammar (as `LLMatcher.grammar_from_*` writes it),
-    after a free part ended by the token `after` when that is set (the reasoning, ended by `</think>`)."""
-    text: str
-    after: int | None = None
-
-    @classmethod
-    def json_schema(cls, schema: dict, after: int | None = None) -> "Grammar":
-        """JSON matching a JSON schema (`{"type": "object"}`: any object)."""
-        try:
-            return cls(llguidance().LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS), after)
-        except (TypeError, ValueError) as e:   # not JSON-serialisable
-            raise ValueError(f"not a JSON schema: {e}") from None
-
-    @classmethod
-    def lark(cls, text: str, after: int | None = None) -> "Grammar":
-        """A grammar in llguidance's Lark syntax (rules from `start`; `%json {...}` inlines a JSON schema)."""
-        return cls(llguidance().LLMatcher.grammar_from_lark(text), after)
-
-    @classmethod
-    def regex(cls, text: str, after: int | None = None) -> "Grammar":
-        return cls(llguidance().LLMatcher.grammar_from_regex(text), after)
-
-    def problem(self, tok: Tokenizer, vocab: int) -> str | None:
-        """Why this grammar cannot constrain a reply in this vocabulary, or None: what llguidance finds wrong
-        (syntax, an unsupported keyword, an unsatisfiable schema), or no token it allows to start with."""
-        llg = llguidance()
-        failed, messages = llg.LLMatcher.validate_grammar_with_warnings(self.text, matcher_tokenizer(tok, vocab))
-        if failed:
-            return messages[0].strip().splitlines()[0]
-        matcher = new_matcher(tok, vocab, self)
-        if not any(matcher.compute_bitmask()) or matcher.is_error():
-            return "the grammar allows no token of the vocabulary to start with"
-        return None
-
-
-@functools.cache
-def matcher_tokenizer(tok: Tokenizer, vocab: int):
-    """llguidance's view of the tokenizer (built once: ~1 s at V4's vocabulary), `vocab` ids wide."""
-    return llguidance().LLTokenizer(tok.to_json(), n_vocab=vocab, eos_token=tok.eos_id)
-
-
-def new_matcher(tok: Tokenizer, vocab: int, grammar: Grammar):
-    matcher = llguidance().LLMatcher(matcher_tokenizer(tok, vocab), grammar.text, log_level=0)
-    if matcher.is_error():
-        raise ValueError(f"grammar: {matcher.get_error().strip().splitlines()[0]}")
-    return matcher
+from .grammar import Grammar, llguidance, new_matcher
+from .request import Sequence
+from .slots import SlotState
 
 
 def mask_words(vocab: int) -> int:
@@ -102,15 +38,16 @@ def mask_words(vocab: int) -> int:
 
 
 class Constraints:
-    """The matchers of the constrained slots of an engine's runner and the masks of the rows of the call being
-    run. Counts the seconds masks took to compute (`mask_s`), the seconds steps waited for them (`wait_s`),
-    over `calls` masked calls, and the drafts the grammar forced (`forced`)."""
+    """The matchers of the constrained slots of an engine's slot state (whose steps verify at most `depth`
+    drafts) and the masks of the rows of the call being run. Counts the seconds masks took to compute
+    (`mask_s`), the seconds steps waited for them (`wait_s`), over `calls` masked calls, and the drafts the
+    grammar forced (`forced`)."""
 
-    def __init__(self, tok: Tokenizer, runner: "StepRunner"):
-        self.tok, self.vocab, self.depth, self.state = tok, runner.model.cfg.vocab_size, runner.depth, runner.state
-        max_batch, depth, vocab = runner.max_batch, self.depth, self.vocab
+    def __init__(self, tok: Tokenizer, state: SlotState, depth: int):
+        self.tok, self.state, self.depth = tok, state, depth
+        max_batch, self.vocab = state.sampling.bias.shape       # the slots, and the logits' width
         # the rows a call commits at most: a decode row per slot with its drafts, a first token per slot
-        self.host = torch.full((max_batch * (depth + 2), mask_words(vocab)), -1, dtype=torch.int32)
+        self.host = torch.full((max_batch * (depth + 2), mask_words(self.vocab)), -1, dtype=torch.int32)
         self.matchers: list = [None] * max_batch
         self.after: list[int | None] = [None] * max_batch     # the token that ends a slot's free part, while in it
         self.drafts: list[list[int]] = [[] for _ in range(max_batch)]     # each slot's drafts, as the device holds
@@ -124,7 +61,7 @@ class Constraints:
         self.after[slot] = None if grammar is None else grammar.after
         self.drafts[slot] = []
 
-    def plan(self, params: list, firsts: list["Sequence"], decoding: list[bool], drafts: int) -> bool:
+    def plan(self, params: list, firsts: list[Sequence], decoding: list[bool], drafts: int) -> bool:
         """Whether a call masks its rows (some of the requests committing in it, `params`, has a grammar); if
         so, start computing the masks on the worker thread, rows in the order of the call's LM head: the first
         token of each prompt that ends (`firsts`), then the decode rows [last, d1..dL] (L = `drafts`) of
@@ -195,7 +132,7 @@ class Constraints:
             job.result()
         return self.host
 
-    def commit(self, seq: "Sequence", tokens: list[int]) -> list[int]:
+    def commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """The request's matcher past the tokens its slot committed; those its grammar allows (fewer than all:
         an end the grammar does not allow, at a dead end; the request ends with finish reason "constraint")."""
         matcher, after = self.matchers[seq.slot], self.after[seq.slot]
@@ -214,7 +151,7 @@ class Constraints:
             seq.finish_reason = "constraint"
         return tokens[:legal]
 
-    def read(self, packed: list[list], key, firsts: list["Sequence"], at: int) -> int:
+    def read(self, packed: list[list], key, firsts: list[Sequence], at: int) -> int:
         """After a masked call (`key`), the drafts each slot's next step verifies, from the packed rows of the
         call (decode slots [0, key.batch), then the prompts that ended, `firsts`), columns from `at`.
         Returns the column after them."""

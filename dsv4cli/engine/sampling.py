@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .constraint import Grammar
+from .grammar import Grammar
 
 FLOAT32_MAX = 3.4e38
 INT64_MAX = (1 << 63) - 1

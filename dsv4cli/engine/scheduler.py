@@ -100,7 +100,7 @@ class Engine:
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
         self.verified = drafter_depth(model.cfg, mtp)   # the drafts a step verifies, but under auto: --mtp L
         self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
-        self.graphs, self.constraints = graphs, Constraints(tokenizer, self.runner)
+        self.graphs, self.constraints = graphs, Constraints(tokenizer, self.runner.state, self.mtp_depth)
         self.slots: list[Sequence | None] = [None] * max_batch
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
         self.waiting: list[Sequence] = []
@@ -304,8 +304,7 @@ class Engine:
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
         """Committed tokens into the request's output (stop rules, grammar); a finished one frees its slot."""
-        tokens = self.constraints.commit(seq, tokens)
-        event = append_output(seq, tokens, logprobs, self.tok.eos_id, self.max_seq_len)
+        event = append_output(seq, self.constraints.commit(seq, tokens), logprobs, self.tok.eos_id, self.max_seq_len)
         if event.finished:
             self._free(seq.slot)
             self.totals.merge(seq.metrics)

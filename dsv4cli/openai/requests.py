@@ -194,7 +194,7 @@ class BodyParser:
                                                       "reply after a user turn)")
         if chat:
             thinking, effort = self._thinking(body, "")
-            return self._chat_ids(body, "", thinking, effort, _tools(body, "")), flags["return_token_strs"]
+            return self._chat_ids(body, "", thinking, effort, _tools(body, "")[0]), flags["return_token_strs"]
         ids = self._completion_ids(body, "")
         return ids if flags["add_special_tokens"] else ids[1:], flags["return_token_strs"]
 
