@@ -6,10 +6,12 @@ their finish reasons; 40 forced tool calls (tool_choice required and named, gree
 are well-formed calls of an offered tool whose arguments validate.
 
 `speed`: decode tokens/s of requests constrained by a JSON schema against unconstrained requests of the same
-lengths (each generates, ignoring EOS, as many tokens as its constrained twin did), interleaved, at batch 1
-and 8, eager and compiled (compiled in the foreground first), plain and with drafts: the ratio, the masks'
-time per masked call (computing them on the worker thread, and what the step waited for them), and the
-drafters' acceptance with and without the constraint (DSpark on dsv4-tiny, the MTP layer on dsv4-tiny-mtp).
+lengths (each generates, ignoring EOS, as many tokens as its constrained twin did), and of requests under a
+grammar that allows every token against the same requests unconstrained (the same tokens: what masking costs
+by itself), interleaved, at batch 1 and 8, eager and compiled (compiled in the foreground first), plain and
+with drafts; the masks' time per masked call (computing them on the worker thread, and what the step waited
+for them); the drafters' acceptance with and without the constraint (DSpark on dsv4-tiny, the MTP layer on
+dsv4-tiny-mtp).
 
     python benchmarks/structured.py targets --out benchmarks/results/structured-targets-cpu.json
     python benchmarks/structured.py speed --out benchmarks/results/structured-speed-cpu-1thread.json
@@ -175,7 +177,7 @@ def speed(args) -> list[dict]:
     from dsv4cli.config import resolve
     from dsv4cli.engine import SamplingParams
     from dsv4cli.loading import load_engine
-    from dsv4cli.structured import json_grammar
+    from dsv4cli.structured import json_grammar, text_grammar
 
     torch.set_num_threads(1)
     rows = []
@@ -186,17 +188,21 @@ def speed(args) -> list[dict]:
             for batch in map(int, args.batch.split(",")):
                 for mtp in mtps:
                     settings = dataclasses.replace(resolve(None, {"model": model} if model else {})[0],
-                                                   compile=compile, max_batch=batch, mtp=mtp)
+                                                   compile=compile, max_batch=batch,
+                                                   mtp=mtp if mtp == "auto" else int(mtp))
                     engine = load_engine(settings, "bench", compile_in_background=False)
                     rows.append(compare(engine, batch, compile, mtp, model or "dsv4cli/assets/dsv4-tiny", args,
-                                        json_grammar, SamplingParams))
+                                        text_grammar, json_grammar, SamplingParams))
                     print(json.dumps({k: v for k, v in rows[-1].items() if k != "runs"}), file=sys.stderr, flush=True)
     return rows
 
 
-def compare(engine, batch: int, compile: str, mtp: str, model: str, args, json_grammar, SamplingParams) -> dict:
-    """Constrained and unconstrained passes over the same prompts, interleaved, after a warm-up pass of each
-    (which compiles every shape when compiled)."""
+def compare(engine, batch: int, compile: str, mtp: str, model: str, args, text_grammar, json_grammar,
+            SamplingParams) -> dict:
+    """Four kinds of pass over the same prompts, interleaved, after a warm-up pass of each (which compiles every
+    shape when compiled): `json` (each request constrained by a schema), `twins` (unconstrained, each as many
+    tokens as its json twin, ignoring EOS), `free` (unconstrained) and `any` (a grammar that allows every token:
+    the same tokens as `free`, so their ratio is what the masking costs by itself)."""
     import torch
 
     from dsv4cli.encoding import encode_messages
@@ -205,13 +211,17 @@ def compare(engine, batch: int, compile: str, mtp: str, model: str, args, json_g
     prompts = [tok.encode(encode_messages([{"role": "user", "content": q}], encoding=tok.encoding))
                for q in QUESTIONS[: batch * args.rounds]]
     names = list(SCHEMAS)
-    grammars = [json_grammar(SCHEMAS[names[i % len(names)]], tok, vocab, False) for i in range(len(prompts))]
-    constrained = [SamplingParams(temperature=0, max_tokens=args.max_tokens, grammar=g) for g in grammars]
+    schemas = [SCHEMAS[names[i % len(names)]] for i in range(len(prompts))]
+    anything = text_grammar("start: token*\ntoken: <[*]>", tok, vocab, False)
+    kinds = {"json": [SamplingParams(temperature=0, max_tokens=args.max_tokens, grammar=json_grammar(s, tok, vocab,
+                                                                                                      False))
+                      for s in schemas],
+             "free": [SamplingParams(temperature=0, max_tokens=args.max_tokens)] * len(prompts),
+             "any": [SamplingParams(temperature=0, max_tokens=args.max_tokens, grammar=anything)] * len(prompts)}
 
     def one_pass(params):
-        constraints = engine.constraints
+        constraints, totals = engine.constraints, engine.totals
         before = (constraints.mask_s, constraints.wait_s, constraints.calls, constraints.forced)
-        totals = engine.totals
         drafts0, accepted0 = totals.draft_tokens, totals.accepted_tokens
         with torch.no_grad():
             seqs = [engine.submit(p, q) for p, q in zip(prompts, params)]
@@ -222,32 +232,38 @@ def compare(engine, batch: int, compile: str, mtp: str, model: str, args, json_g
         calls = constraints.calls - before[2]
         tokens = sum(len(s.output_ids) for s in seqs)
         return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-                "lengths": [len(s.output_ids) for s in seqs],
+                "outputs": [s.output_ids for s in seqs],
                 "acceptance": (totals.accepted_tokens - accepted0) / max(totals.draft_tokens - drafts0, 1),
                 "masked_calls": calls, "forced_drafts": constraints.forced - before[3],
                 "mask_ms_per_call": 1e3 * (constraints.mask_s - before[0]) / calls if calls else 0.0,
                 "wait_ms_per_call": 1e3 * (constraints.wait_s - before[1]) / calls if calls else 0.0,
-                "valid": sum(_valid(s.text, SCHEMAS[names[i % len(names)]]) for i, s in enumerate(seqs))}
+                "valid": sum(_valid(s.text, schema) for s, schema in zip(seqs, schemas)),
+                "finish_reasons": [s.finish_reason for s in seqs]}
 
-    warm = one_pass(constrained)
-    twins = [SamplingParams(temperature=0, max_tokens=max(n, 1), ignore_eos=True) for n in warm["lengths"]]
-    one_pass(twins)
-    runs = {"constrained": [], "unconstrained": []}
+    warm = {kind: one_pass(params) for kind, params in kinds.items()}
+    kinds["twins"] = [SamplingParams(temperature=0, max_tokens=max(len(o), 1), ignore_eos=True)
+                      for o in warm["json"]["outputs"]]
+    one_pass(kinds["twins"])
+    runs = {kind: [] for kind in kinds}
     for _ in range(args.repeat):
-        runs["constrained"].append(one_pass(constrained))
-        runs["unconstrained"].append(one_pass(twins))
+        for kind, params in kinds.items():
+            runs[kind].append(one_pass(params))
     med = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-    c = runs["constrained"]
+    for v in runs.values():
+        for r in v:
+            del r["outputs"]
+    j = runs["json"]
     compiled = getattr(engine, "compiled", None)
     return {"model": model, "compile": compile, "batch": batch, "mtp": mtp, "requests": len(prompts),
-            "tokens": c[0]["tokens"], "valid": c[0]["valid"],
+            "json_tokens": j[0]["tokens"], "json_valid": j[0]["valid"], "json_finish_reasons": j[0]["finish_reasons"],
+            "any_same_tokens_as_free": warm["any"]["outputs"] == warm["free"]["outputs"],
             "tokens_per_s": {k: {"min": min(r["tokens_per_s"] for r in v), "median": med[k]} for k, v in runs.items()},
-            "ratio_median": med["constrained"] / med["unconstrained"],
+            "ratio_json_to_twins": med["json"] / med["twins"], "ratio_any_to_free": med["any"] / med["free"],
             "acceptance": {k: statistics.median(r["acceptance"] for r in v) for k, v in runs.items()},
-            "mask_ms_per_call": statistics.median(r["mask_ms_per_call"] for r in c),
-            "wait_ms_per_call": statistics.median(r["wait_ms_per_call"] for r in c),
-            "step_ms_constrained": 1e3 * statistics.median(r["seconds"] for r in c) / max(c[0]["masked_calls"], 1),
-            "forced_drafts": c[0]["forced_drafts"],
+            "mask_ms_per_call": {k: statistics.median(r["mask_ms_per_call"] for r in runs[k]) for k in ("json", "any")},
+            "wait_ms_per_call": {k: statistics.median(r["wait_ms_per_call"] for r in runs[k]) for k in ("json", "any")},
+            "json_step_ms": 1e3 * statistics.median(r["seconds"] for r in j) / max(j[0]["masked_calls"], 1),
+            "json_forced_drafts": j[0]["forced_drafts"],
             "recompiles": compiled.recompiles if compiled is not None else None, "runs": runs}
 
 

@@ -146,7 +146,7 @@ class Constraints:
             skip, self.after[seq.slot] = tokens.index(after) + 1, None
         legal = skip + matcher.try_consume_tokens(tokens[skip:])
         if legal < len(tokens) and tokens[legal] == self.tok.eos_id and matcher.is_accepting():
-            legal += 1          # the end of a complete reply (llguidance does not consume it)
+            legal += 1          # the end of a complete reply, which ends it (llguidance does not consume it)
         if legal < len(tokens):
             seq.finish_reason = "constraint"
         return tokens[:legal]

@@ -62,6 +62,8 @@ class SamplingParams:
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             return f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})"
+        if self.grammar is not None and self.ignore_eos:
+            return "ignore_eos: not with a constrained reply (its grammar says where it ends)"
         return None
 
 

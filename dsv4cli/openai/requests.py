@@ -165,6 +165,9 @@ class BodyParser:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
         params.grammar = self._grammar(fmt, tools, choice, thinking, place)
+        if params.grammar is not None and params.ignore_eos:
+            raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format or a forced tool "
+                                                  f"call (the grammar says where the reply ends)")
         prompt = body.get("prompt")
         echoed = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else None
         return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed)
