@@ -388,15 +388,17 @@ def test_generate_json_schema_and_grammar(tmp_path):
 def test_batch_answers_fit_their_schemas_and_tool_calls_their_tools(tmp_path):
     """`dsv4 batch`, sampled, DSpark drafting: 20 requests over the 10 schemas of benchmarks/structured.py all
     parse and validate; 6 forced tool calls (required, and each tool by name) are calls of an offered tool, the
-    named one when named, with valid arguments; an invalid schema, an unsupported keyword and a named tool not
-    offered are error records naming the field, and the run goes on."""
+    named one when named, with valid arguments; an invalid schema, an unsupported keyword, a named tool not
+    offered and ignore_eos with a response format are error records naming the field; the run goes on."""
     lines = schema_requests(20, 300) + tool_requests(6, 300)
     bad = [{"custom_id": "bad-type", "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}},
            {"custom_id": "bad-keyword", "body": {"messages": [{"role": "user", "content": "Hi"}], "response_format": {
                "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}}},
            {"custom_id": "bad-tool", "body": {"messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
-                                              "tool_choice": {"type": "function", "function": {"name": "fly"}}}}]
+                                              "tool_choice": {"type": "function", "function": {"name": "fly"}}}},
+           {"custom_id": "bad-eos", "body": {"messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True,
+                                             "response_format": {"type": "json_object"}}}]
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps({"method": "POST", "url": "/v1/chat/completions", **line}) + "\n"
                            for line in lines + bad))
@@ -404,7 +406,8 @@ def test_batch_answers_fit_their_schemas_and_tool_calls_their_tools(tmp_path):
     assert done.returncode == 0, done.stderr
     records = [json.loads(line) for line in out.read_text().splitlines()]
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
-    assert errors.keys() == {"bad-type", "bad-keyword", "bad-tool"}
+    assert errors.keys() == {"bad-type", "bad-keyword", "bad-tool", "bad-eos"}
+    assert errors["bad-eos"].startswith("body.ignore_eos: not with response_format")
     assert errors["bad-type"].startswith("body.response_format: Invalid type")
     assert errors["bad-keyword"].startswith("body.response_format: Unimplemented keys")
     assert errors["bad-tool"].startswith("body.tool_choice: 'fly' is not one of the offered tools")
