@@ -17,6 +17,7 @@ dsv4-tiny-mtp).
     python benchmarks/structured.py speed --out benchmarks/results/structured-speed-cpu-1thread.json
 """
 import argparse
+import collections
 import json
 import statistics
 import subprocess
@@ -238,7 +239,7 @@ def compare(engine, batch: int, compile: str, mtp: str, model: str, args, text_g
                 "mask_ms_per_call": 1e3 * (constraints.mask_s - before[0]) / calls if calls else 0.0,
                 "wait_ms_per_call": 1e3 * (constraints.wait_s - before[1]) / calls if calls else 0.0,
                 "valid": sum(_valid(s.text, schema) for s, schema in zip(seqs, schemas)),
-                "finish_reasons": [s.finish_reason for s in seqs]}
+                "finish_reasons": dict(collections.Counter(s.finish_reason for s in seqs))}
 
     warm = {kind: one_pass(params) for kind, params in kinds.items()}
     kinds["twins"] = [SamplingParams(temperature=0, max_tokens=max(len(o), 1), ignore_eos=True)
