@@ -228,6 +228,11 @@ class Settings:
         "xhigh map to low, high and max",
         choices=("low", "high", "max", "minimal", "medium", "xhigh"),
     )
+    format: str = _key(
+        "chat", "text", "The form of each answer, enforced while it is generated (after the reasoning): text; json "
+        "(a JSON object); json-schema FILE (JSON matching the schema in FILE); grammar FILE (a Lark grammar with a "
+        "start rule, or else a regular expression, in FILE)", nonempty=True
+    )
     # [generate]
     prompt: str | None = _key(
         "generate",
@@ -243,6 +248,14 @@ class Settings:
     json: bool = _key("generate", False, "Print the result as one JSON object")
     tools: str | None = _key(
         "generate", None, "A JSON file with a list of tools (OpenAI form) the model may call", path=True
+    )
+    json_schema: str | None = _key(
+        "generate", None, "Constrain the answer (after the reasoning) to JSON matching the JSON schema in this file",
+        path=True
+    )
+    grammar: str | None = _key(
+        "generate", None, "Constrain the answer (after the reasoning) to the Lark grammar (a file with a start rule) "
+        "or else the regular expression in this file", path=True
     )
     # [batch]
     input: str | None = _key(

@@ -180,9 +180,55 @@ def parse_completion(text: str, thinking: bool) -> dict:
     if thinking:
         reasoning, found, rest = text.partition(THINK_END)
         text = rest if found else ""
-    content, found, calls = text.partition(TOOL_CALLS_OPENING)
-    tool_calls = _parse_tool_calls(calls) if found else []
+    content, calls = split_tool_calls(text)
+    tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                  for c in tool_calls_so_far(calls) if c["done"]] if calls is not None else []
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
+
+
+def split_tool_calls(answer: str) -> tuple[str, str | None]:
+    """(the content, the tool-calls block after `<｜DSML｜tool_calls>`, None without one) of an answer. Tolerant:
+    a block the model opened without the blank line before it still ends the content, so its markup never
+    shows as text."""
+    content, found, calls = answer.partition(TOOL_CALLS_START)
+    return (content.removesuffix("\n\n"), calls) if found else (answer, None)
+
+
+def tool_calls_so_far(block: str) -> list[dict]:
+    """The DSML calls in a tool-calls block as {"name", "arguments", "done"}: the arguments built as the
+    official parser builds them (string values JSON-quoted, others as the model wrote them), `done` once
+    the call's closing tag came. The arguments of a call not done are those so far, a prefix of the whole
+    ones, without an ending that could be the start of a closing tag: no markup ever shows in them, while
+    the reply streams or when it was cut off. Tolerant: no newline needed after an invoke's opening tag, a
+    parameter not closed ends the call's arguments, anything else between tags is skipped."""
+    calls, at = [], 0
+    while m := _INVOKE_OPEN.search(block, at):
+        end = block.find(INVOKE_CLOSE, m.end())
+        body = block[m.end():] if end < 0 else block[m.end():end]
+        calls.append({"name": m[1], "arguments": _arguments(body, end >= 0), "done": end >= 0})
+        if end < 0:
+            break
+        at = end + len(INVOKE_CLOSE)
+    return calls
+
+
+def _arguments(body: str, done: bool) -> str:
+    """An invoke's parameters as a JSON object's text: whole when `done`, else so far."""
+    params, at = [], 0
+    while m := _PARAM_OPEN.search(body, at):
+        end = body.find(PARAM_CLOSE, m.end())
+        value = body[m.end():] if end < 0 else body[m.end():end]
+        if end < 0:             # hold back a possible start of the closing tag
+            value = value[: len(value) - next((n for n in range(len(PARAM_CLOSE) - 1, 0, -1)
+                                               if value.endswith(PARAM_CLOSE[:n])), 0)]
+        quoted = json.dumps(value, ensure_ascii=False) if m[2] == "true" else value
+        if end < 0 and m[2] == "true":
+            quoted = quoted[:-1]            # the string goes on: no closing quote yet
+        params.append(f"{json.dumps(m[1], ensure_ascii=False)}: {quoted}")
+        if end < 0:
+            return "{" + ", ".join(params)
+        at = end + len(PARAM_CLOSE)
+    return "{" + ", ".join(params) + ("}" if done else "")
 
 
 def is_tool(t) -> bool:
@@ -339,22 +385,9 @@ def _render_param(key, value):
     return f'<{DSML}parameter name="{key}" string="false">{json.dumps(value, ensure_ascii=False)}</{DSML}parameter>'
 
 
-_INVOKE = re.compile(f'<{DSML}invoke name="(.*?)">\n(.*?)\n?</{DSML}invoke>', re.DOTALL)
-_PARAM = re.compile(f'<{DSML}parameter name="(.*?)" string="(true|false)">(.*?)</{DSML}parameter>', re.DOTALL)
-
-
-def _parse_tool_calls(block):
-    """DSML invokes -> OpenAI tool calls. The arguments string is built as the official parser builds
-    it: string values JSON-quoted, other values as the model wrote them."""
-    calls = []
-    for name, body in _INVOKE.findall(block):
-        params = []
-        for key, is_string, value in _PARAM.findall(body):
-            if is_string == "true":
-                value = json.dumps(value, ensure_ascii=False)
-            params.append(f"{json.dumps(key, ensure_ascii=False)}: {value}")
-        calls.append({"type": "function", "function": {"name": name, "arguments": "{" + ", ".join(params) + "}"}})
-    return calls
+INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
+_INVOKE_OPEN = re.compile(f'<{DSML}invoke name="([^"\n]*)">\n?')
+_PARAM_OPEN = re.compile(f'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
 
 
 def checkpoint_encoding(model_dir) -> str:

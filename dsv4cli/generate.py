@@ -8,6 +8,7 @@ from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, load_tools, sampling_params
 from dsv4cli.openai.responses import chat_logprobs, tool_calls, visible_message
 from dsv4cli.options import CliOptions, model_options
+from dsv4cli.structured import json_grammar, text_grammar, tool_grammar
 from dsv4cli.tokenizer import Tokenizer
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -96,12 +97,47 @@ def given_ids(s: Settings) -> list[int] | None:
     return [int(p) for p in parts]
 
 
+def read_constraint(s: Settings) -> tuple[str, object] | None:
+    """--json-schema (its JSON) or --grammar (its text), read before the model loads: ("json_schema" or
+    "grammar", what the file holds), or None."""
+    if s.json_schema and s.grammar:
+        raise UsageError("--grammar: the answer is constrained by --json-schema already; give one of them")
+    name = "json_schema" if s.json_schema else "grammar" if s.grammar else None
+    if name is None:
+        return None
+    text = read_text_file(name, getattr(s, name))
+    if name == "grammar":
+        return name, text
+    try:
+        return name, json.loads(text)
+    except ValueError as e:
+        raise UsageError(f"--json-schema {s.json_schema}: not JSON: {e}") from None
+
+
+def constraint(s: Settings, given: tuple[str, object] | None, engine, thinking: bool, tools: list[dict]):
+    """The engine's grammar for what `read_constraint` read (with --tools, the answer or a tool call), or a
+    UsageError naming the flag and the problem."""
+    if given is None:
+        return None
+    name, value = given
+    tok, vocab = engine.tok, engine.model_info.vocab_size
+    try:
+        if name == "grammar":
+            return text_grammar(value, tok, vocab, thinking)
+        if tools:
+            return tool_grammar(tools, "auto", tok, vocab, thinking, value)
+        return json_grammar(value, tok, vocab, thinking)
+    except ValueError as e:
+        raise UsageError(f"--{name.replace('_', '-')} {getattr(s, name)}: {e}") from None
+
+
 def run_generate(s: Settings) -> int:
     ids = given_ids(s)
     prompt = read_prompt(s) if ids is None else None
     if s.tools and s.raw:
         raise UsageError("--tools: a --raw prompt has no chat template to render tools into")
     tools = load_tools(s.tools, "--tools") if s.tools else []
+    given = read_constraint(s)
     engine = load_engine(s, "generate")
     if ids is None:
         ids = prompt_ids(engine, s, prompt, tools)
@@ -110,6 +146,7 @@ def run_generate(s: Settings) -> int:
     # a raw prompt, or one of token ids, opens no reasoning
     thinking = s.thinking and not s.raw and s.prompt_ids is None
     params = sampling_params(s)
+    params.grammar = constraint(s, given, engine, thinking, tools)
     if s.logprobs is not None and not s.json:
         print("warning: --logprobs: shown only with --json; ignored", file=sys.stderr)
         params.logprobs = None
@@ -148,7 +185,7 @@ def run_generate(s: Settings) -> int:
 
 
 @model_options("prompt", "prompt_file", "prompt_ids", "raw", "json", "system", "system_file", "thinking",
-               "reasoning_effort", "tools")
+               "reasoning_effort", "tools", "json_schema", "grammar")
 def generate(opts: CliOptions) -> int:
     """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
     -p, --prompt-file or stdin."""

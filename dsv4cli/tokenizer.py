@@ -85,6 +85,10 @@ class Tokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` holds it (what the grammar library reads)."""
+        return self._tok.to_str()
+
     def visible(self, text: str, final: bool = True) -> str:
         """Decoded text as a reader sees it: without the special tokens (chat markers, `</think>`, EOS), as
         vLLM's skip_special_tokens gives it; the parsers (reasoning, tool calls) read the text with them. While

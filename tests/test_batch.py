@@ -400,8 +400,8 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
             chat("n2", "Hi", n=2),
             chat("audio", "Hi", audio={"voice": "alloy", "format": "wav"}),
             chat("unknown", "Hi", frobnicate=1),
-            chat("required", "Hi", tools=[WEATHER], tool_choice="required"),
-            chat("named", "Hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+            chat("required", "Hi", tool_choice="required"),
+            chat("named", "Hi", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}),
             chat("top21", "Hi", logprobs=True, top_logprobs=21),
             chat("toponly", "Hi", top_logprobs=2),
             chat("stops", "Hi", stop=["a", "b", "c", "d", "e"]),
@@ -414,14 +414,15 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
     records, _, _ = in_process_run(tiny_model_dir, tmp_path, rows)
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
     assert sorted(r["custom_id"] for r in records if r["response"]) == ["ok", "ok2"]
-    names = {"schema": "body.response_format", "n2": "body.n", "audio": "body.audio", "unknown": "body.frobnicate",
+    names = {"schema": "body.response_format.json_schema.schema", "n2": "body.n", "audio": "body.audio",
+             "unknown": "body.frobnicate",
              "required": "body.tool_choice", "named": "body.tool_choice", "top21": "body.top_logprobs",
              "toponly": "body.top_logprobs", "stops": "body.stop", "bias": "body.logit_bias", "badtool": "body.tools",
              "outer": "extra", "simple-unknown": "temprature"}
     assert set(errors) == set(names)
     for cid, name in names.items():
         assert errors[cid].startswith(name + ":") and "\n" not in errors[cid], errors[cid]
-    assert "constrained decoding" in errors["required"] and "constrained decoding" in errors["named"]
+    assert "needs tools" in errors["required"] and "not one of the offered tools" in errors["named"]
 
 
 def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_dir):

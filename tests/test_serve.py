@@ -214,10 +214,56 @@ def test_tool_calls_stream_as_openai_chunks(server):
     chunks += stream.finish(Sequence("x", [0], req.params, 0, output_ids=[1, 2], text=text, finish_reason="stop"))
     parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
     assert "".join(c.choices[0].delta.content or "" for c in parsed) == "I will look."
-    [call] = [t for c in parsed for t in c.choices[0].delta.tool_calls or []]
-    assert call.id == "call_7_0" and call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    first, *more = [t for c in parsed for t in c.choices[0].delta.tool_calls or []]      # the call as it is written
+    assert first.id == "call_7_0" and first.function.name == "get_weather" and more
+    assert json.loads("".join(t.function.arguments for t in [first, *more])) == {"city": "Paris"}
     assert parsed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_structured_output_through_the_openai_sdk(server):
+    """The SDK's `parse(response_format=PydanticModel)` (current and beta spellings): the reply parsed into the
+    model; completions take a response format too; a forced tool call streamed through the SDK: the id and name
+    once, the arguments in deltas that join into arguments valid for the tool, no markup anywhere; a schema that
+    cannot constrain is a 400 naming response_format."""
+    from typing import Annotated, Literal
+
+    import jsonschema
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: Annotated[str, Field(max_length=16)]
+        population: Annotated[int, Field(ge=0, le=100000)]
+        tags: Annotated[list[Literal["big", "old", "sunny"]], Field(max_length=3)]
+
+    client = server.client()
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    for parse in (client.chat.completions.parse, client.beta.chat.completions.parse):
+        r = parse(model="dsv4-tiny", messages=messages, response_format=City, max_tokens=200)
+        assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, City)
+    schema = City.model_json_schema() | {"additionalProperties": False}    # (else it may add keys of its own)
+    r = client.completions.create(model="dsv4-tiny", prompt="A city:", max_tokens=200, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "required": ["city", "days"],
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1,
+                                                                          "maximum": 7}}}}}
+    chunks = list(client.chat.completions.create(
+        model="dsv4-tiny", messages=messages, tools=[tool, WEATHER], max_tokens=200, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    deltas = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    arguments = "".join(d.function.arguments for d in deltas)
+    assert "DSML" not in arguments and "｜" not in arguments
+    jsonschema.validate(json.loads(arguments), tool["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="dsv4-tiny", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"not": {"type": "string"}}}}}})
+    assert e.value.body["param"] == "response_format" and "Unimplemented keys" in e.value.body["message"]
 
 
 def test_16_concurrent_streams_equal_dsv4_generate(server, reference):
@@ -284,7 +330,7 @@ def test_wrong_or_missing_key_is_401_and_the_key_is_not_logged(server):
 def test_bad_field_is_400_naming_it(server):
     client = server.client()
     for extra, field in (({"temprature": 0.5}, "temprature"), ({"temperature": -1}, "temperature"),
-                         ({"tool_choice": "required", "tools": [WEATHER]}, "tool_choice")):
+                         ({"tool_choice": "required"}, "tool_choice")):
         with pytest.raises(openai.BadRequestError) as e:
             ask(client, "Hi", extra_body=extra)
         error = e.value.body

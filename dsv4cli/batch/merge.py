@@ -125,7 +125,7 @@ def retry(s: Settings, src: Path, manifest: dict, failed: set[int], out: Path) -
     done, errored = answered([path])
     engine = load_engine(s, "batch")
     parser = RequestParser(engine.tok, sampling_params(s), manifest["seed"], engine.max_seq_len, s.thinking,
-                           s.reasoning_effort)
+                           s.reasoning_effort, vocab=engine.model_info.vocab_size)
     run = BatchRun(engine, parser, file, file, s.model_name, done, errored)
     try:
         # the other lines read as blank: line numbers stay those of the input

@@ -45,9 +45,10 @@ class RequestParser:
     """Parses lines in input order; remembers the custom_ids seen so a repeat is a `duplicate_custom_id`."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
-                 thinking: bool = False, reasoning_effort: str | None = None, shard: Shard | None = None):
+                 thinking: bool = False, reasoning_effort: str | None = None, shard: Shard | None = None,
+                 vocab: int | None = None):
         """`shard`: parse only that shard's lines (`parse` returns None for the others, untokenised)."""
-        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort)
+        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort, vocab=vocab)
         self.run_seed, self.shard = run_seed, shard
         self.seen: set[str] = set()
 

@@ -221,7 +221,7 @@ def run_batch(s: Settings) -> int:
     share = total // shard.count if shard else total
     engine = load_engine(s, "batch", job_tokens=max(share - len(done), 0) * s.max_tokens)
     parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort,
-                           shard)
+                           shard, engine.model_info.vocab_size)
     bar = progress_bar(total) if sys.stderr.isatty() else None
     batch = BatchRun(engine, parser, out, errors, s.model_name, done, errored, bar)
     interrupted, failed = False, None

@@ -17,9 +17,11 @@ from rich.text import Text
 
 from dsv4cli.config import Settings
 from dsv4cli.engine import EngineAPI, drafter_label
+from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_engine, sampling_params
 from dsv4cli.openai.responses import visible_message
 from dsv4cli.options import CliOptions, model_options
+from dsv4cli.structured import format_grammar
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
 from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
@@ -47,6 +49,8 @@ class Chat:
         # on a pipe stdout carries the replies only; everything else goes to stderr, uncoloured
         self.console = Console(highlight=False) if tty else Console(file=sys.stderr, highlight=False,
                                                                     color_system=None)
+        self.format = session.settings.format       # the answers' form, as last checked
+        self.grammars: dict = {}                    # (format, thinking) -> the engine's grammar for it
 
     def run(self) -> int:
         """The read-reply loop: 0 at the end of input or /exit; 130 when a piped run is interrupted."""
@@ -84,6 +88,13 @@ class Chat:
         return None if self.reply() or self.tty else 130
 
     def handle(self, outcome: Outcome) -> None:
+        if self.session.settings.format != self.format:    # /set format or /load: checked before it is said
+            try:
+                self.grammar()
+                self.format = self.session.settings.format
+            except ValueError as e:
+                self.session.settings = dataclasses.replace(self.session.settings, format=self.format)
+                return self.error(f"format: {e}")
         if outcome.error:
             self.error(outcome.message)
         elif outcome.message:
@@ -94,6 +105,14 @@ class Chat:
             self.console.print(rows_table("session", self.session.totals.rows()))
         if self.session.settings.mtp != self.engine.mtp:   # /set mtp or /load
             self.rebuild_engine()
+
+    def grammar(self):
+        """The answers' grammar for the format setting (None: text), made once per format and thinking mode."""
+        s = self.session.settings
+        if (s.format, s.thinking) not in self.grammars:
+            self.grammars[s.format, s.thinking] = format_grammar(s.format, self.engine.tok,
+                                                                 self.engine.model_info.vocab_size, s.thinking)
+        return self.grammars[s.format, s.thinking]
 
     def error(self, message: str) -> None:
         self.console.print(Text(f"error: {message}", style="red"))
@@ -140,8 +159,10 @@ class Chat:
         """Stream the answer to the last user message into the history; False if Ctrl-C stopped it."""
         s = self.session.settings
         try:
-            seq = self.engine.submit(self.fitting_prompt(), sampling_params(s))
-        except ValueError as e:  # the last message alone does not fit in max_seq_len
+            params = sampling_params(s)
+            params.grammar = self.grammar()
+            seq = self.engine.submit(self.fitting_prompt(), params)
+        except ValueError as e:  # the last message alone does not fit in max_seq_len, or its format is unreadable
             self.session.messages.pop()
             self.error(f"{e}; your message was dropped")
             return True
@@ -220,12 +241,17 @@ def run_chat(s: Settings) -> int:
         engine = load_engine(dataclasses.replace(s, max_batch=1, mode="chat"), "chat")
     except KeyboardInterrupt:
         return 130
+    chat = Chat(engine, ChatSession(s, engine.tok.encoding), tty)
+    try:
+        chat.grammar()
+    except ValueError as e:
+        raise UsageError(f"--format: {e}") from None
     if tty:
         setup_readline()
-    return Chat(engine, ChatSession(s, engine.tok.encoding), tty).run()
+    return chat.run()
 
 
-@model_options("system", "system_file", "thinking", "reasoning_effort")
+@model_options("system", "system_file", "thinking", "reasoning_effort", "format")
 def chat(opts: CliOptions) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""

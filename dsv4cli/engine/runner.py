@@ -22,6 +22,7 @@ from dsv4cli.model import Segment, Transformer
 from dsv4cli.model.model import join, rows_at, split
 
 from .compiled import CompiledSteps
+from .constraint import apply_masks, await_masks
 from .drafter import Drafter, DraftRows
 from .dspark import DSparkDrafter
 from .graphs import DecodeGraphs
@@ -42,7 +43,8 @@ class StepKey(NamedTuple):
     L+1 candidate tokens, then the number of accepted drafts), then a row per chunk that ends its prompt
     (its first token as candidate 0, no drafts accepted); each row padded to the drafter's D+1 candidates.
     Where the runner reports confidences, float64, each row followed by its next drafts' D confidences;
-    with `logprobs`, float64, then what token_logprobs gives for each candidate."""
+    when `masked`, then its next D drafts (the host computes their rows' masks); with `logprobs`, float64,
+    then what token_logprobs gives for each candidate."""
     chunks: tuple[ChunkKey, ...]
     batch: int        # decode rows for slots [0, batch); 0: none
     drafts: int       # L: the drafts the decode rows verify (at most the drafter's D a step)
@@ -52,6 +54,7 @@ class StepKey(NamedTuple):
     greedy: bool      # every committing request is `plain_greedy`: its tokens are the logits' argmax
     propose: bool = True    # the decode rows get next drafts (False: the drafter only takes their rows in)
     limits: bool = False    # each decode row verifies as many drafts as its slot's `limit` says (at most L)
+    masked: bool = False    # some committing request has a grammar: its rows' logits are masked (`constraint.py`)
 
 
 class ChunkInputs(NamedTuple):
@@ -117,10 +120,11 @@ class StepRunner:
     @torch.no_grad()
     def run(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor:
         """`step`, compiled once its key is ready, captured as a graph once it runs compiled (decode rows
-        only, no compile running beside the capture: a worker's device work would spoil it)."""
+        only, not masked: a masked step waits for the host mid-way; no compile running beside the capture: a
+        worker's device work would spoil it)."""
         fused = (functools.partial(self.step, key) if self.compiled is None
                  else functools.partial(self.compiled, key))
-        if chunks or self.graphs is None or (self.compiled is not None and not (
+        if chunks or self.graphs is None or key.masked or (self.compiled is not None and not (
                 self.compiled.is_ready(key) and not self.compiled.busy)):
             return fused(*chunks)
         return self.graphs.run(key, fused)
@@ -150,7 +154,10 @@ class StepRunner:
         # one head call over the rows that commit: a prompt's last real row, every decode row
         ending = [i for i, ck in enumerate(key.chunks) if ck.last]
         scored = [rows_at(hidden[i], ends[i] - 1) for i in ending] + hidden[len(chunks):]
-        logits = split(self.model.logits(join(scored)), [x.shape[:2] for x in scored]) if scored else []
+        logits = self.model.logits(join(scored)) if scored else None
+        if key.masked:            # the host's masks, computed while the trunk ran
+            logits = apply_masks(logits, await_masks(logits))
+        logits = split(logits, [x.shape[:2] for x in scored]) if scored else []
         firsts, rows = [], []         # per prompt that ends: (its inputs, first token [1,1], its logprobs)
         for i, (ck, c) in enumerate(zip(key.chunks, chunks)):
             nxt = c.ids[:, 1:ck.rows + 1]
@@ -229,6 +236,9 @@ class StepRunner:
         if self.confidences:          # the next drafts' confidences, for the scheduler's choice of L
             slots = ([st.confidence[:key.batch]] if key.batch else []) + [c.slot.confidence for c, _, _ in firsts]
             packed = torch.cat([packed.double(), torch.cat(slots).double()], 1)
+        if key.masked and d:          # the next drafts, whose rows the next step's masks are for
+            slots = ([st.drafts[:key.batch]] if key.batch else []) + [c.slot.drafts for c, _, _ in firsts]
+            packed = torch.cat([packed, torch.cat(slots)[:, :d].to(packed.dtype)], 1)
         if not key.logprobs:
             return packed
         lps = ([decoded[2]] if key.batch else []) + [lp for _, _, lp in firsts]     # [B, candidates, W1] each

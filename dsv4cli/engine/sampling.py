@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import Grammar
+
 FLOAT32_MAX = 3.4e38
 INT64_MAX = (1 << 63) - 1
 
@@ -37,6 +39,7 @@ class SamplingParams:
     # a background request (an API batch's) gives way: a step that prefills a foreground prompt while only
     # background requests decode runs the prefill alone (`scheduler.streams_to_decode`); its tokens are the same
     background: bool = False
+    grammar: Grammar | None = None      # what the reply must match (structured output: `grammar.py`)
 
     def problem(self, vocab: int) -> str | None:
         """Why these settings can't run on the device of a model with `vocab` tokens, or None: a number no
@@ -62,9 +65,13 @@ class SamplingParams:
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             return f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})"
+        if self.grammar is not None and self.ignore_eos:
+            return "ignore_eos: not with a constrained reply (its grammar says where it ends)"
         return None
 
 
+# the logprob reported for a token a grammar forbids (OpenAI's figure for "never")
+MASKED_LOGPROB = -9999.0
 # alternatives the device returns whenever logprobs are on: a fixed width keeps the step capturable
 TOP_LOGPROBS = 20
 
@@ -183,7 +190,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W] float64: the token's
     logprob, then the W = TOP_LOGPROBS highest logprobs and their ids (exact in float64), so they travel in
     the step's one packed tensor."""
-    lp = logits.log_softmax(-1)
+    lp = logits.log_softmax(-1).clamp(min=MASKED_LOGPROB)     # a token a grammar forbids: -inf, which JSON lacks
     top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), -1)
     return torch.cat([lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)], -1).double()
 

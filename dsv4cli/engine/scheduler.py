@@ -16,6 +16,7 @@ from dsv4cli.model import Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
 from .api import ModelInfo
+from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
 from .prefix import SlotHistory
@@ -108,7 +109,7 @@ class Engine:
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
         self.verified = drafter_depth(model.cfg, mtp)   # the drafts a step verifies, but under auto: --mtp L
         self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
-        self.graphs = graphs
+        self.graphs, self.constraints = graphs, Constraints(tokenizer, self.runner.state, self.mtp_depth)
         self.slots: list[Sequence | None] = [None] * max_batch
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
         self.waiting: list[Sequence] = []
@@ -162,15 +163,15 @@ class Engine:
         return ModelInfo.of(self.model)
 
     def step(self) -> list[Event]:
-        """Admit waiting requests, then prefill chunks within the token budget (a request whose last chunk
-        runs gives its first token and joins decoding) and one decode step for the streams running before
-        the step. With no stream running, the step ends after the prefill, so a first token streams
-        without waiting for a decode step (nor for its compile).
+        """Admit waiting requests, then prefill chunks within the token budget (a request whose last chunk runs
+        gives its first token and joins decoding) and one decode step for the streams running before the step.
+        With no stream running, the step ends after the prefill, so a first token streams without waiting for a
+        decode step (nor for its compile).
 
-        A request only fails itself: one whose admission raises, and the requests of a step that raises,
-        end with finish reason "error" (in an event) and free their slots, and the engine goes on (every
-        other slot's state is position-addressed, so a half-run step leaves nothing it reads). After
-        MAX_FAILED_STEPS failed steps in a row it raises EngineFailed."""
+        A request only fails itself: one whose admission raises, and the requests of a step that raises, end
+        with finish reason "error" (in an event) and free their slots, and the engine goes on (every other
+        slot's state is position-addressed, so a half-run step leaves nothing it reads). After MAX_FAILED_STEPS
+        failed steps in a row it raises EngineFailed."""
         events = []
         while self.waiting and None in self.slots:
             seq = self.waiting.pop(0)
@@ -219,6 +220,7 @@ class Engine:
                   if self.reuse_prefix else 0 for i in free}
         slot = max(free, key=lambda i: (starts[i], -i))
         reused = starts[slot]      # prompt tokens whose state the slot holds
+        self.constraints.admit(slot, seq.params.grammar)
         self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
         self.history[slot] = self.history[slot].resumed(reused, cache.ring)
         self.slots[slot], seq.slot, seq.metrics.cached_tokens, seq.prefilled = seq, slot, reused, reused
@@ -250,7 +252,7 @@ class Engine:
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
         key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing),
-                      propose, limits is not None)
+                      propose, limits is not None, self.constraints.plan(committing, ending, decoding[:nb], drafts))
         if limits is not None:
             self.runner.set_limits(limits)
         # a step that compiles (or runs eager while its graph compiles) is no measure of the length's cost
@@ -272,7 +274,7 @@ class Engine:
         """The step's packed rows (StepKey) into its requests: first tokens of the prompts that ended, each
         decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
         d, nb, drafts = self.mtp_depth, key.batch, key.drafts
-        base = d + 2 + (d if self.runner.confidences else 0)      # where a row's logprobs start
+        base = self.constraints.read(packed, key, ending, d + 2 + (d if self.runner.confidences else 0))  # logprobs
         width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
         events = []
         for seq, row in zip(ending, packed[nb:]):
@@ -310,8 +312,8 @@ class Engine:
             self.history[slot].record(tokens, self.mtp_depth)
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
-        """Committed tokens into the request's output (stop rules); a finished request frees its slot."""
-        event = append_output(seq, tokens, logprobs, self.tok.eos_id, self.max_seq_len)
+        """Committed tokens into the request's output (stop rules, grammar); a finished one frees its slot."""
+        event = append_output(seq, self.constraints.commit(seq, tokens), logprobs, self.tok.eos_id, self.max_seq_len)
         if event.finished:
             self._free(seq.slot)
             self.totals.merge(seq.metrics)

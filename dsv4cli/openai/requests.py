@@ -13,6 +13,7 @@ from dsv4cli.config import SAMPLING_KEYS, check
 from dsv4cli.encoding import encode_messages, is_tool
 from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
 from dsv4cli.errors import UsageError
+from dsv4cli.structured import ANY_OBJECT, json_grammar, tool_grammar
 from dsv4cli.tokenizer import Tokenizer
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -43,6 +44,7 @@ REFUSED = {
     "web_search_options": "web search is not supported",
     "suffix": "insertion (suffix) is not supported",
 }
+JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # response_format's json_schema object
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
 MAX_CHOICES = 128                                     # OpenAI's limit on n
 TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "add_generation_prompt"}
@@ -117,12 +119,14 @@ def _is_unicode(text: str) -> bool:
 
 class BodyParser:
     """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len, and the
-    limits on a request's size: `max_messages` (None: none) and `max_prompt_tokens` (None: max_seq_len - 1)."""
+    limits on a request's size: `max_messages` (None: none) and `max_prompt_tokens` (None: max_seq_len - 1).
+    `vocab`: the model's vocabulary size, which grammars are checked against (None: the tokenizer's)."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, thinking: bool = False,
                  reasoning_effort: str | None = None, max_messages: int | None = None,
-                 max_prompt_tokens: int | None = None):
+                 max_prompt_tokens: int | None = None, vocab: int | None = None):
         self.tok, self.defaults, self.max_seq_len = tok, defaults, max_seq_len
+        self.vocab = vocab or tok.vocab_size
         self.thinking, self.reasoning_effort = thinking, reasoning_effort
         self.max_messages = max_messages
         fits = max_seq_len - 1                          # the reply needs a position too
@@ -145,24 +149,25 @@ class BodyParser:
             raise BadRequest("unsupported_parameter", f"{place}stream: batch requests cannot stream")
         include_usage = _stream_options(body, place) if server else False
         n, best_of = _choices(body, place, chat, server)
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise BadRequest("unsupported_parameter", f"{place}response_format: only type text is supported "
-                                                      f"(json_object and json_schema need constrained decoding)")
+        fmt = _response_format(body, place)
         params = self._params(body, place, seed)
         params.logprobs = _logprobs(body, place, chat)
         params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
         echo = _echo(body, place, chat, server, params.logprobs)
-        thinking = False
+        thinking, tools, choice = False, [], "auto"
         if chat:
             thinking, effort = self._thinking(body, place)
-            tools = _tools(body, place)
-            ids = self._chat_ids(body, place, thinking, effort, tools)
+            tools, choice = _tools(body, place)
+            ids = self._chat_ids(body, place, thinking, effort, tools, fmt)
         else:
             for name in ("tools", "tool_choice"):
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
+        params.grammar = self._grammar(fmt, tools, choice, thinking, place)
+        if params.grammar is not None and params.ignore_eos:
+            raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format or a forced tool "
+                                                  f"call (the grammar says where the reply ends)")
         prompt = body.get("prompt")
         echoed = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else None
         return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed)
@@ -192,7 +197,7 @@ class BodyParser:
                                                       "reply after a user turn)")
         if chat:
             thinking, effort = self._thinking(body, "")
-            return self._chat_ids(body, "", thinking, effort, _tools(body, "")), flags["return_token_strs"]
+            return self._chat_ids(body, "", thinking, effort, _tools(body, "")[0]), flags["return_token_strs"]
         ids = self._completion_ids(body, "")
         return ids if flags["add_special_tokens"] else ids[1:], flags["return_token_strs"]
 
@@ -210,6 +215,19 @@ class BodyParser:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.tok.vocab_size:
                 raise BadRequest("invalid_parameter", f"tokens[{i}]: must be a token id (0..{self.tok.vocab_size - 1})")
         return tokens
+
+    def _grammar(self, fmt: dict | None, tools: list, choice, thinking: bool, place: str):
+        """What the reply must match: the forced tool calls (tool_choice required or named), else the
+        response format's JSON (or, with tools offered, that JSON or tool calls); None: free text."""
+        schema = None if fmt is None else fmt.get("json_schema", {}).get("schema", ANY_OBJECT)
+        forced = choice == "required" or isinstance(choice, dict)
+        try:
+            if forced or (schema is not None and tools):
+                return tool_grammar(tools, choice, self.tok, self.vocab, thinking, schema)
+            return None if schema is None else json_grammar(schema, self.tok, self.vocab, thinking)
+        except ValueError as e:
+            name = "tools" if forced or tools else "response_format"
+            raise BadRequest("invalid_parameter", f"{place}{name}: {e}") from None
 
     def _params(self, body: dict, place: str, seed: int | None) -> SamplingParams:
         """The run's sampling defaults with the body's values on top."""
@@ -249,7 +267,8 @@ class BodyParser:
             out[int(key)] = float(value)
         return out
 
-    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None, tools: list) -> list[int]:
+    def _chat_ids(self, body: dict, place: str, thinking: bool, effort: str | None, tools: list,
+                  fmt: dict | None = None) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise BadRequest("invalid_messages", f"{place}messages: must be a non-empty list of messages")
@@ -259,9 +278,11 @@ class BodyParser:
         messages = [_plain(m) for m in messages]
         self._refuse_long(sum(len(m["content"]) for m in messages if isinstance(m, dict)
                               and isinstance(m.get("content"), str)), 0)
-        if tools:    # DSV4 renders tools on a system message: the first one, or a new empty one
+        # DSV4 renders tools and the response format on a system message: the first one, or a new empty one
+        shown = ({"tools": tools} if tools else {}) | ({"response_format": fmt} if fmt else {})
+        if shown:
             first = messages[0] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else None
-            messages = [{**(first or {"role": "system", "content": ""}), "tools": tools}] + messages[first is not None:]
+            messages = [{**(first or {"role": "system", "content": ""}), **shown}] + messages[first is not None:]
         try:
             text = encode_messages(messages, thinking=thinking, reasoning_effort=effort, encoding=self.tok.encoding)
         except ValueError as e:
@@ -402,22 +423,50 @@ def _logprobs(body: dict, place: str, chat: bool) -> int | None:
     return (top or 0) if logprobs else None
 
 
-def _tools(body: dict, place: str) -> list:
-    """The tools to render: none with tool_choice "none"; "required" or a named function would need
-    constrained decoding, which this engine does not do."""
+def _tools(body: dict, place: str) -> tuple[list, str | dict]:
+    """The tools to render (none with tool_choice "none") and the tool choice: auto, none, required (some
+    call of an offered tool) or a named function (a call of it); the last two are enforced (`_grammar`)."""
     tools, choice = body.get("tools"), body.get("tool_choice", "auto")
-    if choice not in ("auto", "none"):
-        what = "required" if choice == "required" else "a named function" if isinstance(choice, dict) else choice
-        raise BadRequest("unsupported_parameter", f"{place}tool_choice: {json.dumps(what)} needs constrained decoding, "
-                                               f"which is not supported; use auto or none")
-    if tools is None:
-        return []
-    if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
+    named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+        and isinstance(choice["function"].get("name"), str)
+    if choice not in ("auto", "none", "required") and not named:
+        raise BadRequest("invalid_parameter", f'{place}tool_choice: must be auto, none, required or {{"type": '
+                                              f'"function", "function": {{"name": ...}}}}, got {json.dumps(choice)}')
+    if tools is not None and (not isinstance(tools, list) or not all(is_tool(t) for t in tools)):
         raise BadRequest("invalid_parameter",
                       f'{place}tools: must be a list of {{"type": "function", "function": {{"name": ..., ...}}}}')
+    tools = tools or []
+    if (choice == "required" or named) and not tools:
+        raise BadRequest("invalid_parameter", f"{place}tool_choice: {json.dumps(choice)} needs tools to call")
+    if named and choice["function"]["name"] not in [t["function"]["name"] for t in tools]:
+        raise BadRequest("invalid_parameter", f"{place}tool_choice: {choice['function']['name']!r} is not one of "
+                                              f"the offered tools")
     # "none": the model is not shown the tools, so it has nothing to call (rendering them and then
     # ignoring a call would return DSML markup as the answer)
-    return [] if choice == "none" else tools
+    return ([] if choice == "none" else tools), choice
+
+
+def _response_format(body: dict, place: str) -> dict | None:
+    """The response format the reply must follow: {"type": "json_object"} or {"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}, enforced whether strict or not; None: text."""
+    fmt, name = body.get("response_format"), f"{place}response_format"
+    if fmt is None or isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+        return None
+    kinds = '{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}'
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+        raise BadRequest("invalid_parameter", f"{name}: must be {kinds}")
+    extra = next((k for k in fmt if k not in ("type", "json_schema")), None)
+    if extra is not None or (fmt["type"] == "json_object") == ("json_schema" in fmt):
+        raise BadRequest("invalid_parameter", f"{name}: must be {kinds}")
+    spec = fmt.get("json_schema")
+    if spec is None:
+        return fmt
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise BadRequest("invalid_parameter", f"{name}.json_schema.schema: missing; give the JSON schema (an object)")
+    if unknown := next((k for k in spec if k not in JSON_SCHEMA_FIELDS), None):
+        raise BadRequest("unsupported_parameter", f"{name}.json_schema.{unknown}: not a field of json_schema "
+                                                  f"({', '.join(sorted(JSON_SCHEMA_FIELDS))})")
+    return fmt
 
 
 def _plain(message):

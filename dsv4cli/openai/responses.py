@@ -2,7 +2,15 @@
 `chat.completion.chunk` / `text_completion` chunks; `dsv4 batch` and `dsv4 serve` both build them here."""
 import time
 
-from dsv4cli.encoding import EOS, THINK_END, TOOL_CALLS_OPENING, parse_completion
+from dsv4cli.encoding import (
+    EOS,
+    THINK_END,
+    TOOL_CALLS_OPENING,
+    TOOL_CALLS_START,
+    parse_completion,
+    split_tool_calls,
+    tool_calls_so_far,
+)
 from dsv4cli.engine import Sequence, TokenLogprob
 from dsv4cli.tokenizer import Tokenizer
 
@@ -82,8 +90,10 @@ def _before(text: str, marker: str) -> tuple[str, bool]:
 class ChunkStream:
     """One reply as stream chunks: `update` with each event's text and logprobs gives the chunks to send;
     `finish` the last ones. Reasoning streams as `delta.reasoning_content`, the answer as `delta.content`,
-    tool calls (parsed once the reply is whole) as `delta.tool_calls`; the concatenated deltas equal the
-    non-streamed message (special tokens held back until they are whole, and left out)."""
+    tool calls as `delta.tool_calls` as they are written (a call's id and name once its opening tag is whole,
+    then its arguments as they grow: `encoding.tool_calls_so_far`, which holds back markup); the concatenated
+    deltas equal the non-streamed message (special tokens held back until they are whole, and left out), but
+    for a call cut off by max_tokens, whose arguments so far streamed and which the message leaves out."""
 
     def __init__(self, req: Request, tok: Tokenizer, model: str, number: str):
         self.req, self.tok = req, tok
@@ -94,6 +104,7 @@ class ChunkStream:
         self.text = ""                          # the reply so far
         self.sent = {"reasoning_content": 0, "content": 0, "text": 0}     # characters of each already sent
         self.offset = 0                         # completions: characters of text whose logprobs were sent
+        self.arguments: list[int] = []          # characters of each tool call's arguments already sent
 
     def first(self) -> list[dict]:
         """A chat stream opens with the assistant role (OpenAI's first chunk); a completion with nothing."""
@@ -108,8 +119,12 @@ class ChunkStream:
         if self.req.thinking:
             reasoning, thought = _before(text, THINK_END)
             answer = text.partition(THINK_END)[2] if thought else ""
-        return self._deltas(self.tok.visible(reasoning, final=thought),
-                            self.tok.visible(_before(answer, TOOL_CALLS_OPENING)[0], final=False), logprobs)
+        content, calls = split_tool_calls(answer)
+        if calls is None:            # an ending that may open the calls is held back
+            content = _before(_before(answer, TOOL_CALLS_OPENING)[0], TOOL_CALLS_START)[0]
+        chunks = self._deltas(self.tok.visible(reasoning, final=thought), self.tok.visible(content, final=False),
+                              logprobs)
+        return chunks + self._calls(tool_calls_so_far(calls) if calls is not None else [])
 
     def finish(self, seq: Sequence) -> list[dict]:
         """The rest of the reply (parsed whole, as the non-streamed body is), tool calls, the finish reason
@@ -118,10 +133,10 @@ class ChunkStream:
         if self.req.chat:
             parsed = visible_message(self.tok, seq.text, self.req.thinking)
             chunks = self._deltas(parsed["reasoning_content"], parsed["content"], [])
+            text = seq.text.partition(EOS)[0]           # the answer as parse_completion reads it
+            calls = split_tool_calls(text.partition(THINK_END)[2] if self.req.thinking else text)[1]
+            chunks += self._calls(tool_calls_so_far(calls) if calls is not None else [])
             if parsed["tool_calls"]:
-                calls = [{"index": i, **call} for i, call in enumerate(tool_calls(parsed["tool_calls"],
-                                                                                 f"{self.number}_"))]
-                chunks.append(self._chunk({"tool_calls": calls}))
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
             chunks = self._text(self.tok.visible(seq.text), [])
@@ -129,6 +144,20 @@ class ChunkStream:
         if self.req.include_usage:
             chunks.append(self.base | {"choices": [], "usage": usage(seq)})
         return chunks
+
+    def _calls(self, calls: list[dict]) -> list[dict]:
+        """A chunk with what the tool calls so far add: a new call's index, id, type, name and arguments so far,
+        then the arguments each call's grew by."""
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self.arguments):
+                deltas.append({"index": i, "id": f"call_{self.number}_{i}", "type": "function",
+                               "function": {"name": call["name"], "arguments": call["arguments"]}})
+                self.arguments.append(len(call["arguments"]))
+            elif len(call["arguments"]) > self.arguments[i]:
+                deltas.append({"index": i, "function": {"arguments": call["arguments"][self.arguments[i]:]}})
+                self.arguments[i] = len(call["arguments"])
+        return [self._chunk({"tool_calls": deltas})] if deltas else []
 
     def _text(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
         """A completion's chunk with the text beyond what was sent."""

@@ -94,7 +94,7 @@ class ApiBatch:
         # background requests: a step that prefills an online prompt does not decode them (`engine.scheduler`)
         defaults = dataclasses.replace(bodies.defaults, background=True)
         parser = RequestParser(bodies.tok, defaults, run["seed"], bodies.max_seq_len, bodies.thinking,
-                               bodies.reasoning_effort)
+                               bodies.reasoning_effort, vocab=bodies.vocab)
         self.run = BatchRun(engine, parser, out, errors, model, done, errored, name=batch["id"])
         self.input = open(store.path(batch["input_file_id"]), "rb")  # noqa: SIM115 - read until the batch ends
         self.run.start(self.input)

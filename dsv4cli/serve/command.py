@@ -59,7 +59,7 @@ def run_serve(s: Settings) -> int:
     store = Store(Path(s.batch_dir)) if s.batch_dir else None      # and a batch directory another server holds
     engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
-                        s.max_messages, s.max_prompt_tokens)
+                        s.max_messages, s.max_prompt_tokens, engine.model_info.vocab_size)
     metrics = ServerMetrics(engine.model_info.drafter if engine.mtp_depth else None, engine.mtp, engine.mtp_depth)
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True),
