@@ -96,8 +96,9 @@ def model_config(s: Settings) -> ModelConfig:
 
 
 def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
-    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory);
-    returns the model's parameter count and weight bytes (a card's, under --tp)."""
+    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory: weights, decode
+    state and the prefix store's device memory); returns the model's parameter count and weight bytes (a
+    card's, under --tp)."""
     if s.max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--max-seq-len {s.max_seq_len}: above the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
@@ -110,12 +111,13 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
     except LoadError as e:
         raise UsageError(str(e)) from None
     state = decode_state_bytes(cfg, s, dtype)
-    free = platforms.for_device(device).free_memory(device)
-    if weights + state > free:
+    free, store = platforms.for_device(device).free_memory(device), s.prefix_cache_bytes
+    if weights + state + store > free:
         card = " per card" if s.tp > 1 else ""
-        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state)}"
+        cache = f", prefix cache {human_bytes(store)} (--prefix-cache-bytes)" if store else ""
+        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state + store)}"
                          f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
-                         f"{s.max_batch} x --max-seq-len {s.max_seq_len}); {human_bytes(free)} is free")
+                         f"{s.max_batch} x --max-seq-len {s.max_seq_len}{cache}); {human_bytes(free)} is free")
     return parameters, weights
 
 
@@ -211,6 +213,8 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)
+    if verb not in PREFIX_VERBS:        # one prompt (generate), or decode timed alone (bench): no store
+        s = dataclasses.replace(s, prefix_cache_bytes=0)
     parameters, weights = check_limits(s, cfg, device)
     if platforms.for_device(device).on_host_cores:
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
@@ -220,8 +224,6 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     if say:
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
-    if verb not in PREFIX_VERBS:        # one prompt (generate), or decode timed alone (bench): no store
-        s = dataclasses.replace(s, prefix_cache_bytes=0)
     if s.tp == 1:
         return build_engine(s, device, compile_apart=apart)
     from dsv4cli import parallel
