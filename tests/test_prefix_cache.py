@@ -220,6 +220,23 @@ def test_prompts_that_arrive_together_prefill_their_prefix_once(model, tok):
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
 
 
+@torch.no_grad()
+def test_a_chat_resumes_its_own_slot_after_a_store_hit(model, tok):
+    """A chat engine has both: a conversation resumed from the store (its slot held another) goes on
+    resuming its own slot the next turn, reply included, and answers as a fresh engine does."""
+    x, y, user = prompts([300, 200, 9], model.cfg.vocab_size, seed=8)
+    eng = Engine(model, tok, max_batch=1, max_seq_len=1024, mtp=1, reuse_prefix=True, prefix_cache=STORE)
+    fresh = Engine(model, tok, max_batch=1, max_seq_len=1024, mtp=1)
+    eng.generate([x], GREEDY)
+    eng.generate([y], GREEDY)
+    again = eng.generate([x], GREEDY)[0]
+    assert again.metrics.cached_tokens == 256                   # from the store: the slot held y
+    turn = x + again.output_ids + user
+    seq = eng.generate([turn], GREEDY)[0]
+    assert seq.metrics.cached_tokens == len(x) + len(again.output_ids) - 1      # its own slot, reply included
+    assert seq.output_ids == fresh.generate([turn], GREEDY)[0].output_ids
+
+
 # ---- a chat's state in a file ----------------------------------------------------------------------------------
 
 def chat_turns(eng: Engine, conversation: list[int], users: list[list[int]]) -> list:

@@ -112,7 +112,9 @@ class PrefixReuse:
             self.history[slot] = self.history[slot].resumed(starts[slot], s.ring)
             return slot, starts[slot]
         slot = min(free, key=lambda i: (starts[i], i))          # the slot whose own state is of least use
-        self.history[slot] = SlotHistory(valid_from=node.end, written_to=node.end)
+        # a snapshot at P holds every row a resume at P or later reads: what `resume_point` allows when the
+        # rows from P - lookback are trusted
+        self.history[slot] = SlotHistory(valid_from=node.end - s.lookback, written_to=node.end)
         return slot, self.store.restore(node, slot)
 
     def chunks_ran(self, chunks: list[tuple[Sequence, int, int]]) -> None:

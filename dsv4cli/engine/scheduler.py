@@ -1,7 +1,8 @@
 """The engine's host side, its scheduler: requests in, streamed tokens out, continuous batching.
 
-Each step: waiting requests take free slots (with prefix reuse, the slot whose state a prompt resumes
-furthest: `prefix.py`), admitted prompts are cut into chunks within the prefill budget, and the step's
+Each step: waiting requests take free slots with as much of their prompt's state as is held (a chat slot's own
+state, or the prefix store's longest snapshot: `prefix.py`), admitted prompts are cut into chunks within the
+prefill budget (ending at the store's snapshot boundaries), and the step's
 segments [prefill chunks; decode rows] go to the device side in one call (`runner.py`) — a compiled
 engine runs each chunk, padded to a bucket, in a call of its own first, since its graphs have static
 shapes. The host reads each call's packed tensor once and does the bookkeeping: metrics, detokenising
