@@ -167,7 +167,7 @@ def chat(tok, tmp: Path, repeats: int) -> dict:
     """A transcript of ~3,000 tokens answered and saved with its state, then resumed with and without it."""
     from dsv4cli.encoding import encode_messages
     messages = []
-    while len(tok.encode(encode_messages(messages))) < 2950:
+    while not messages or len(tok.encode(encode_messages(messages))) < 2950:
         messages += [{"role": "user", "content": long_text(280, tok, lead=f"Note {len(messages)}: ")},
                      {"role": "assistant", "content": "Noted."}]
     start = tmp / "start.json"
@@ -202,12 +202,11 @@ def main() -> None:
     result = {"meta": {**stamp(vars(args)), "model": "dsv4-tiny (bundled)", "device": "cpu", "threads": 1}}
     with tempfile.TemporaryDirectory() as tmp:
         for part in args.parts.split(","):
-            result[part] = {"batch": batch, "serve": serve, "chat": chat}[part](tok, *([Path(tmp)] if part != "serve"
-                                                                                   else []), args.repeats)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+            extra = [] if part == "serve" else [Path(tmp)]
+            result[part] = {"batch": batch, "serve": serve, "chat": chat}[part](tok, *extra, args.repeats)
+            if args.out:          # after each part: a later part's failure keeps what ran
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
