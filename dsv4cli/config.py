@@ -148,6 +148,15 @@ class Settings:
         "model", 160, "Prompt tokens prefilled per engine step (in the running streams' decode pass when eager)",
         lo=1
     )
+    prefix_cache_bytes: int = _key(
+        "model", 1 << 30, "Memory for snapshots of prompts' decode state every 128 tokens, so a later prompt that "
+        "starts the same way prefills only the rest (chat, serve, batch; device memory on accelerators); 0 = off",
+        lo=0
+    )
+    prefix_spill_bytes: int | str = _key(
+        "model", "auto", "Host memory for prefix snapshots spilled from a full prefix_cache_bytes (auto: as much on "
+        "accelerators, 0 on the CPU, where both are host memory)", lo=0, auto=True
+    )
     threads: int | None = _key(
         "model", None, "CPU threads for torch (unset: 1 for a model under 100M parameters, else every core)", lo=1,
         hi=1024,  # torch's OpenMP runtime crashes at 2048

@@ -27,6 +27,7 @@ from dsv4cli.units import human_bytes
 # thread (benchmarks/threads.py: 35 -> ~1 tok/s on 2 cores with one busy).
 SMALL_MODEL_PARAMETERS = 100_000_000
 LONG_RUNNING = ("chat", "serve", "batch")    # verbs whose engine outlives a cold compile (auto on the CPU)
+PREFIX_VERBS = ("chat", "serve", "batch")    # verbs whose prompts share prefixes: they keep a prefix store
 # A CPU batch job of fewer tokens than this (requests x max_tokens) ends before a compile beside it pays
 # off: a cold compile takes 2-3 min while the eager steps run a third slower, then 5-10x faster; 400
 # requests of 48 tokens (19,200) ran 54-55 s eager and 70-74 s with a compile that never finished.
@@ -95,8 +96,9 @@ def model_config(s: Settings) -> ModelConfig:
 
 
 def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
-    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory);
-    returns the model's parameter count and weight bytes (a card's, under --tp)."""
+    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory: weights, decode
+    state and the prefix store's device memory); returns the model's parameter count and weight bytes (a
+    card's, under --tp)."""
     if s.max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--max-seq-len {s.max_seq_len}: above the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
@@ -109,12 +111,13 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
     except LoadError as e:
         raise UsageError(str(e)) from None
     state = decode_state_bytes(cfg, s, dtype)
-    free = platforms.for_device(device).free_memory(device)
-    if weights + state > free:
+    free, store = platforms.for_device(device).free_memory(device), s.prefix_cache_bytes
+    if weights + state + store > free:
         card = " per card" if s.tp > 1 else ""
-        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state)}"
+        cache = f", prefix cache {human_bytes(store)} (--prefix-cache-bytes)" if store else ""
+        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state + store)}"
                          f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
-                         f"{s.max_batch} x --max-seq-len {s.max_seq_len}); {human_bytes(free)} is free")
+                         f"{s.max_batch} x --max-seq-len {s.max_seq_len}{cache}); {human_bytes(free)} is free")
     return parameters, weights
 
 
@@ -183,11 +186,20 @@ def build_engine(s: Settings, device: torch.device, compile_apart: bool = False)
     if s.mtp != "auto" and cfg.drafter == "dspark" and s.mtp > cfg.dspark_block_size:
         raise UsageError(f"--mtp {s.mtp}: above the checkpoint's DSpark block size {cfg.dspark_block_size} (one "
                          f"pass drafts {cfg.dspark_block_size} tokens; verifying more can't use them)")
-    # A chat turn resumes the previous turn's state; batch and generate prefill every prompt afresh.
+    # A chat turn resumes the previous turn's state; every prompt resumes the longest prefix in the store.
     return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
                   compile_in_background=compile_apart, isolate_failures=s.tp == 1,
-                  reload=functools.partial(load_weights, s, device) if compile_apart else None)
+                  reload=functools.partial(load_weights, s, device) if compile_apart else None,
+                  prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)))
+
+
+def spill_bytes(s: Settings, device: torch.device) -> int:
+    """The prefix store's host memory: prefix_spill_bytes, or auto's: as much as its device memory on an
+    accelerator, none where the device is the host (its spills would be copies within the same memory)."""
+    if s.prefix_spill_bytes != "auto":
+        return s.prefix_spill_bytes
+    return 0 if platforms.for_device(device).on_host_cores else s.prefix_cache_bytes
 
 
 def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_tokens: int | None = None) -> EngineAPI:
@@ -201,6 +213,8 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     device = pick_device(s.device)
     cfg = model_config(s)
     check_tp(s, cfg)
+    if verb not in PREFIX_VERBS:        # one prompt (generate), or decode timed alone (bench): no store
+        s = dataclasses.replace(s, prefix_cache_bytes=0)
     parameters, weights = check_limits(s, cfg, device)
     if platforms.for_device(device).on_host_cores:
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))

@@ -84,6 +84,12 @@ class Leader:
         self.engine.cancel(seq)
         self.pending.append(("cancel", seq.id))
 
+    def save_state(self, path: str, header: dict[str, str]) -> int:
+        raise ValueError("not under --tp: each rank holds a slice of the state")
+
+    def load_state(self, path: str, header: dict[str, str]) -> int:
+        raise ValueError("not under --tp: each rank holds a slice of the state")
+
     def step(self) -> list[Event]:
         try:
             self._send(self.pending)

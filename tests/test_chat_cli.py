@@ -8,6 +8,7 @@ import sys
 import pexpect
 
 from dsv4cli.chat.tui import printable
+from dsv4cli.config import BUNDLED_MODEL_DIR as BUNDLED
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -202,3 +203,51 @@ def test_the_terminal_shows_no_special_tokens(tmp_path):
     child.expect(">>> ")
     child.sendline("/exit")
     child.expect(pexpect.EOF)
+
+
+def test_a_saved_chat_resumes_from_its_state_without_a_prefill(tiny_model_dir, tmp_path):
+    """/save writes the decode state beside the transcript; `dsv4 chat --resume` loads both and answers the
+    next message as the chat would have gone on, prefilling only what follows the saved state (its summary:
+    `prompt N (M reused)`); a state another model made is refused in one line and the transcript loads."""
+    path, question = tmp_path / "chat.json", "What is 2 plus 3?"
+    base = [sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "6", "--ignore-eos"]
+
+    def piped(*args, lines):
+        r = subprocess.run([*base, *args], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                           timeout=120, env=chat_env(tmp_path))
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        return r
+
+    went_on = piped(lines=["Tell me a story about a fox.", "And one about a cat.", f"/save {path}", question])
+    state = tmp_path / "chat.json.safetensors"
+    saved = int(re.search(r"saved the decode state of (\d+) tokens to ", went_on.stderr)[1])
+    assert state.is_file() and saved > 20
+    resumed = piped("--resume", str(path), lines=[question])
+    assert f"resumed the decode state of {saved} tokens" in resumed.stderr
+    assert resumed.stdout.splitlines() == went_on.stdout.splitlines()[2:]
+
+    child = pexpect.spawn(sys.executable, [*base[1:], "--resume", str(path)], env=chat_env(tmp_path),
+                          dimensions=(40, 120), encoding="utf-8", timeout=60)
+    child.expect("Ctrl-D quits")
+    child.expect(">>> ")
+    child.sendline(question)
+    child.expect(r"6 tokens · prompt (\d+) \((\d+) reused\)")
+    prompt, reused = int(child.match[1]), int(child.match[2])
+    # everything before the last reply (whose re-rendered tokens may differ from those generated, as in a chat
+    # that went on): the new message is prefilled, not the conversation
+    assert reused >= saved - 6 - 1 and prompt - reused < 40
+    child.expect(">>> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
+
+    other = piped("--resume", str(path), "--model", str(BUNDLED), "--max-seq-len", "512", lines=[question])
+    refused = [line for line in other.stderr.splitlines() if line.startswith("error: ")]
+    assert refused == [f"error: {state}: state refused: made by another model ({tiny_model_dir.name}; this chat runs "
+                       "dsv4-tiny); the conversation loads without it"], other.stderr
+    assert "loaded 4 messages" in other.stderr and len(other.stdout.splitlines()) == 1
+
+    r = subprocess.run([*base, "--resume", str(tmp_path / "missing.json")], capture_output=True, text=True,
+                       timeout=120, env=chat_env(tmp_path))
+    assert r.returncode == 2 and r.stderr.strip().endswith("--resume " + str(tmp_path / "missing.json") +
+                                                           ": no such file")

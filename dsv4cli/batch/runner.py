@@ -147,8 +147,10 @@ class BatchRun:
         skipped = f", {self.skipped} already done" if self.skipped else ""
         totals, drafting = self.engine.totals, drafter_label(self.engine)
         accept = f" · {acceptance_text(totals)}" if totals.drafts else ""
+        cached = (f" · prefix cache {totals.prefix_hit_rate:.0%} of prompt tokens ({totals.cached_tokens} of "
+                  f"{totals.prompt_tokens})")
         return (f"{label} {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
-                f" · {self.rates()} · drafter {drafting}{accept}")
+                f" · {self.rates()}{cached} · drafter {drafting}{accept}")
 
 
 def count_lines(path: Path) -> int:

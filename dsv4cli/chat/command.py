@@ -1,17 +1,20 @@
 """`dsv4 chat`: talk with the model in the terminal; plain lines in and out when stdin is not a terminal.
 
 Each turn re-encodes the whole conversation with the DSV4 chat format; the engine resumes the previous
-turn's state and prefills only what follows the shared prefix. Ctrl-C stops a reply between two engine
-steps and keeps its text.
+turn's state and prefills only what follows the shared prefix. /save writes the engine's state beside the
+transcript, and /load (or --resume) puts it back, so a saved chat continues without a prefill. Ctrl-C stops a
+reply between two engine steps and keeps its text.
 """
 import atexit
 import contextlib
 import dataclasses
+import json
 import signal
 import sys
 import time
 from pathlib import Path
 
+import typer
 from rich.console import Console
 from rich.text import Text
 
@@ -23,7 +26,7 @@ from dsv4cli.openai.responses import visible_message
 from dsv4cli.options import CliOptions, model_options
 from dsv4cli.structured import format_grammar
 
-from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message
+from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message, state_file
 from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
 
 HISTORY_FILE = Path.home() / ".dsv4_history"
@@ -105,6 +108,10 @@ class Chat:
             self.console.print(rows_table("session", self.session.totals.rows()))
         if self.session.settings.mtp != self.engine.mtp:   # /set mtp or /load
             self.rebuild_engine()
+        if outcome.action == "saved":
+            self.save_state(outcome.path)
+        elif outcome.action == "loaded":
+            self.load_state(outcome.path)
 
     def grammar(self):
         """The answers' grammar for the format setting (None: text), made once per format and thinking mode."""
@@ -115,7 +122,7 @@ class Chat:
         return self.grammars[s.format, s.thinking]
 
     def error(self, message: str) -> None:
-        self.console.print(Text(f"error: {message}", style="red"))
+        self.console.print(Text(f"error: {message}", style="red"), soft_wrap=True)     # one line, however long
 
     def rebuild_engine(self) -> None:
         """A new engine for the new drafts setting (mtp); the model stays loaded."""
@@ -125,6 +132,38 @@ class Chat:
         except ValueError as e:
             self.session.settings = dataclasses.replace(s, mtp=old.mtp)
             self.error(f"mtp {s.mtp}: {e}")
+
+    def state_header(self) -> dict[str, str]:
+        """What a state file names besides the engine's identity; the encoding must match to load it."""
+        s = self.session.settings
+        return {"model": s.model_name, "encoding": self.session.encoding,
+                "settings": json.dumps({name: getattr(s, name) for name in SETTABLE if name != "system"})}
+
+    def save_state(self, transcript: Path) -> None:
+        """The engine's state of the conversation beside its transcript (an older one there is removed)."""
+        path = state_file(transcript)
+        try:
+            n = self.engine.save_state(str(path), self.state_header())
+        except (ValueError, OSError) as e:
+            self.error(f"the decode state was not saved: {e}")
+            return
+        if n:
+            self.console.print(Text(f"saved the decode state of {n} tokens to {path}"))
+        else:
+            path.unlink(missing_ok=True)
+
+    def load_state(self, transcript: Path) -> None:
+        """The state saved beside a transcript into the engine, which the next reply resumes; a state of another
+        model or encoding is refused in one line (the transcript stays loaded)."""
+        path = state_file(transcript)
+        if not path.is_file():
+            return
+        try:
+            n = self.engine.load_state(str(path), self.state_header())
+        except ValueError as e:
+            self.error(f"{path}: state refused: {e}; the conversation loads without it")
+            return
+        self.console.print(Text(f"resumed the decode state of {n} tokens: the next reply prefills only what follows"))
 
     def show(self, part: str) -> None:
         s = self.session
@@ -234,7 +273,10 @@ def setup_readline() -> None:
     atexit.register(save_history)
 
 
-def run_chat(s: Settings) -> int:
+def run_chat(s: Settings, resume: Path | None = None) -> int:
+    """The chat; `resume`: a transcript /save wrote, loaded first (with its decode state, when one is beside it)."""
+    if resume is not None and not resume.is_file():
+        raise UsageError(f"--resume {resume}: no such file")
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     try:
         # one conversation: one sequence's cache, which each turn resumes
@@ -248,12 +290,19 @@ def run_chat(s: Settings) -> int:
         raise UsageError(f"--format: {e}") from None
     if tty:
         setup_readline()
+    if resume is not None:
+        outcome = chat.session.command(f"/load {resume}")
+        if outcome.error:
+            raise UsageError(f"--resume: {outcome.message}")
+        chat.handle(outcome)
     return chat.run()
 
 
 @model_options("system", "system_file", "thinking", "reasoning_effort", "format")
-def chat(opts: CliOptions) -> int:
+def chat(opts: CliOptions, resume: Path | None = typer.Option(
+        None, "--resume", help="Continue a chat /save wrote: its transcript, and its decode state when beside it "
+        "(FILE.safetensors), so the next reply prefills only what follows", dir_okay=False)) -> int:
     """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
     When stdin is not a terminal: one message per line in, one reply per line out."""
     settings, _ = opts.resolve()
-    return run_chat(settings)
+    return run_chat(settings, resume)

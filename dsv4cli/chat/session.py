@@ -27,8 +27,8 @@ COMMANDS = {  # name: (arguments, what it does)
               "show the settings, the model, the rendered prompt; logprobs: the last reply's (/set logprobs N)"),
     "/tools": ("[FILE]", "offer the tools in a JSON file (OpenAI form) to the model; without FILE remove them"),
     "/stats": ("", "totals for this session"),
-    "/save": ("FILE", "write the conversation and settings as JSON"),
-    "/load": ("FILE", "read a conversation written by /save"),
+    "/save": ("FILE", "write the conversation and settings as JSON, and its decode state beside it (FILE.safetensors)"),
+    "/load": ("FILE", "read a conversation written by /save; with its state, the next reply prefills only what is new"),
     "/exit": ("", "quit (or Ctrl-D)"),
 }
 SHOW_PARTS = ("settings", "model", "prompt", "logprobs")
@@ -46,8 +46,9 @@ class Outcome:
     """What a slash command tells the front end."""
     message: str = ""           # a line to print
     error: bool = False
-    action: str | None = None   # "reply": answer the last user message; "show"; "stats"; "exit"
+    action: str | None = None   # "reply": answer the last user message; "show"; "stats"; "exit"; "saved"; "loaded"
     part: str = ""              # for "show": one of SHOW_PARTS, or "" for all
+    path: Path | None = None    # for "saved" and "loaded": the transcript's file (its state goes beside it)
 
 
 @dataclass
@@ -244,7 +245,7 @@ class ChatSession:
             os.replace(tmp, path)
         except OSError as e:
             raise UsageError(f"/save {arg}: {e.strerror}") from None
-        return Outcome(f"saved {len(self.transcript)} messages to {path}")
+        return Outcome(f"saved {len(self.transcript)} messages to {path}", action="saved", path=path)
 
     def _load(self, arg: str) -> Outcome:
         if not arg:
@@ -274,10 +275,15 @@ class ChatSession:
         values["system"] = messages[0]["content"] if has_system else ""
         self.settings = without_unlimited(dataclasses.replace(self.settings, **values))
         self.messages, self.start = messages[has_system:], 0
-        return Outcome(f"loaded {len(messages)} messages from {arg}")
+        return Outcome(f"loaded {len(messages)} messages from {arg}", action="loaded", path=Path(arg).expanduser())
 
     def _exit(self, arg: str) -> Outcome:
         return Outcome(action="exit")
+
+
+def state_file(transcript: Path) -> Path:
+    """Where /save puts a conversation's decode state: beside its transcript."""
+    return transcript.with_name(transcript.name + ".safetensors")
 
 
 def read_message(read: Callable[[str], str], prompt: str = ">>> ", more: str = "... ") -> str:

@@ -65,6 +65,18 @@ class EngineAPI(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def save_state(self, path: str, header: dict[str, str]) -> int:
+        """Write a chat's decode state (a one-slot engine's) and its tokens to `path`, with `header` (strings)
+        in its metadata; returns the positions saved (0: none yet, nothing written). ValueError where the
+        engine can't."""
+        ...
+
+    def load_state(self, path: str, header: dict[str, str]) -> int:
+        """Read a state `save_state` wrote into a one-slot engine, whose next prompt resumes it (no prefill of
+        what it holds); returns its positions. ValueError (one line) for a state of another model, dtype,
+        drafter or `header` (the chat encoding), or one the engine can't hold."""
+        ...
+
     def close(self) -> None:
         """Stop what runs beside the engine (a compile, other ranks)."""
         ...

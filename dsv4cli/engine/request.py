@@ -37,6 +37,11 @@ class Metrics:
         return (self.output_tokens - 1) / dt if dt > 0 else 0.0
 
     @property
+    def prefix_hit_rate(self) -> float:
+        """The share of the prompt whose state was reused (the prefix cache, or a chat's own slot)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
@@ -83,7 +88,7 @@ class Metrics:
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
-                "output_tokens": self.output_tokens,
+                "prefix_hit_rate": round(self.prefix_hit_rate, 4), "output_tokens": self.output_tokens,
                 "ttft_s": round(self.ttft, 6), "tpot_s": round(self.tpot, 6),
                 "tokens_per_s": round(self.tokens_per_s, 3), "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
@@ -123,6 +128,7 @@ class Sequence:
     metrics: Metrics = field(default_factory=Metrics)
     decoder: StreamDecoder | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)     # one per output id, when asked for
+    prefix_keys: list[bytes] | None = None     # the prompt's keys in the prefix store, once computed
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """The engine's host side, its scheduler: requests in, streamed tokens out, continuous batching.
 
-Each step: waiting requests take free slots (with prefix reuse, the slot whose state a prompt resumes
-furthest: `prefix.py`), admitted prompts are cut into chunks within the prefill budget, and the step's
+Each step: waiting requests take free slots with as much of their prompt's state as is held (a chat slot's own
+state, or the prefix store's longest snapshot: `prefix.py`), admitted prompts are cut into chunks within the
+prefill budget (ending at the store's snapshot boundaries), and the step's
 segments [prefill chunks; decode rows] go to the device side in one call (`runner.py`) — a compiled
 engine runs each chunk, padded to a bucket, in a call of its own first, since its graphs have static
 shapes. The host reads each call's packed tensor once and does the bookkeeping: metrics, detokenising
@@ -19,7 +20,7 @@ from .api import ModelInfo
 from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
-from .prefix import SlotHistory
+from .prefix import PrefixReuse
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingParams, needs_sort, plain_greedy
@@ -48,16 +49,23 @@ def chunk_bucket(rows: int, longest: int) -> int:
     return min(max(MIN_CHUNK, 1 << (rows - 1).bit_length()), longest)
 
 
-def prefill_chunks(prefilling: list[Sequence], budget: int, longest: int) -> list[tuple[Sequence, int, int]]:
+def prefill_chunks(prefilling: list[Sequence], budget: int, longest: int, boundary: int = 0) \
+        -> list[tuple[Sequence, int, int]]:
     """A step's prefill chunks (request, a, b) of at most `longest` rows, oldest request first, up to `budget`
-    tokens (a chunk is cut to fit)."""
+    tokens (a chunk is cut to fit). With a `boundary`, a chunk that would run past a multiple of it before its
+    prompt's last token ends there instead, and is the request's last this step: the prefix store snapshots
+    its state there after the step."""
     chunks = []
     for seq in prefilling:
         a, n = seq.prefilled, len(seq.prompt_ids)
         while budget > 0 and a < n:
             b = min(a + longest, a + budget, n)
+            edge = min(b, n - 1) // boundary * boundary if boundary else 0
+            b = edge if edge > a else b
             chunks.append((seq, a, b))
             budget, a = budget - (b - a), b
+            if b == edge:
+                break
     return chunks
 
 
@@ -85,20 +93,20 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int | str = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
-                 reload=None, isolate_failures: bool = True):
+                 reload=None, isolate_failures: bool = True, prefix_cache: tuple[int, int] = (0, 0)):
         """`mtp`: drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step
         verifying as many as pay off (`draft_length.py`); the MTP layer drafts 1. `reuse_prefix`: a new prompt
-        starts where a free slot's state stops matching it (a chat turn resumes the previous one); off by default, as
-        batch output must not depend on slot history. `compile`: steps compiled per key, in the background
-        when `compile_in_background` (in a process of its own given `reload`, a picklable call that loads
-        this model and tokenizer again: `loading.load_weights`). `isolate_failures`: a step that raises
-        fails the requests in it and the engine goes on (`step`); off, it raises (the ranks of --tp must
-        all take the same steps)."""
+        starts where a free slot's state stops matching it (a chat turn resumes the previous one). `prefix_cache`:
+        the prefix store's bytes of device and of host memory (`prefix_store.py`; 0 device bytes: none).
+        `compile`: steps compiled per key, in the background when `compile_in_background` (in a process of its
+        own given `reload`, a picklable call that loads this model and tokenizer again: `loading.load_weights`).
+        `isolate_failures`: a step that raises fails the requests in it and the engine goes on (`step`); off, it
+        raises (the ranks of --tp must all take the same steps)."""
         self.tok, self.reload = tokenizer, reload
         self.max_batch, self.max_seq_len, self.mtp = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
         self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
-        self.reuse_prefix, self.isolate_failures = reuse_prefix, isolate_failures
+        self.reuse_prefix, self.isolate_failures, self.prefix_cache = reuse_prefix, isolate_failures, prefix_cache
         shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=drafter_depth(model.cfg, mtp),
                      reuse_prefix=reuse_prefix, confidences=mtp == "auto" and model.cfg.drafter == "dspark")
         remake = (functools.partial(remade, reload, {**shape, "graphs": False})
@@ -111,11 +119,11 @@ class Engine:
         self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
         self.graphs, self.constraints = graphs, Constraints(tokenizer, self.runner.state, self.mtp_depth)
         self.slots: list[Sequence | None] = [None] * max_batch
-        self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
+        self.prefixes = PrefixReuse(model, self.runner.state.cache, max_batch, reuse_prefix, prefix_cache,
+                                    self.mtp_depth)
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
-        self.totals = Metrics()
-        self.failed_steps = 0          # in a row
+        self.totals, self.failed_steps = Metrics(), 0          # failed steps: in a row
         self._ids = itertools.count()
 
     # ---- API ---------------------------------------------------------------------------------
@@ -148,7 +156,8 @@ class Engine:
         """A new engine on the same loaded model with another batch size or MTP depth."""
         return Engine(self.model, self.tok, max_batch, self.max_seq_len, mtp, self.prefill_chunk, self.prefill_budget,
                       self.graphs, self.reuse_prefix, self.compiled is not None if compile is None else compile,
-                      self.compiled is not None and self.compiled.background, self.reload, self.isolate_failures)
+                      self.compiled is not None and self.compiled.background, self.reload, self.isolate_failures,
+                      self.prefix_cache)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -162,6 +171,14 @@ class Engine:
     def model_info(self) -> ModelInfo:
         return ModelInfo.of(self.model)
 
+    def save_state(self, path: str, header: dict[str, str]) -> int:
+        """A chat's state (a one-slot engine's) into a file: `PrefixReuse.save`."""
+        return self.prefixes.save(path, header)
+
+    def load_state(self, path: str, header: dict[str, str]) -> int:
+        """A chat's state from a file into a one-slot engine's free slot: `PrefixReuse.load`."""
+        return self.prefixes.load(path, header, free=self.slots == [None])
+
     def step(self) -> list[Event]:
         """Admit waiting requests, then prefill chunks within the token budget (a request whose last chunk runs
         gives its first token and joins decoding) and one decode step for the streams running before the step.
@@ -173,15 +190,15 @@ class Engine:
         slot's state is position-addressed, so a half-run step leaves nothing it reads). After MAX_FAILED_STEPS
         failed steps in a row it raises EngineFailed."""
         events = []
-        while self.waiting and None in self.slots:
-            seq = self.waiting.pop(0)
+        while None in self.slots and (i := self.prefixes.ready(self.waiting, self.prefilling)) is not None:
+            seq = self.waiting.pop(i)
             try:
                 self._assign(seq)
             except Exception as e:      # noqa: BLE001 - this request fails, the others go on
                 if not self.isolate_failures:
                     raise
                 events.append(self._fail(seq, e))
-        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk)
+        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk, self.prefixes.boundary)
         running = streams_to_decode([s for s in self.slots if s is not None and s not in self.prefilling], chunks)
         try:
             if self.compiled is None:             # one call: the chunks, then the decode rows
@@ -212,17 +229,11 @@ class Engine:
     # ---- admission ---------------------------------------------------------------------------
 
     def _assign(self, seq: Sequence) -> None:
-        """A free slot for a waiting request (with prefix reuse, the one whose state it resumes
-        furthest); its prefill starts at the next step."""
-        cache = self.runner.state.cache
-        free = [i for i, s in enumerate(self.slots) if s is None]
-        starts = {i: self.history[i].resume_point(seq.prompt_ids, cache.lookback, cache.ring)
-                  if self.reuse_prefix else 0 for i in free}
-        slot = max(free, key=lambda i: (starts[i], -i))
-        reused = starts[slot]      # prompt tokens whose state the slot holds
+        """A free slot for a waiting request, with the state of as much of its prompt as is held (`prefix.py`);
+        its prefill starts at the next step."""
+        slot, reused = self.prefixes.place(seq, [i for i, s in enumerate(self.slots) if s is None])
         self.constraints.admit(slot, seq.params.grammar)
         self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
-        self.history[slot] = self.history[slot].resumed(reused, cache.ring)
         self.slots[slot], seq.slot, seq.metrics.cached_tokens, seq.prefilled = seq, slot, reused, reused
         self.prefilling.append(seq)
 
@@ -259,6 +270,7 @@ class Engine:
         steady = self.compiled is None or self.compiled.is_ready(key)
         t0 = time.perf_counter()
         packed = self.runner.run(key, *inputs)
+        self.prefixes.chunks_ran(chunks)
         if not (ending or nb):
             return []                       # nothing committed: nothing to read
         packed = packed.tolist()            # the one host read
@@ -294,7 +306,7 @@ class Engine:
                 for j in range(n + 1)]
             seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
             seq.metrics.t_last = now
-            self._record(i, tokens[: n + 1])
+            self.prefixes.record(i, tokens[: n + 1])
             events.append(self._emit(seq, tokens[: n + 1], scored))
         return events
 
@@ -302,14 +314,10 @@ class Engine:
 
     def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
         self.prefilling.remove(seq)
-        self._record(seq.slot, seq.prompt_ids + [first])
+        self.prefixes.record(seq.slot, seq.prompt_ids + [first])
         logprobs = None if scored is None else [TokenLogprob.from_scored(first, scored, seq.params.logprobs)]
         seq.metrics.t_first = seq.metrics.t_last = time.perf_counter()
         return self._emit(seq, [first], logprobs)
-
-    def _record(self, slot: int, tokens: list[int]) -> None:
-        if self.reuse_prefix:
-            self.history[slot].record(tokens, self.mtp_depth)
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
         """Committed tokens into the request's output (stop rules, grammar); a finished one frees its slot."""

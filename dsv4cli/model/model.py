@@ -189,6 +189,22 @@ class LayerCache:
                 setattr(view, name, t[index])
         return view
 
+    def carried(self, pos: int, window: int) -> dict[str, tuple[str, int, int]]:
+        """What a call starting at position `pos` reads of the positions before it, per tensor: ("ring", lo,
+        pos), the rows of positions [lo, pos) (the window's last window-1; a compressor's rows since its
+        last closed block, plus ratio 4's overlapping half of the block before), or ("blocks", 0, n), the
+        n blocks closed before `pos`. Whatever else a later call reads, it writes first."""
+        def ring(n: int) -> tuple[str, int, int]:
+            return "ring", max(pos - n, 0), pos
+        parts = {"win": ring(window - 1)}
+        if self.ratio:
+            rows = ring(pos % self.ratio + (block_span(self.ratio) - 1) * self.ratio)
+            parts |= {"compress_kv": rows, "compress_gate": rows, "compressed": ("blocks", 0, pos // self.ratio)}
+        if self.ratio == 4:
+            rows = ring(pos % 4 + 4)
+            parts |= {"idx_kv": rows, "idx_gate": rows, "idx_compressed": ("blocks", 0, pos // 4)}
+        return parts
+
 
 class DecodeState:
     """Preallocated KV / compressor state for up to `batch` sequences of `max_len` tokens.
@@ -204,7 +220,7 @@ class DecodeState:
         cfg = model.cfg
         device = device or model.embed.weight.device
         dtype = dtype or model.dtype
-        self.batch, self.max_len, self.max_draft = batch, max_len, max_draft
+        self.batch, self.max_len, self.max_draft, self.window = batch, max_len, max_draft, cfg.window_size
         # rows any call reads before its first position: the window, or a largest-ratio block's candidates
         self.lookback = max(cfg.window_size, LARGEST_RATIO) - 1
         self.ring = self.lookback + 1 + max_draft + 1 + spare

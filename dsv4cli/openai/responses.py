@@ -43,8 +43,10 @@ def tool_calls(calls: list[dict], prefix: str) -> list[dict]:
 
 
 def usage(seq: Sequence) -> dict:
+    """Token counts, and the prompt tokens whose state came from the prefix cache (OpenAI's cached_tokens)."""
     return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-            "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+            "total_tokens": len(seq.prompt_ids) + len(seq.output_ids),
+            "prompt_tokens_details": {"cached_tokens": seq.metrics.cached_tokens}}
 
 
 def visible_message(tok: Tokenizer, text: str, thinking: bool) -> dict:

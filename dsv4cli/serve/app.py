@@ -93,9 +93,11 @@ def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[Sa
 
 
 def usage(seqs: list[Sequence]) -> dict:
-    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated)."""
+    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated); the
+    prompt's cached tokens are its first sequence's."""
     prompt, completion_tokens = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": seqs[0].metrics.cached_tokens}}
 
 
 def indexed(chunks: list[dict], index: int) -> list[dict]:
