@@ -258,7 +258,9 @@ def reasoning_tokens(seq: Sequence, tok: Tokenizer, thinking: bool) -> int:
 
 def usage(seq: Sequence, tok: Tokenizer, thinking: bool) -> dict:
     prompt, output, reasoning = len(seq.prompt_ids), len(seq.output_ids), reasoning_tokens(seq, tok, thinking)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": seq.metrics.cached_tokens},
+    # the prefix store's writes are not counted per request: cache_write_tokens 0
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": seq.metrics.cached_tokens,
+                                                             "cache_write_tokens": 0},
             "output_tokens": output, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": prompt + output}
 
@@ -410,6 +412,6 @@ class ResponseEvents:
                        self._part("response.content_part.done")]
         return events + [self._event("response.output_item.done", output_index=len(self.items) - 1, item=item)]
 
-    def _event(self, name: str, **data) -> tuple[str, dict]:
+    def _event(self, kind: str, **data) -> tuple[str, dict]:
         self.count += 1
-        return name, {"type": name, "sequence_number": self.count - 1, **data}
+        return kind, {"type": kind, "sequence_number": self.count - 1, **data}
