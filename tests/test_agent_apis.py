@@ -240,6 +240,11 @@ def test_messages_fields_honoured_or_refused_in_anthropic_shape(server, generate
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="dsv4-tiny", max_tokens=4, messages=[{"role": "user", "content": [image]}])
     assert e.value.body["error"]["message"].startswith("messages[0].content[0]: image")
+    prefill = ask + [{"role": "assistant", "content": "The capital"}]     # a last assistant turn is continued
+    assert client.messages.create(model="dsv4-tiny", max_tokens=4, messages=prefill).content[0].text
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="dsv4-tiny", max_tokens=4, messages=prefill, thinking={"type": "adaptive"})
+    assert e.value.body["error"]["message"].startswith("messages: a last assistant turn (a prefill)")
     r = server.post("/v1/messages", {"model": "dsv4-tiny", "messages": ask})            # max_tokens is required
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("max_tokens:")
     with pytest.raises(anthropic.AuthenticationError) as e:
@@ -430,3 +435,15 @@ def test_tool_calls_stream_without_markup():
     assert json.loads(arguments) == {"city": "Paris"}
     assert parsed[-1]["type"] == "response.completed"
     assert [i["type"] for i in parsed[-1]["response"]["output"]] == ["message", "function_call"]
+
+
+def test_the_response_store_is_bounded():
+    """At most `size` responses and `limit` characters of them: the least recently used go first."""
+    store = responses_api.ResponseStore(size=2, limit=10_000)
+    for rid in ("a", "b"):
+        store.put(rid, {"id": rid}, [{"role": "user", "content": "Hi"}])
+    store.get("a")
+    store.put("c", {"id": "c"}, [])
+    assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
+    store.put("d", {"id": "d"}, [{"role": "user", "content": "x" * 10_000}])    # over the limit by itself
+    assert [store.get(rid) for rid in "acd"] == [None, None, None] and store.bytes == 0

@@ -44,10 +44,14 @@ STOP_REASONS = {"length": "max_tokens", "constraint": "end_turn"}     # else: st
 def parse(parser: BodyParser, body, counting: bool = False) -> Request:
     """A Messages body -> the Request its chat body parses into; `counting`: a count_tokens body (no
     max_tokens, no stream)."""
+    chat = chat_body(body, counting)
     try:
-        return parser.parse(chat_body(body, counting), chat=True, server=True)
+        req = parser.parse(chat, chat=True, server=True)
     except BadRequest as e:
         raise renamed(e, FIELD_NAMES) from None
+    if req.thinking and chat["messages"][-1].get("wo_eos"):
+        raise BadRequest("invalid_messages", "messages: a last assistant turn (a prefill) only without thinking")
+    return req
 
 
 def chat_body(body, counting: bool = False) -> dict:
@@ -73,7 +77,7 @@ def chat_body(body, counting: bool = False) -> dict:
         chat["tools"] = _tools(body["tools"])
     if "tool_choice" in body:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
-    chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"), thinking)
+    chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     return chat
 
 
@@ -186,7 +190,7 @@ def _blocks(content, place: str) -> list[dict]:
     return content
 
 
-def _messages(messages, thinking: bool | None) -> list[dict]:
+def _messages(messages) -> list[dict]:
     """Anthropic turns as chat messages: a user turn's tool_result blocks become tool messages (before its
     text, as DSV4 renders results in the user turn), an assistant turn's thinking, text and tool_use blocks
     one assistant message. A last assistant turn is a prefill the reply continues."""
@@ -203,9 +207,8 @@ def _messages(messages, thinking: bool | None) -> list[dict]:
         else:
             out.append(_assistant(content, f"{place}.content"))
     if out[-1]["role"] == "assistant":
-        if thinking or out[-1].get("tool_calls"):
-            raise BadRequest("invalid_messages", "messages: a last assistant turn (a prefill) only without "
-                                                 "thinking and tool_use")
+        if out[-1].get("tool_calls"):
+            raise BadRequest("invalid_messages", "messages: a last assistant turn (a prefill) cannot hold tool_use")
         out[-1]["wo_eos"] = True
     return out
 

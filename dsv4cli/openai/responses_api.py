@@ -15,7 +15,9 @@ from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, renamed
 from .responses import ChunkStream, visible_message
 
 RESPONSES_URL = "/v1/responses"
-STORED_RESPONSES = 1024     # conversations kept for previous_response_id, the least recently used dropped first
+# responses kept for previous_response_id and GET, the least recently used dropped first when there are more, or
+# when their JSON (body and conversation: a chain of n turns holds its start n times) passes the characters
+STORED_RESPONSES, STORED_BYTES = 1024, 256 << 20
 HONOURED = {"input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice", "reasoning", "text",
             "previous_response_id", "store", "include", "truncation"}
 HARMLESS = {
@@ -57,21 +59,24 @@ class Turn:
 
 class ResponseStore:
     """Finished responses by id: each one's body (GET) and conversation (previous_response_id), at most
-    STORED_RESPONSES of them, in memory: a restart forgets them."""
+    `size` of them and `limit` characters of their JSON, in memory: a restart forgets them."""
 
-    def __init__(self, size: int = STORED_RESPONSES):
-        self.size, self.items = size, OrderedDict()
+    def __init__(self, size: int = STORED_RESPONSES, limit: int = STORED_BYTES):
+        self.size, self.limit, self.bytes = size, limit, 0
+        self.items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
 
     def put(self, rid: str, body: dict, messages: list[dict]) -> None:
-        self.items[rid] = (body, messages)
-        self.items.move_to_end(rid)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        size = len(json.dumps([body, messages], ensure_ascii=False))
+        self.items[rid] = (body, messages, size)
+        self.bytes += size
+        while len(self.items) > self.size or self.bytes > self.limit:
+            self.bytes -= self.items.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[dict, list[dict]] | None:
-        if rid in self.items:
-            self.items.move_to_end(rid)
-        return self.items.get(rid)
+        if rid not in self.items:
+            return None
+        self.items.move_to_end(rid)
+        return self.items[rid][:2]
 
 
 def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
@@ -88,7 +93,8 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
         stored = store.get(previous) if isinstance(previous, str) else None
         if stored is None:
             raise BadRequest("previous_response_not_found", f"previous_response_id: {previous!r} is not stored here "
-                                                            f"(a restart forgets, and at most {store.size} are kept)")
+                                                            f"(not with store false; a restart forgets, and the least "
+                                                            f"recently used go when the store is full)")
         history = stored[1]
     _checked_options(body)
     messages = history + _input(body.get("input"))
@@ -124,9 +130,11 @@ def _checked_options(body: dict) -> None:
     if not isinstance(body.get("store", True), bool):
         raise BadRequest("invalid_parameter", "store: must be true or false")
     include = body.get("include") or []
-    if not isinstance(include, list) or (bad := next((v for v in include if v not in INCLUDED), None)) is not None:
+    if not isinstance(include, list):
+        raise BadRequest("invalid_parameter", "include: must be a list")
+    if (bad := next((v for v in include if v not in INCLUDED), None)) is not None:
         raise BadRequest("unsupported_parameter", f"include: {bad!r} is not supported (only "
-                                                  f"{', '.join(sorted(INCLUDED))})" if include else "include: a list")
+                                                  f"{', '.join(sorted(INCLUDED))})")
     if body.get("truncation", "disabled") != "disabled":
         raise BadRequest("unsupported_parameter", "truncation: only disabled (a prompt that does not fit is refused)")
 
@@ -148,11 +156,14 @@ def _reasoning(reasoning) -> dict:
 
 def _format(text) -> dict:
     """text.format -> chat's response_format (json_schema's name, schema, strict and description one level
-    up); text.verbosity is refused (no control over length but max_output_tokens)."""
+    up). text.verbosity: medium, the default, only (nothing sets a reply's length but max_output_tokens)."""
     if text is None:
         return {}
-    if not isinstance(text, dict) or set(text) - {"format"}:
-        raise BadRequest("unsupported_parameter", "text: only format is supported")
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise BadRequest("unsupported_parameter", "text: only format and verbosity are supported")
+    if text.get("verbosity", "medium") != "medium":
+        raise BadRequest("unsupported_parameter", "text.verbosity: only medium (the length is the model's; "
+                                                  "max_output_tokens bounds it)")
     fmt = text.get("format")
     if fmt is None:
         return {}

@@ -112,8 +112,9 @@ def agent_routes(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: st
     async def stored_response(request: Request) -> Response:
         stored = store.get(request.path_params["id"])
         if stored is None:
-            raise Refusal(404, f"{request.path_params['id']}: no such response (a restart forgets, and at most "
-                               f"{store.size} are kept)", "not_found", "id")
+            raise Refusal(404, f"{request.path_params['id']}: no such response stored (not with store false; a "
+                               f"restart forgets, and the least recently used go when the store is full)",
+                          "not_found", "id")
         return JSONResponse(stored[0])
 
     def in_anthropic_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callable:
