@@ -2,8 +2,10 @@
 OpenAI's Responses API through the real `openai` SDK, against a real server process on the bundled model; greedy
 answers checked against `dsv4 generate`'s engine and prompt building, tool round trips against chat completions
 on the same conversation."""
+import copy
 import json
 import threading
+import time
 
 import anthropic
 import jsonschema
@@ -131,8 +133,12 @@ def responses_items(events: list) -> list[dict]:
 
 def wire(server: Server, path: str, body: dict) -> list[tuple[str, dict]]:
     """A streamed reply's events as sent: (the `event:` line's name, the `data:` line's JSON)."""
+    return sse(server.post(path, body | {"stream": True}).text)
+
+
+def sse(text: str) -> list[tuple[str, dict]]:
     events = []
-    for event in server.post(path, body | {"stream": True}).text.split("\n\n")[:-1]:
+    for event in text.split("\n\n")[:-1]:
         name, data = event.split("\n")
         events.append((name.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
     return events
@@ -393,6 +399,60 @@ def test_16_concurrent_streams_of_each_api(server, generate):
         t.join(300)
     expected = {i: generate(p)[1] for i, p in enumerate(PROMPTS)}
     assert results == {(api, i): expected[i] for api in ("messages", "responses") for i in range(16)}
+
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(server):
+    """Either API's stream closed mid-reply cancels its request: the slot is free at the next step."""
+    long = {"max_tokens": 4000, "extra_body": {"ignore_eos": True}}
+    streams = [lambda: claude(server).messages.create(model="dsv4-tiny", stream=True, **long, messages=[
+                   {"role": "user", "content": "Tell me a story."}]),
+               lambda: codex(server).responses.create(model="dsv4-tiny", stream=True, input="Tell me a story.",
+                                                      max_output_tokens=4000, extra_body={"ignore_eos": True})]
+    for start in streams:
+        stream = start()
+        events = iter(stream)
+        for _ in range(4):
+            next(events)
+        assert server.health()["running"] == 1
+        stream.close()
+        deadline = time.monotonic() + 20
+        while server.health()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.health()["running"] == 0
+
+
+def test_a_failed_request_is_an_error_in_each_api_shape(model, tok):
+    """The server's routes on an engine whose every step fails: a stream ends with Anthropic's error event or
+    Responses' response.failed, a reply is a 500 in the API's error shape."""
+    from starlette.testclient import TestClient
+
+    from dsv4cli.engine import Engine
+    from dsv4cli.serve.app import create_app
+    from dsv4cli.serve.loop import EngineLoop
+    from dsv4cli.serve.metrics import ServerMetrics
+
+    broken = copy.deepcopy(model)
+    broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
+    engine, metrics = Engine(broken, tok, max_batch=2, max_seq_len=128, mtp=0), ServerMetrics()
+    loop = EngineLoop(engine, 4, metrics, on_fatal=lambda: None)
+    loop.start()
+    ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    try:
+        with TestClient(create_app(loop, BodyParser(tok, SamplingParams(temperature=0), 128), tok, "tiny", metrics,
+                                   None, False)) as client:
+            events = sse(client.post("/v1/messages", json=ask | {"stream": True}).text)
+            assert [name for name, _ in events] == ["message_start", "ping", "error"]
+            assert events[-1][1]["error"]["type"] == "api_error"
+            assert events[-1][1]["error"]["message"].startswith("engine step failed:")
+            events = sse(client.post("/v1/responses", json={"input": "Hi", "stream": True}).text)
+            assert [name for name, _ in events] == ["response.created", "response.in_progress", "response.failed"]
+            assert events[-1][1]["response"]["status"] == "failed" and events[-1][1]["response"]["error"]["message"]
+            r = client.post("/v1/messages", json=ask)
+            assert r.status_code == 500 and r.json()["type"] == "error" and r.json()["error"]["type"] == "api_error"
+            r = client.post("/v1/responses", json={"input": "Hi"})
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    finally:
+        loop.stop()
 
 
 def test_tool_calls_stream_without_markup():

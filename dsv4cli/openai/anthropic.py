@@ -21,7 +21,7 @@ HARMLESS = {
     "cache_control": "prompts are cached without being asked (the prefix cache)",
     "service_tier": "one tier",
     "speed": "one speed",
-    "inference_geo": "it runs where it runs",
+    "inference_geo": "it runs on this machine",
     "diagnostics": "no cache-miss reasons are reported",
     "user_profile_id": "no accounts",
     "workspace_id": "no accounts",
@@ -38,7 +38,9 @@ FIELD_NAMES = {"stop": "stop_sequences", "response_format": "output_config.forma
 BLOCK_KEYS = {"text": {"text", "citations"}, "tool_use": {"id", "name", "input"},
               "tool_result": {"tool_use_id", "content", "is_error"}, "thinking": {"thinking", "signature"}}
 TOOL_KEYS = {"name", "description", "input_schema", "type", "cache_control", "strict"}
-STOP_REASONS = {"length": "max_tokens", "constraint": "end_turn"}     # else: stop_sequence, tool_use or end_turn
+# else stop_sequence, tool_use or end_turn; a grammar's dead end ("constraint", which Anthropic has no name for)
+# ends the turn
+STOP_REASONS = {"length": "max_tokens", "constraint": "end_turn"}
 
 
 def parse(parser: BodyParser, body, counting: bool = False) -> Request:
