@@ -80,6 +80,7 @@ class ResponseStore:
 
 
 def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
+    """A Responses body -> the Turn its chat body (after the stored conversation it continues) parses into."""
     if not isinstance(body, dict):
         raise BadRequest("invalid_request", "the body: must be a JSON object")
     for name in body:
@@ -96,8 +97,25 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
                                                             f"(not with store false; a restart forgets, and the least "
                                                             f"recently used go when the store is full)")
         history = stored[1]
+    chat = chat_body(body, history)
+    try:
+        req = parser.parse(chat, chat=True, server=True)
+    except BadRequest as e:
+        raise renamed(e, FIELD_NAMES) from None
+    effort = (body.get("reasoning") or {}).get("effort")
+    fields = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+              "previous_response_id": previous, "tools": body.get("tools", []),
+              "tool_choice": body.get("tool_choice", "auto"), "temperature": req.params.temperature,
+              "top_p": req.params.top_p, "parallel_tool_calls": True, "truncation": "disabled",
+              "reasoning": {"effort": effort if req.thinking else None, "summary": None},
+              "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
+              "store": body.get("store", True)}
+    return Turn(req, chat["messages"][1:] if body.get("instructions") else chat["messages"], fields, fields["store"])
+
+
+def chat_body(body: dict, history: list[dict]) -> dict:
+    """The chat body: the instructions as its system message, then the conversation and the input."""
     _checked_options(body)
-    messages = history + _input(body.get("input"))
     chat = {name: body[name] for name in PASSED_SAMPLING if name in body} | _reasoning(body.get("reasoning"))
     for name, key in (("max_output_tokens", "max_tokens"), ("stream", "stream")):
         if name in body:
@@ -110,20 +128,8 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise BadRequest("invalid_parameter", "instructions: must be a string")
-    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions else []) + messages
-    try:
-        req = parser.parse(chat, chat=True, server=True)
-    except BadRequest as e:
-        raise renamed(e, FIELD_NAMES) from None
-    effort = (body.get("reasoning") or {}).get("effort")
-    fields = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
-              "previous_response_id": previous, "tools": body.get("tools", []),
-              "tool_choice": body.get("tool_choice", "auto"), "temperature": req.params.temperature,
-              "top_p": req.params.top_p, "parallel_tool_calls": True, "truncation": "disabled",
-              "reasoning": {"effort": effort if req.thinking else None, "summary": None},
-              "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
-              "store": body.get("store", True)}
-    return Turn(req, messages, fields, body.get("store", True))
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    return chat | {"messages": system + history + _input(body.get("input"))}
 
 
 def _checked_options(body: dict) -> None:
