@@ -312,6 +312,8 @@ def test_responses_function_call_round_trip_continues_from_the_cache(server):
     jsonschema.validate(json.loads(call.arguments), SCHEMA)
     items = responses_items(list(client.responses.create(stream=True, **forced)))
     assert items == [{"type": "function_call", "text": call.arguments}]
+    with client.responses.stream(**forced) as stream:
+        assert [(i.name, i.arguments) for i in stream.get_final_response().output] == [(call.name, call.arguments)]
 
     result = "sunny, 21 C"
     turn = client.responses.create(previous_response_id=r.id, max_output_tokens=MAX_TOKENS, input=[
