@@ -41,8 +41,8 @@ def stream(api: str, url: str, prompt: str, max_tokens: int):
 
     if api == "messages":
         client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=600)
-        for e in client.messages.create(model="x", max_tokens=max_tokens, temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True},
+        for e in client.messages.create(model="x", max_tokens=max_tokens, stream=True,    # (no temperature argument)
+                                        extra_body={"temperature": 0, "ignore_eos": True},
                                         messages=[{"role": "user", "content": prompt}]):
             if e.type == "content_block_delta" and e.delta.type == "text_delta":
                 yield e.delta.text
