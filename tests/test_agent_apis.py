@@ -21,7 +21,7 @@ from dsv4cli.generate import prompt_ids
 from dsv4cli.loading import load_engine, sampling_params
 from dsv4cli.openai import anthropic as messages_api
 from dsv4cli.openai import responses_api
-from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.requests import BadRequest, BodyParser
 from dsv4cli.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "required": ["city", "days"],
@@ -509,3 +509,46 @@ def test_the_response_store_is_bounded():
     assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
     store.put("d", {"id": "d"}, [{"role": "user", "content": "x" * 10_000}])    # over the limit by itself
     assert [store.get(rid) for rid in "acd"] == [None, None, None] and store.bytes == 0
+
+
+ASK = [{"role": "user", "content": "Hi"}]
+# bodies each API refuses, and the field the error names (as the API names it, not as the chat body does)
+BAD_MESSAGES = [
+    ({"system": [{"type": "tool_use", "id": "x", "name": "n", "input": {}}]}, "system[0].type"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}]},
+     "messages[0].content[0].foo"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024, "x": 1}}, "thinking.x"),
+    ({"tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "tools": [WEATHER]},
+     "tool_choice.disable_parallel_tool_use"),
+    ({"tools": [WEATHER | {"strict": True}]}, "tools[0].strict"),
+    ({"output_config": {"effort": "huge"}}, "output_config.effort"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"not": {"type": "string"}}}}},
+     "output_config.format"),
+    ({"stop_sequences": [""]}, "stop_sequences"),
+    ({"logprobs": True}, "logprobs"),
+]
+BAD_RESPONSES = [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+    ({"input": []}, "input"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"reasoning": {"effort": "high", "x": 1}}, "reasoning.x"),
+    ({"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+]
+
+
+@pytest.mark.parametrize("api", ["messages", "responses"])
+def test_bad_bodies_name_the_field_as_the_api_does(api):
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    parser = BodyParser(tok, SamplingParams(), 4096)
+    cases = BAD_MESSAGES if api == "messages" else BAD_RESPONSES
+    for extra, field in cases:
+        with pytest.raises(BadRequest) as e:
+            if api == "messages":
+                messages_api.parse(parser, {"max_tokens": 8, "messages": ASK} | extra)
+            else:
+                responses_api.parse(parser, responses_api.ResponseStore(), {"input": "Hi"} | extra)
+        assert e.value.message.startswith(field + ":"), (extra, e.value.message)

@@ -8,7 +8,7 @@ import json
 from dsv4cli.engine import Sequence
 from dsv4cli.tokenizer import Tokenizer
 
-from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, renamed
+from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, refuse_unknown, renamed
 from .responses import ChunkStream, visible_message
 
 MESSAGES_URL = "/v1/messages"
@@ -91,8 +91,7 @@ def _thinking(value) -> bool | None:
     kinds = '{"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}'
     if not isinstance(value, dict) or value.get("type") not in ("enabled", "adaptive", "disabled"):
         raise BadRequest("invalid_parameter", f"thinking: must be {kinds}")
-    if unknown := next((k for k in value if k not in ("type", "budget_tokens", "display")), None):
-        raise BadRequest("unsupported_parameter", f"thinking.{unknown}: not supported")
+    refuse_unknown(value, ("type", "budget_tokens", "display"), "thinking")
     if value.get("display") not in (None, "summarized"):
         raise BadRequest("unsupported_parameter", "thinking.display: only summarized (the reasoning is returned)")
     return value["type"] != "disabled"
@@ -105,8 +104,7 @@ def _output_config(config) -> dict:
         return {}
     if not isinstance(config, dict):
         raise BadRequest("invalid_parameter", "output_config: must be an object with effort and/or format")
-    if unknown := next((k for k in config if k not in ("effort", "format")), None):
-        raise BadRequest("unsupported_parameter", f"output_config.{unknown}: not supported")
+    refuse_unknown(config, ("effort", "format"), "output_config")
     chat = {}
     if config.get("effort") is not None:
         chat["reasoning_effort"] = config["effort"]
@@ -130,8 +128,7 @@ def _tools(tools) -> list[dict]:
         if tool.get("type") not in (None, "custom"):
             raise BadRequest("unsupported_parameter", f"tools[{i}].type: {tool['type']}: server tools are not "
                                                       f"supported; give client tools (name, input_schema)")
-        if unknown := next((k for k in tool if k not in TOOL_KEYS), None):
-            raise BadRequest("unsupported_parameter", f"tools[{i}].{unknown}: not supported")
+        refuse_unknown(tool, TOOL_KEYS, f"tools[{i}]")
         if tool.get("strict"):
             raise BadRequest("unsupported_parameter", f"tools[{i}].strict: a call is held to its schema only when "
                                                       f'forced: give tool_choice {{"type": "any"}} or "tool"')
@@ -148,8 +145,7 @@ def _tool_choice(choice) -> str | dict:
     kinds = {"auto": "auto", "any": "required", "none": "none", "tool": None}
     if not isinstance(choice, dict) or choice.get("type") not in kinds:
         raise BadRequest("invalid_parameter", 'tool_choice: must be {"type": "auto" | "any" | "tool" | "none"}')
-    if unknown := next((k for k in choice if k not in ("type", "name", "disable_parallel_tool_use")), None):
-        raise BadRequest("unsupported_parameter", f"tool_choice.{unknown}: not supported")
+    refuse_unknown(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
     if choice.get("disable_parallel_tool_use") and choice["type"] != "tool":
         raise BadRequest("unsupported_parameter", 'tool_choice.disable_parallel_tool_use: only with {"type": '
                                                   '"tool"} (which makes exactly one call)')
@@ -171,7 +167,7 @@ def _text(content, place: str) -> str:
     if isinstance(content, str):
         return content
     blocks = _blocks(content, place)
-    if bad := next((i for i, b in enumerate(blocks) if b["type"] != "text"), None):
+    if (bad := next((i for i, b in enumerate(blocks) if b["type"] != "text"), None)) is not None:
         raise BadRequest("invalid_messages", f"{place}[{bad}].type: {blocks[bad]['type']}: only text blocks here")
     return "\n\n".join(b["text"] for b in blocks)
 
@@ -185,8 +181,7 @@ def _blocks(content, place: str) -> list[dict]:
         if kind not in BLOCK_KEYS:
             why = "is not supported: DSV4 reads text" if isinstance(kind, str) else "must be a content block"
             raise BadRequest("invalid_messages", f"{place}[{i}]: {kind if isinstance(kind, str) else 'this'} {why}")
-        if unknown := next((k for k in block if k not in BLOCK_KEYS[kind] | {"type", "cache_control"}), None):
-            raise BadRequest("unsupported_parameter", f"{place}[{i}].{unknown}: not supported")
+        refuse_unknown(block, BLOCK_KEYS[kind] | {"type", "cache_control"}, f"{place}[{i}]")
         if kind in ("text", "thinking") and not isinstance(block.get(kind), str):
             raise BadRequest("invalid_messages", f"{place}[{i}].{kind}: must be a string")
     return content

@@ -87,6 +87,12 @@ def renamed(e: BadRequest, names: dict[str, str]) -> BadRequest:
     return BadRequest(e.code, names[field[0]] + e.message[field.end():])
 
 
+def refuse_unknown(value: dict, known, place: str) -> None:
+    """An object's keys against those known: the first other one is an error naming it (`place.key`)."""
+    if (key := next((k for k in value if k not in known), None)) is not None:
+        raise BadRequest("unsupported_parameter", f"{place}.{key}: not supported")
+
+
 def load_json(raw: bytes):
     """A request's JSON text -> its value, or BadRequest: not JSON, nested deeper than the decoder goes, or
     holding a string that is not Unicode (a lone surrogate such as \\ud800, which no tokenizer or UTF-8

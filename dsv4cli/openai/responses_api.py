@@ -11,7 +11,7 @@ from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import Sequence
 from dsv4cli.tokenizer import Tokenizer
 
-from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, renamed
+from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, refuse_unknown, renamed
 from .responses import ChunkStream, visible_message
 
 RESPONSES_URL = "/v1/responses"
@@ -152,8 +152,7 @@ def _reasoning(reasoning) -> dict:
         return {}
     if not isinstance(reasoning, dict):
         raise BadRequest("invalid_parameter", "reasoning: must be an object with effort")
-    if unknown := next((k for k in reasoning if k not in ("effort", "summary", "generate_summary")), None):
-        raise BadRequest("unsupported_parameter", f"reasoning.{unknown}: not supported")
+    refuse_unknown(reasoning, ("effort", "summary", "generate_summary"), "reasoning")
     effort = reasoning.get("effort")
     if effort == "none":
         return {"thinking": False}
@@ -190,8 +189,7 @@ def _tools(tools) -> list[dict]:
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
             raise BadRequest("unsupported_parameter", f"tools[{i}].type: {kind}: only function tools are supported")
-        if unknown := next((k for k in tool if k not in ("type", "name", "description", "parameters", "strict")), None):
-            raise BadRequest("unsupported_parameter", f"tools[{i}].{unknown}: not supported")
+        refuse_unknown(tool, ("type", "name", "description", "parameters", "strict"), f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 
@@ -220,8 +218,7 @@ def _input(value) -> list[dict]:
         if kind not in ITEM_KEYS:
             raise BadRequest("invalid_messages", f"{place}.type: {kind}: not supported (messages, function_call, "
                                                  f"function_call_output and reasoning are)")
-        if unknown := next((k for k in item if k not in ITEM_KEYS[kind] | {"type", "id", "status"}), None):
-            raise BadRequest("unsupported_parameter", f"{place}.{unknown}: not supported")
+        refuse_unknown(item, ITEM_KEYS[kind] | {"type", "id", "status"}, place)
         if kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
