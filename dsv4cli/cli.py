@@ -57,7 +57,8 @@ VERBS = {
                   "into -o OUT.jsonl; --resume continues a run, --shard I/N answers one shard, `dsv4 batch merge` "
                   "joins the shards.", {"merge": "dsv4cli.batch.command:merge"}),
     "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
-                  "(/v1/chat/completions, /v1/completions, streaming), with continuous batching."),
+                  "(/v1/chat/completions, /v1/completions, /v1/responses, streaming) and Anthropic's "
+                  "/v1/messages, with continuous batching."),
     "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs the drafter (DSpark at each length and "
                   "auto, the MTP chain) at several batch sizes and prompt lengths, with peers."),
     "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "

@@ -31,7 +31,7 @@ def append_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]
         cut = full.find(s, max(0, len(seq.text) - len(s) + 1))
         if cut >= 0:
             full = full[:cut]
-            seq.finish_reason = "stop"
+            seq.finish_reason, seq.stopped_by = "stop", s
     seq.text = full
     ready = len(full) if seq.finished else max(seq.emitted, len(full) - longest + 1 if longest else len(full))
     text, seq.emitted = full[seq.emitted:ready], ready

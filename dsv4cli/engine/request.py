@@ -122,6 +122,7 @@ class Sequence:
     text: str = ""
     emitted: int = 0                # characters of `text` already streamed
     finish_reason: str | None = None
+    stopped_by: str | None = None   # the stop string that ended it (Anthropic's stop_sequence)
     error: str | None = None        # why the engine failed the request (finish_reason "error")
     slot: int = -1
     prefilled: int = 0              # prompt positions whose state is written (admission, in chunks)

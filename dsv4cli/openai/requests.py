@@ -7,6 +7,7 @@ or refused with an error naming it; no field is silently dropped (README, "Reque
 import dataclasses
 import functools
 import json
+import re
 from dataclasses import dataclass
 
 from dsv4cli.config import SAMPLING_KEYS, check
@@ -23,6 +24,9 @@ CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 # for max_tokens
 SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} | {"max_completion_tokens": "max_tokens"}
 # fields read elsewhere in this module
+# sampling fields the Anthropic and Responses translators hand on as they are: the extensions chat completions
+# takes (top_k, min_p, seed, ...), but the length and stop fields, which those APIs name their own way
+PASSED_SAMPLING = {name for name in SAMPLING_FIELDS if name not in ("max_tokens", "max_completion_tokens", "stop")}
 HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", "reasoning_effort", "logprobs",
             "top_logprobs", "tools", "tool_choice", "logit_bias", "response_format"}
 # accepted and without effect, for this reason
@@ -73,6 +77,20 @@ class BadRequest(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code, self.message = code, message
+
+
+def renamed(e: BadRequest, names: dict[str, str]) -> BadRequest:
+    """A chat body's error as a translated API names the field: `stop: ...` -> `stop_sequences: ...`."""
+    field = re.match(r"\w+", e.message)
+    if field is None or field[0] not in names:
+        return e
+    return BadRequest(e.code, names[field[0]] + e.message[field.end():])
+
+
+def refuse_unknown(value: dict, known, place: str) -> None:
+    """An object's keys against those known: the first other one is an error naming it (`place.key`)."""
+    if (key := next((k for k in value if k not in known), None)) is not None:
+        raise BadRequest("unsupported_parameter", f"{place}.{key}: not supported")
 
 
 def load_json(raw: bytes):

@@ -1,6 +1,7 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, vLLM's
-/tokenize and /detokenize, plus /health and /metrics. Handlers parse and answer; the engine thread
-(`loop.py`) does the rest.
+/tokenize and /detokenize, plus /health and /metrics; Anthropic's /v1/messages and OpenAI's /v1/responses
+(`agent_api.py`), and the Batch API (`batch_api.py`). Handlers parse and answer; the engine thread (`loop.py`)
+does the rest.
 
 What a handler lets through (how long a request may take to arrive is bounded in `http.py`): a Host header the
 server answers to (bound to a loopback address: loopback names only, so no web page reaches it by DNS
@@ -23,6 +24,7 @@ import hmac
 import itertools
 import json
 import re
+import secrets
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -43,38 +45,19 @@ from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.tokenizer import Tokenizer
 
+from .agent_api import agent_routes
 from .batch_api import batch_routes
 from .batches import Store
 from .errors import ERROR_TYPES, Refusal, error
-from .loop import Delta, EngineLoop, Job, QueueFull, Stopping
+from .jobs import disconnect, failure, finished, next_delta
+from .loop import EngineLoop, Job, QueueFull, Stopping
 from .metrics import ServerMetrics
 
 
-def bad_request(e: BadRequest) -> JSONResponse:
+def bad_request(e: BadRequest, answer: Callable = error) -> JSONResponse:
     """A parser error; the field it names (`temperature: must be in [0, 100]`) is OpenAI's `param`."""
     field = re.match(r"([\w.\[\]]+):", e.message)
-    return error(400, e.message, e.code, field[1] if field else None)
-
-
-def failure(delta: Delta) -> Refusal:
-    """The request's end when the engine failed it (500) or the server stopped first (503)."""
-    return Refusal(delta.status, delta.error, "server_shutting_down" if delta.status == 503 else None)
-
-
-async def disconnect(receive: Receive) -> None:
-    """Returns when the client goes away (the body is already read, so only http.disconnect is left)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def next_delta(job: Job, gone: asyncio.Task) -> tuple[int, Delta] | None:
-    """The request's next (sequence index, delta), or None when its client went away first."""
-    get = asyncio.ensure_future(job.queue.get())
-    await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if get.done():
-        return get.result()
-    get.cancel()
-    return None
+    return answer(400, e.message, e.code, field[1] if field else None)
 
 
 def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[SamplingParams]:
@@ -173,23 +156,30 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             "max_model_len": parser.max_seq_len}
 
     def authorized(request: Request) -> bool:
+        """The key as a bearer token or, as Anthropic's clients send it, in x-api-key."""
         if api_key is None:
             return True
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # the scheme is case-insensitive (RFC 7235); compare_digest: no timing tells how much of a key is right
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
+        given = request.headers.get("x-api-key")
+        if given is None:
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer":      # the scheme is case-insensitive (RFC 7235)
+                return False
+        # compare_digest: no timing tells how much of a key is right
+        return hmac.compare_digest(given.strip().encode(), api_key.encode())
 
-    def endpoint(handler: Callable[[Request], Awaitable[Response]], keyed: bool = True) -> Callable:
+    def endpoint(handler: Callable[[Request], Awaitable[Response]], keyed: bool = True,
+                 answer: Callable = error) -> Callable:
+        """A route: the key checked, refusals answered in `answer`'s shape (OpenAI's unless said)."""
         async def route(request: Request) -> Response:
             try:
                 if keyed and not authorized(request):
-                    raise Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                                  "invalid_api_key")
+                    raise Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` (or "
+                                       "`x-api-key: KEY`)", "invalid_api_key")
                 return await handler(request)
             except Refusal as e:
-                return error(e.status, e.message, e.code, e.param)
+                return answer(e.status, e.message, e.code, e.param)
             except BadRequest as e:
-                return bad_request(e)
+                return bad_request(e, answer)
             except ClientDisconnect:            # gone while sending its body: nobody reads an answer
                 return Response(status_code=499)
         return route
@@ -253,23 +243,8 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         if req.stream:
             alone = dataclasses.replace(req, include_usage=False)     # one usage chunk for all choices, at the end
             return EventStream(loop, job, req, [ChunkStream(alone, tok, model, number) for _ in range(req.n)], gone)
-        seqs: list[Sequence | None] = [None] * req.best_of
-        left = req.best_of
-        try:
-            while left:
-                item = await next_delta(job, gone)
-                if item is None:            # the client went away: nobody reads the answer
-                    return Response(status_code=499)
-                index, delta = item
-                if delta.error is not None:
-                    raise failure(delta)
-                if delta.done is not None:
-                    seqs[index], left = delta.done, left - 1
-        finally:
-            gone.cancel()
-            if left:
-                loop.cancel(job)
-        return JSONResponse(reply(req, seqs, number))
+        seqs = await finished(loop, job, gone, req.best_of)
+        return Response(status_code=499) if seqs is None else JSONResponse(reply(req, seqs, number))
 
     async def chat_completions(request: Request) -> Response | EventStream:
         return await completions(request, chat=True)
@@ -317,6 +292,9 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
               Route("/detokenize", endpoint(detokenize), methods=["POST"]),
               Route("/health", endpoint(health, keyed=False), methods=["GET"]),
               Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
+    # the agent APIs' ids carry a token of this run: a restarted server does not continue another's response
+    run = secrets.token_hex(3)
+    routes += agent_routes(loop, parser, tok, model, endpoint, parsed, submit, lambda: f"{run}{next(numbers)}")
     if store is not None:
         routes += batch_routes(store, loop, parser, model, endpoint, parsed, max_file_bytes, list(cors_origins))
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})

@@ -96,6 +96,6 @@ def run_serve(s: Settings) -> int:
                "max_file_bytes")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    streaming), with continuous batching."""
+    /v1/responses, streaming) and Anthropic's /v1/messages, with continuous batching."""
     settings, _ = opts.resolve()
     return run_serve(settings)
