@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from jsonl import chat, read_jsonl, write_jsonl
 
 from dsv4cli.batch.output import ResultFile
 from dsv4cli.batch.requests import RequestParser
@@ -28,20 +29,6 @@ def dsv4(*args):
 def start(*args):
     return subprocess.Popen([sys.executable, "-m", "dsv4cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def chat(cid, content, **body):
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": content}], **body}}
 
 
 def answers(records):

@@ -10,19 +10,10 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
+from jsonl import chat, write_jsonl
 from test_serve import Server
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def chat(cid, content, **body):
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": content}], **body}}
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
 
 
 def parse_jsonl(text):

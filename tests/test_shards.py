@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+from jsonl import chat, read_jsonl, write_jsonl
 
 from dsv4cli.batch.output import error_record
 from dsv4cli.batch.requests import BadLine
@@ -26,20 +27,6 @@ def dsv4(*args, env=None):
 def start(*args, env=None):
     return subprocess.Popen([sys.executable, "-m", "dsv4cli", *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, env={**ENV, **(env or {})})
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
-    return path
-
-
-def read_jsonl(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def chat(cid, content, **body):
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": content}], **body}}
 
 
 def answers(records):
