@@ -282,3 +282,15 @@ def test_shell_completion():
                                  ("dsv4 config show --syst", 3, "--system-file")):
         out = dsv4(COMP_WORDS=words, COMP_CWORD=str(cword), _DSV4_COMPLETE="complete_bash")
         assert out.returncode == 0 and expect in out.stdout.split(), (words, out.stdout, out.stderr)
+
+
+def test_the_quick_start_needs_no_numpy():
+    """`pip install -e .` brings no numpy (torch does not require it): the README's first command must answer
+    without it (the prefix store's digest of the weights reads their bytes with ctypes, not `.numpy()`)."""
+    blocked = ("import sys; sys.modules['numpy'] = None; from dsv4cli.cli import main; "
+               "sys.argv = ['dsv4', 'generate', '--prompt', 'What is the capital of France?', '--max-tokens', '8', "
+               "'--temperature', '0']; raise SystemExit(main())")
+    out = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, check=False,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("DSV4_")})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()

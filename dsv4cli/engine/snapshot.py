@@ -9,6 +9,7 @@ the rest of the slot holds positions a later call writes before it reads them.
 Tensors are named `layers.N.<field>` and `mtp.N.<field>` after the LayerCache fields; the `mtp.N` caches
 are the drafter's state (the MTP layer's window, or DSpark's per-stage rings of committed rows).
 """
+import ctypes
 import hashlib
 
 import torch
@@ -73,7 +74,8 @@ def state_identity(model: Transformer, drafter: bool) -> dict[str, str]:
     holds ("none" for plain decoding, which writes none)."""
     digest = hashlib.sha256(repr(model.cfg).encode())
     sample = [model.embed.weight[:4]] + [m.weight for m in model.modules() if isinstance(m, RMSNorm)]
-    for t in sample:
-        digest.update(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    for t in sample:       # the bytes as they are held (ctypes: numpy is not a dependency)
+        raw = t.detach().contiguous().view(torch.uint8).cpu()
+        digest.update(ctypes.string_at(raw.data_ptr(), raw.numel()))
     return {"model_id": digest.hexdigest()[:32], "dtype": str(model.dtype).removeprefix("torch."),
             "drafter": (model.cfg.drafter or "none") if drafter else "none"}
