@@ -47,11 +47,11 @@ def text_grammar(text: str, tok: Tokenizer, vocab: int, thinking: bool) -> Gramm
 
 
 def tool_grammar(tools: list[dict], choice, tok: Tokenizer, vocab: int, thinking: bool,
-                 answer: dict | None = None) -> Grammar:
-    """Tool calls in DSML: with `choice` "required" one or more calls of the offered tools, with a named
-    function ({"type": "function", "function": {"name": ...}}) one call of it, with "auto" either the
-    calls or an answer matching the JSON schema `answer`. Each call's arguments fit its parameters
-    schema: the properties in the schema's order, the required ones present, no others."""
+                 answer: dict | None = None, parallel: bool = True) -> Grammar:
+    """Tool calls in DSML: with `choice` "required" one or more calls of the offered tools (one without
+    `parallel`), with a named function ({"type": "function", "function": {"name": ...}}) one call of it,
+    with "auto" either the calls or an answer matching the JSON schema `answer`. Each call's arguments fit
+    its parameters schema: the properties in the schema's order, the required ones present, no others."""
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         chosen = [t for t in tools if t["function"]["name"] == name]
@@ -61,8 +61,8 @@ def tool_grammar(tools: list[dict], choice, tok: Tokenizer, vocab: int, thinking
         tools = chosen
     else:
         invoke = " | ".join(f"invoke_{i}" for i in range(len(tools)))
-        calls = (f'{_text(TOOL_CALLS_OPENING + chr(10), tok)} ({invoke}) ("\\n" ({invoke}))* '
-                 f'{_text(chr(10) + TOOL_CALLS_END, tok)}')
+        more = f' ("\\n" ({invoke}))*' if parallel else ""
+        calls = f'{_text(TOOL_CALLS_OPENING + chr(10), tok)} ({invoke}){more} {_text(chr(10) + TOOL_CALLS_END, tok)}'
     rules = [f"start: {'answer | calls' if choice == 'auto' else 'calls'}", f"calls: {calls}"]
     if choice == "auto":
         rules.append(f"answer: %json {json.dumps(_with_options(answer), ensure_ascii=False)}")

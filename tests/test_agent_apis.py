@@ -355,7 +355,7 @@ def test_previous_response_id(server):
 
 def test_responses_text_format_and_field_policy(server):
     """text.format json_schema (the SDK's responses.parse with a Pydantic model) is enforced; harmless fields
-    pass; refused fields and hosted tools are 400s naming the field."""
+    pass, parallel_tool_calls is echoed; refused fields and hosted tools are 400s naming the field."""
     from typing import Annotated
 
     from pydantic import BaseModel, Field
@@ -368,6 +368,7 @@ def test_responses_text_format_and_field_policy(server):
     r = client.responses.parse(model="dsv4-tiny", input=PROMPTS[0], text_format=City, max_output_tokens=200,
                                metadata={"k": "v"}, user="u1", parallel_tool_calls=False, prompt_cache_key="k")
     assert r.status == "completed" and isinstance(r.output_parsed, City) and r.metadata == {"k": "v"}
+    assert r.parallel_tool_calls is False
     for extra, param in (({"background": True}, "background"), ({"conversation": "c1"}, "conversation"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
                          ({"include": ["message.output_text.logprobs"]}, "include"),
@@ -519,7 +520,7 @@ BAD_MESSAGES = [
      "messages[0].content[0].foo"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0]"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024, "x": 1}}, "thinking.x"),
-    ({"tool_choice": {"type": "any", "disable_parallel_tool_use": True}, "tools": [WEATHER]},
+    ({"tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}, "tools": [WEATHER]},
      "tool_choice.disable_parallel_tool_use"),
     ({"tools": [WEATHER | {"strict": True}]}, "tools[0].strict"),
     ({"output_config": {"effort": "huge"}}, "output_config.effort"),

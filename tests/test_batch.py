@@ -438,6 +438,15 @@ def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_di
     [call] = choice.message.tool_calls
     assert call.id == "call_1_0" and call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
+    # two calls in one turn: both returned, or the first alone with parallel_tool_calls false
+    invoke = text[text.index(f"<{DSML}invoke"): text.index(f"\n{TOOL_CALLS_END}")]
+    two = text.replace(invoke, invoke + "\n" + invoke.replace("Paris", "Rome"))
+    for parallel, cities in ((True, ["Paris", "Rome"]), (False, ["Paris"])):
+        ask = chat(f"p{parallel}", "Weather?", tools=[WEATHER], parallel_tool_calls=parallel)
+        req2 = parser.parse(4, json.dumps(ask).encode())
+        seq = Sequence("p", req2.prompt_ids, req2.params, 0, output_ids=tok.encode(two), text=two, finish_reason="stop")
+        calls = ChatCompletion.model_validate(result_record(req2, seq, "tiny", tok)["response"]["body"]).choices[0]
+        assert [json.loads(c.function.arguments)["city"] for c in calls.message.tool_calls] == cities
     # the call and its result come back as later turns
     follow = {"custom_id": "f", "method": "POST", "url": "/v1/chat/completions",
               "body": {"tools": [WEATHER], "messages": [

@@ -139,3 +139,36 @@ def test_packed_int8_gemm_equals_int_mm(rows, monkeypatch):
     x = torch.randn(rows, 320, generator=g) * 4
     assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
     assert torch.equal(cpu.unpack_w8a8(packed), weight)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_widened_int8_weights_give_int_mms_sums(rows):
+    """A small int8 weight held as fp32 (`widen_w8a8`: CPUs where int8 GEMMs are slow) gives torch._int_mm's
+    sums bit for bit, at the widest input it is used for and with extreme values."""
+    g = torch.Generator().manual_seed(rows)
+    n = cpu.EXACT_FP32_IN
+    weight = torch.randint(-128, 128, (96, n), generator=g, dtype=torch.int8)
+    weight[0], weight[1] = -128, 127
+    scale = torch.rand(96, 1, generator=g) / 50
+    x = torch.randn(rows, n, generator=g) * 4
+    x[0] = x[0].abs()                       # row 0 quantises to 127s where it is largest
+    want = reference.w8a8_linear(x, weight, scale)
+    assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=weight.float()), want)
+    assert torch.equal(cpu.unpack_w8a8(weight.float()), weight)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8, 130])
+@torch.no_grad()
+def test_widened_stack_gives_the_reference_grouped_experts(tokens):
+    """The grouped experts on a widened stack (compiled steps on CPUs where int8 GEMMs are slow), both ways
+    (every expert over every row, and a gather per pair for few rows), and the eager loop reading it: the
+    reference's sums bit for bit, other ranks' experts adding nothing."""
+    moe = stacked(moe_layers(True)[1])
+    stack = cpu.widened(moe.stack)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=g)
+    weights = torch.rand(tokens, 3, generator=g)
+    local = torch.stack([torch.randperm(20, generator=g)[:3] - 2 for _ in range(tokens)])    # -2 .. 17 of 16
+    want = reference.grouped_experts(x, weights, local, moe.stack)
+    assert torch.equal(cpu.wide_grouped_experts(x, weights, local, stack), want)
+    torch.testing.assert_close(cpu.grouped_experts(x, weights, local, stack), want, rtol=1e-6, atol=1e-6)

@@ -234,8 +234,9 @@ def test_the_compiled_step_masks_as_the_eager_one(tok, tmp_path, monkeypatch):
 
 def test_tool_call_grammar_takes_the_offered_calls_and_nothing_else(tok):
     """The DSML of a call (as DSV4's template renders one) of an offered tool, arguments fitting its schema:
-    required takes one or more calls of any tool, a named function one call of it, auto the calls or the
-    answer; a missing required argument, an unknown tool or text before the calls is refused."""
+    required takes one or more calls of any tool (one without parallel calls), a named function one call of it,
+    auto the calls or the answer; a missing required argument, an unknown tool or text before the calls is
+    refused."""
     from dsv4cli.encoding import _render_tool_calls
 
     def call(name, **args):
@@ -255,6 +256,10 @@ def test_tool_call_grammar_takes_the_offered_calls_and_nothing_else(tok):
     assert takes(required, both) and takes(required, _render_tool_calls([call("now")]))
     assert takes(named, _render_tool_calls([call("now")])) and not takes(named, both)
     assert takes(auto, both) and takes(auto, '{"city": "Rome", "population": 3, "tags": []}')
+    for choice, answer in (("required", None), ("auto", CITY)):         # parallel_tool_calls false: one call
+        one = tool_grammar([WEATHER, NOW], choice, tok, tok.vocab_size, False, answer, parallel=False)
+        assert takes(one, _render_tool_calls([call("now")])) and takes(one, _render_tool_calls([weather]))
+        assert not takes(one, both)
     assert not takes(required, _render_tool_calls([call("get_weather", days=3)]))          # city missing
     assert not takes(required, _render_tool_calls([call("get_weather", city="x", days=9)]))     # days > 7
     assert not takes(required, _render_tool_calls([call("get_time")]))

@@ -9,8 +9,10 @@ block can cost more than it brings (ktransformers measured that). L = 0 is plain
 the others: its steps skip the block pass (the stages' rings still take the committed rows), so they cost
 what plain decoding costs and auto never picks what it expects to be slower than plain. Back from plain,
 a slot's drafts were made for positions it has passed: its row verifies none that step (the scheduler's
-per-row limits). Each length is first measured once (in order, at the start), then re-measured now and then
-(costs drift: a compiled step takes over, the batch grows).
+per-row limits). Each length is first measured once (in order, at the start), then re-measured now and then,
+as costs drift (the context grows, the machine gets busy): each length no more often than its step's expected
+loss against the best length's allows within EXPLORE of the decode time, so a length that can't pay (on a CPU,
+a long block at batch 1: 17-26 ms against plain's 5) is tried once in hundreds of steps, not every 64th.
 """
 import math
 
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from dsv4cli.model.model import world
 
-REFRESH_STEPS = 64     # steps between re-measuring the length measured longest ago
+REFRESH_STEPS = 64     # the fewest steps between two measurements of a length that isn't the best
+EXPLORE = 0.005        # the share of decode time that re-measuring the other lengths may lose, all together
 EMA = 0.3              # weight of a new measurement in a length's cost
 
 
@@ -34,6 +37,7 @@ class DraftLength:
         self.seen: dict[tuple[int, int], int] = {}          # (batch, L) -> the step it was last measured at
         self.steps = 0
         self.chosen: dict[int, int] = {}                    # L -> steps that verified it (for reports)
+
     def choose(self, batch: int, confidences: list[list[float]]) -> int:
         """The drafts to verify at `batch` rows (0: a plain step), for the running slots' next drafts'
         confidences."""
@@ -42,10 +46,18 @@ class DraftLength:
         unmeasured = [n for n in lengths if (batch, n) not in self.cost]
         if unmeasured:
             n = unmeasured[0]
-        elif self.steps % REFRESH_STEPS == 0:
-            n = min(lengths, key=lambda n: self.seen[batch, n])
         else:
-            n = max(lengths, key=lambda n: self.expected_tokens(n, confidences) / self.cost[batch, n])
+            rate = {n: self.expected_tokens(n, confidences) / self.cost[batch, n] for n in lengths}
+            n = best = max(lengths, key=rate.get)
+            # a step of n loses what it costs beyond the best length's time for the same tokens; spaced so
+            # each of the other lengths loses at most EXPLORE / len(others) of the best length's steps' time
+            share = EXPLORE / self.most * self.cost[batch, best]
+            spacing = {m: max(REFRESH_STEPS, self.cost[batch, m] * (1 - rate[m] / rate[best]) / share)
+                       for m in lengths if m != best}
+            due = {m: self.steps - self.seen[batch, m] - s for m, s in spacing.items()}
+            overdue = max(due, key=due.get, default=None)
+            if overdue is not None and due[overdue] >= 0:
+                n = overdue
         self.chosen[n] = self.chosen.get(n, 0) + 1
         return n
 

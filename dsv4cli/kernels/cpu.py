@@ -6,10 +6,12 @@ On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than 
 is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
 packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
 native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
-take oneDNN's prepacked layout where torch has it, else stay plain, and the reference's ops run.
+take oneDNN's prepacked layout where torch has it, else stay plain (small ones held as fp32 of their
+values: `torch._int_mm` is slow there), and the reference's ops run.
 Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
 the kernel is called directly (an op's dispatch costs ~20 us a call).
 """
+import dataclasses
 import functools
 
 import torch
@@ -24,6 +26,8 @@ from .reference import routed_experts as reference_routed_experts
 # Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
 # for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
 PACK_MIN_BYTES = 2 << 20
+# int8 x int8 sums of at most this many products are exact in fp32: |sum| <= 128 * 128 * 1024 = 2^24
+EXACT_FP32_IN = 1024
 CHECK_ROWS = 256      # rows per slice of pack_linear_fp32's bf16 check: no full-size temporaries at load
 # The indexer's [batch x rows x heads x blocks] products held at once by torch's scan: small enough to stay
 # in cache.
@@ -33,22 +37,39 @@ INDEXER_SLICE = 1 << 20
 # ---- packed weights ----------------------------------------------------------------------------
 
 def pack_w8a8(weight: torch.Tensor):
-    """The int8 weight [out, in] in a packed layout, or None where none is available or the weight is
-    small: the native few-row GEMM's (uint8), else oneDNN's blocked layout (an mkldnn tensor). Both give
-    `torch._int_mm`'s int32 sums, so the same results, bit for bit.
+    """The int8 weight [out, in] in a packed layout, or None where none is available: the native few-row
+    GEMM's (uint8), else oneDNN's blocked layout (an mkldnn tensor); a small weight stays plain, or is
+    widened to fp32 where int8 GEMMs are slow (`widen_w8a8`). All give `torch._int_mm`'s int32 sums, so the
+    same results, bit for bit.
 
     `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count, oneDNN's
     prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to 16 rows
     (`benchmarks/cpu_gemm.py`)."""
     if weight.numel() < PACK_MIN_BYTES:
-        return None
+        return widen_w8a8(weight)
     if native.packable(weight):
         return native.pack_int8(weight)
     return torch.ops.onednn.qlinear_prepack(weight, [1, weight.shape[1]]) if _onednn_int8() else None
 
 
+def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
+    """A small int8 weight held as fp32 of the same values, where int8 GEMMs are slow (`slow_int8`) and its
+    sums are exact in fp32: an fp32 GEMM then gives `torch._int_mm`'s sums, bit for bit. Else None."""
+    return weight.float() if weight.shape[-1] <= EXACT_FP32_IN and slow_int8() else None
+
+
+@functools.cache
+def slow_int8() -> bool:
+    """No native kernels and no exact oneDNN int8 (an AVX2-only CPU): `torch._int_mm` is all there is, and
+    it takes ~29 us per row of a 128 x 320 weight (linear in the rows) where an fp32 GEMM of 1-8 rows takes
+    10-20 us: 6-12x on a DSpark step's 4-5 rows."""
+    return not native.available() and not _onednn_int8()
+
+
 def unpack_w8a8(packed) -> torch.Tensor:
     """The plain int8 weight [out, in] back from `pack_w8a8`."""
+    if packed.dtype == torch.float32:
+        return packed.to(torch.int8)
     if packed.dtype == torch.uint8:
         return native.unpack_int8(packed)
     return packed.to_dense().t().contiguous()
@@ -112,7 +133,9 @@ def _(q, packed):
 
 
 def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`packed_int_mm`, the native kernel called directly in eager."""
+    """`packed_int_mm`, the native kernel called directly in eager; a widened weight's fp32 GEMM."""
+    if packed.dtype == torch.float32:
+        return torch.nn.functional.linear(q.float(), packed)
     if packed.dtype == torch.uint8 and not torch.compiler.is_compiling():
         return native.int8_mm(q, packed)
     return packed_int_mm(q, packed)
@@ -191,7 +214,7 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
 
 def projection(x, weight, scale, xq=None):
     """A float linear (scale None), or W8A8; the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
-    packed = weight if is_packed(weight) else None
+    packed = weight if is_packed(weight) or (scale is not None and weight.dtype != torch.int8) else None
     if scale is None:
         return torch.nn.functional.linear(x, weight.to(x.dtype)) if packed is None \
             else linear_fp32(x, weight, packed).to(x.dtype)
@@ -248,12 +271,62 @@ def _(x, weights, local, xq, xs, expert_weights, expert_scales, limit, shared):
     return x.new_empty(x.shape, dtype=torch.float32)
 
 
+def widen_experts(stack: ExpertStack) -> ExpertStack:
+    """The stack `widened` where `widen_w8a8` would widen each expert's weights: without it a compiled step
+    widens every (row, expert) pair's weight, a DSpark step of the bundled model 78 of them."""
+    small = max(stack.w13[0].numel(), stack.w2[0].numel()) < PACK_MIN_BYTES
+    if (stack.s13 is None or stack.wide is not None or not small
+            or max(stack.w13.shape[-1], stack.w2.shape[-1]) > EXACT_FP32_IN or not slow_int8()):
+        return stack
+    return widened(stack)
+
+
+def widened(stack: ExpertStack) -> ExpertStack:
+    """The stack with its int8 weights also held as fp32 of their values, [in, E*out]: a GEMM of a few rows
+    reads that layout ~1.5x as fast as its transpose."""
+    wide = tuple(w.float().flatten(0, 1).t().contiguous() for w in (stack.w13, stack.w2))
+    return dataclasses.replace(stack, wide=wide)
+
+
+def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
+    """The reference's grouped experts on a widened stack, the same sums bit for bit (int8 products summed
+    exactly in fp32), for a compiled graph. With at least half as many (row, expert) pairs as experts, each
+    projection is one GEMM of the rows against every expert's weight (a read of the stack, [E*out, in]), and
+    each pair takes its expert's part of its row; with fewer pairs, each pair's weight is gathered (a copy)."""
+    T, k = local.shape
+    E = experts.w13.shape[0]
+    w13, w2 = (w.view(w.shape[0], E, -1) for w in experts.wide)        # [in, E, out]
+    key = torch.where((local >= 0) & (local < E), local, E).flatten()
+    order = key.argsort(stable=True)
+    group, token = key[order], order // k
+    g, dense = group.clamp(max=E - 1), 2 * T * k >= E
+    q, sx = xq if xq is not None else quantize_per_token(x)
+    if dense:
+        acc = torch.mm(q.float(), experts.wide[0]).view(T, E, -1)[token, g]
+    else:
+        acc = torch.bmm(q.float()[token, None, :], w13[:, g].transpose(0, 1)).squeeze(1)
+    h = (acc * sx[token] * experts.s13[g, :, 0].float()).to(x.dtype)
+    h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
+    q, sx = quantize_per_token(h.to(x.dtype))
+    if dense:
+        pairs = torch.arange(len(g), device=g.device)
+        acc = torch.mm(q.float(), experts.wide[1]).view(len(g), E, -1)[pairs, g]
+    else:
+        acc = torch.bmm(q.float()[:, None, :], w2[:, g].transpose(0, 1)).squeeze(1)
+    out = (acc * sx * experts.s2[g, :, 0].float()).to(x.dtype).float()
+    out = torch.where((group < E)[:, None], out, 0.0)
+    return torch.zeros(T, out.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out)
+
+
 def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
     """The reference's grouped experts, the same sums. Eager, with the routing read on the host at no sync,
     each expert's rows go through its own slice of the stack in one GEMM a projection: the reference's
     int8 path gathers an expert's weight for every row (a 2,048-row prefill copied 670 MB a projection
-    of the bundled model). A compiled graph keeps the reference's static shapes."""
+    of the bundled model). A compiled graph keeps static shapes: the widened stack's own path, or the
+    reference's."""
     if torch.compiler.is_compiling():
+        if experts.wide is not None:
+            return wide_grouped_experts(x, weights, local, experts, xq)
         return reference_grouped_experts(x, weights, local, experts, xq)
     T, k = local.shape
     E = experts.w13.shape[0]
@@ -261,6 +334,9 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
     order = key.argsort(stable=True)
     counts = torch.bincount(key, minlength=E + 1).tolist()
     y = torch.zeros(T, experts.w2.shape[1], device=x.device, dtype=torch.float32)
+    w13, w2 = experts.w13, experts.w2
+    if experts.wide is not None:          # each expert's [out, in] as a view of the widened [in, E*out]
+        w13, w2 = (w.view(w.shape[0], E, -1).permute(1, 2, 0) for w in experts.wide)
     start = 0
     for e, n in enumerate(counts[:-1]):
         if n:
@@ -268,9 +344,9 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
             rows = sel // k
             rows_q = None if xq is None else (xq[0][rows], xq[1][rows])
             s13, s2 = (None, None) if experts.s13 is None else (experts.s13[e], experts.s2[e])
-            h = projection(x[rows], experts.w13[e], s13, rows_q)
+            h = projection(x[rows], w13[e], s13, rows_q)
             h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[sel, None]    # weight before w2
-            y.index_add_(0, rows, projection(h.to(x.dtype), experts.w2[e], s2).float())
+            y.index_add_(0, rows, projection(h.to(x.dtype), w2[e], s2).float())
         start += n
     return y
 

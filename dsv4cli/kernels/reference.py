@@ -14,7 +14,7 @@ import torch.nn.functional as F
 __all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token", "linear", "linear_fp32",
            "pack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "w8a8_linear", "sparse_attention",
            "indexer_scores", "topk_blocks", "moe_gate", "swiglu", "routed_experts", "grouped_linear",
-           "grouped_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head"]
+           "grouped_experts", "widen_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
 AMAX_FLOOR = 1e-4
@@ -26,12 +26,14 @@ class ExpertStack:
 
     w13 [E, 2*inter, dim] (each expert's w1 rows, then its w3 rows), w2 [E, dim, inter]: int8 with
     fp32 per-channel scales s13 [E, 2*inter, 1] and s2 [E, dim, 1], or float with scales None.
-    limit: the SwiGLU clamp (0 = none)."""
+    limit: the SwiGLU clamp (0 = none). wide: int8 w13 and w2 also held as fp32 of the same values, in a
+    layout of the platform's own, where its kernels read them so (`widen_experts`)."""
     w13: torch.Tensor
     w2: torch.Tensor
     s13: torch.Tensor | None
     s2: torch.Tensor | None
     limit: float
+    wide: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -265,6 +267,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: to
     q, sx = xq if xq is not None else quantize_per_token(x)
     acc = torch.bmm(weight[g].float(), q.float()[:, :, None]).squeeze(-1)
     return (acc * sx * weight_scale[g, :, 0].float()).to(x.dtype)
+
+
+def widen_experts(stack: ExpertStack) -> ExpertStack:
+    """The stack as this platform's grouped experts read it (the reference: as it is)."""
+    return stack
 
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, experts, xq=None) -> torch.Tensor:

@@ -71,6 +71,12 @@ class PackedWeight:
             self.packed = packed
             self.weight = nn.Parameter(self.weight.to("meta"), requires_grad=False)
 
+    def unpack(self) -> None:
+        """The plain weight back, the packed copy dropped."""
+        if self.packed is not None:
+            self.weight = nn.Parameter(self._unpack(self.packed), requires_grad=False)
+            self.packed = None
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.packed is not None:
@@ -635,10 +641,15 @@ class MoE(OpModule):
         expert's weight in place). With one world rank the host call runs the shared expert too (with
         more, its output joins after the all-reduce)."""
         experts = self.local_experts()
-        packed = any(lin.packed is not None for e in experts for lin in (e.w1, e.w2, e.w3))
-        if not (on_host and packed):
+        linears = [lin for e in experts for lin in (e.w1, e.w2, e.w3)]
+        # packed in a layout of the kernels' own (read in place), not merely widened (`widen_w8a8`)
+        packed = on_host and any(lin.packed is not None and self.ops.is_packed(lin.packed) for lin in linears)
+        if not packed:
             if self.stack is None:
+                for lin in linears:
+                    lin.unpack()              # the stack holds the experts' weights (widened there)
                 self.stack_experts()
+            self.stack = self.ops.widen_experts(self.stack)
             return
         self.stack = None          # packed now: each expert's weights are read where they are
         self.shared_inside = self.shared_experts is not None and world()[1] == 1

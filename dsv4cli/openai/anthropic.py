@@ -79,6 +79,8 @@ def chat_body(body, counting: bool = False) -> dict:
         chat["tools"] = _tools(body["tools"])
     if "tool_choice" in body:
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        if body["tool_choice"].get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
     chat["messages"] = _system(body.get("system")) + _messages(body.get("messages"))
     return chat
 
@@ -146,9 +148,8 @@ def _tool_choice(choice) -> str | dict:
     if not isinstance(choice, dict) or choice.get("type") not in kinds:
         raise BadRequest("invalid_parameter", 'tool_choice: must be {"type": "auto" | "any" | "tool" | "none"}')
     refuse_unknown(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
-    if choice.get("disable_parallel_tool_use") and choice["type"] != "tool":
-        raise BadRequest("unsupported_parameter", 'tool_choice.disable_parallel_tool_use: only with {"type": '
-                                                  '"tool"} (which makes exactly one call)')
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise BadRequest("invalid_parameter", "tool_choice.disable_parallel_tool_use: must be true or false")
     if choice["type"] != "tool":
         return kinds[choice["type"]]
     if not isinstance(choice.get("name"), str):

@@ -28,7 +28,7 @@ SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} |
 # takes (top_k, min_p, seed, ...), but the length and stop fields, which those APIs name their own way
 PASSED_SAMPLING = {name for name in SAMPLING_FIELDS if name not in ("max_tokens", "max_completion_tokens", "stop")}
 HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", "reasoning_effort", "logprobs",
-            "top_logprobs", "tools", "tool_choice", "logit_bias", "response_format"}
+            "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "response_format"}
 # accepted and without effect, for this reason
 HARMLESS = {
     "model": "a run serves the one model given by --model",
@@ -36,7 +36,6 @@ HARMLESS = {
     "metadata": "tags for stored completions: nothing is stored",
     "store": "nothing is stored",
     "stream_options": "options of streaming, which batch requests do not do (honoured by dsv4 serve)",
-    "parallel_tool_calls": "the model may call several tools in one turn; every call is returned",
 }
 # fields known to be unsupported, with what to do instead
 REFUSED = {
@@ -68,6 +67,7 @@ class Request:
     n: int = 1                      # choices returned (dsv4 serve only)
     best_of: int = 1                # candidates generated, the n most likely returned (completions, dsv4 serve)
     echo: str | None = None         # completions with echo: the prompt, which each choice's text starts with
+    parallel_tool_calls: bool = True    # false: one tool call at most (a forced call's grammar; else the first)
 
 
 class BadRequest(Exception):
@@ -178,17 +178,20 @@ class BodyParser:
             tools, choice = _tools(body, place)
             ids = self._chat_ids(body, place, thinking, effort, tools, fmt)
         else:
-            for name in ("tools", "tool_choice"):
+            for name in ("tools", "tool_choice", "parallel_tool_calls"):
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             ids = self._completion_ids(body, place)
-        params.grammar = self._grammar(fmt, tools, choice, thinking, place)
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise BadRequest("invalid_parameter", f"{place}parallel_tool_calls: must be true or false")
+        params.grammar = self._grammar(fmt, tools, choice, thinking, place, parallel)
         if params.grammar is not None and params.ignore_eos:
             raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format or a forced tool "
                                                   f"call (the grammar says where the reply ends)")
         prompt = body.get("prompt")
         echoed = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else None
-        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed)
+        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed, parallel)
 
     def tokenize(self, body) -> tuple[list[int], bool]:
         """A `/tokenize` body (vLLM's) -> the prompt's token ids, and whether each token's text is wanted
@@ -234,14 +237,15 @@ class BodyParser:
                 raise BadRequest("invalid_parameter", f"tokens[{i}]: must be a token id (0..{self.tok.vocab_size - 1})")
         return tokens
 
-    def _grammar(self, fmt: dict | None, tools: list, choice, thinking: bool, place: str):
+    def _grammar(self, fmt: dict | None, tools: list, choice, thinking: bool, place: str, parallel: bool):
         """What the reply must match: the forced tool calls (tool_choice required or named), else the
-        response format's JSON (or, with tools offered, that JSON or tool calls); None: free text."""
+        response format's JSON (or, with tools offered, that JSON or tool calls), one call at most without
+        `parallel`; None: free text."""
         schema = None if fmt is None else fmt.get("json_schema", {}).get("schema", ANY_OBJECT)
         forced = choice == "required" or isinstance(choice, dict)
         try:
             if forced or (schema is not None and tools):
-                return tool_grammar(tools, choice, self.tok, self.vocab, thinking, schema)
+                return tool_grammar(tools, choice, self.tok, self.vocab, thinking, schema, parallel)
             return None if schema is None else json_grammar(schema, self.tok, self.vocab, thinking)
         except ValueError as e:
             name = "tools" if forced or tools else "response_format"

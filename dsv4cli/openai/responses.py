@@ -66,7 +66,8 @@ def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: 
         if req.thinking:
             message["reasoning_content"] = parsed["reasoning_content"]
         if parsed["tool_calls"]:
-            message["tool_calls"] = tool_calls(parsed["tool_calls"], f"{number}_")
+            message["tool_calls"] = tool_calls(parsed["tool_calls"][:None if req.parallel_tool_calls else 1],
+                                               f"{number}_")
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         logprobs = chat_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
@@ -149,9 +150,9 @@ class ChunkStream:
 
     def _calls(self, calls: list[dict]) -> list[dict]:
         """A chunk with what the tool calls so far add: a new call's index, id, type, name and arguments so far,
-        then the arguments each call's grew by."""
+        then the arguments each call's grew by (the first call only, without parallel tool calls)."""
         deltas = []
-        for i, call in enumerate(calls):
+        for i, call in enumerate(calls[:None if self.req.parallel_tool_calls else 1]):
             if i == len(self.arguments):
                 deltas.append({"index": i, "id": f"call_{self.number}_{i}", "type": "function",
                                "function": {"name": call["name"], "arguments": call["arguments"]}})

@@ -19,7 +19,7 @@ RESPONSES_URL = "/v1/responses"
 # when their JSON (body and conversation: a chain of n turns holds its start n times) passes the characters
 STORED_RESPONSES, STORED_BYTES = 1024, 256 << 20
 HONOURED = {"input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice", "reasoning", "text",
-            "previous_response_id", "store", "include", "truncation"}
+            "previous_response_id", "store", "include", "truncation", "parallel_tool_calls"}
 HARMLESS = {
     "model": "a run serves the one model given by --model",
     "metadata": "tags, echoed in the response",
@@ -28,7 +28,6 @@ HARMLESS = {
     "prompt_cache_key": "prompts are cached without a key (the prefix cache)",
     "prompt_cache_retention": "the prefix cache keeps what its memory holds",
     "service_tier": "one tier",
-    "parallel_tool_calls": "the model may call several tools in one turn; every call is returned",
     "stream_options": "its one option pads events against observers of the network: none offline",
 }
 REFUSED = {
@@ -106,7 +105,7 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
     fields = {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
               "previous_response_id": previous, "tools": body.get("tools", []),
               "tool_choice": body.get("tool_choice", "auto"), "temperature": req.params.temperature,
-              "top_p": req.params.top_p, "parallel_tool_calls": True, "truncation": "disabled",
+              "top_p": req.params.top_p, "parallel_tool_calls": req.parallel_tool_calls, "truncation": "disabled",
               "reasoning": {"effort": effort if req.thinking else None, "summary": None},
               "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
               "store": body.get("store", True)}
@@ -117,7 +116,7 @@ def chat_body(body: dict, history: list[dict]) -> dict:
     """The chat body: the instructions as its system message, then the conversation and the input."""
     _checked_options(body)
     chat = {name: body[name] for name in PASSED_SAMPLING if name in body} | _reasoning(body.get("reasoning"))
-    for name, key in (("max_output_tokens", "max_tokens"), ("stream", "stream")):
+    for name, key in (("max_output_tokens", "max_tokens"), ("stream", "stream"), ("parallel_tool_calls",) * 2):
         if name in body:
             chat[key] = body[name]
     chat |= _format(body.get("text"))
