@@ -43,8 +43,9 @@ def wait_for_lines(path, n, proc):
     assert proc.poll() is None, "the run ended before it could be interrupted"
 
 
-# 24 chat requests of 12 tokens, every other one sampled without a seed (a seed derived from its custom_id)
-LONG = [chat(f"q{i}", f"Question {i}: say something.", max_completion_tokens=12, ignore_eos=True,
+# 24 chat requests of 32 tokens (a run of a few seconds, which the tests interrupt after 2-3 answers), every other
+# one sampled without a seed (a seed derived from its custom_id)
+LONG = [chat(f"q{i}", f"Question {i}: say something.", max_completion_tokens=32, ignore_eos=True,
              **({"temperature": 0.8} if i % 2 else {})) for i in range(24)]
 
 

@@ -899,9 +899,12 @@ class Transformer(OpModule):
         device = self.embed.weight.device
         ops, on_host = kernels.module_for(device), platforms.for_device(device).routes_on_host
         for module in self.modules():
+            packed = isinstance(module, PackedWeight)
+            if packed and not on_host:
+                module.unpack()        # by the kernels that packed it: this platform reads plain weights
             if isinstance(module, OpModule):
                 module.ops = ops
-            if on_host and isinstance(module, PackedWeight):
+            if packed and on_host:
                 module.pack()
         for moe in (m for m in self.modules() if isinstance(m, MoE)):
             moe.prepare_experts(on_host)
