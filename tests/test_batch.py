@@ -27,8 +27,14 @@ def dsv4(*args):
 
 
 def start(*args):
+    """The CLI as a user's shell starts it: Ctrl-C's signal at its default (a harness started in the
+    background hands its children SIGINT ignored, and Python then installs no handler)."""
     return subprocess.Popen([sys.executable, "-m", "dsv4cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV)
+                            stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=default_sigint)
+
+
+def default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def answers(records):
@@ -136,13 +142,13 @@ def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, lo
     assert r.returncode == 0, r.stderr
     first6 = {f"q{i}" for i in range(6)}
     assert answers(read_jsonl(out)) == {k: v for k, v in answers(reference).items() if k in first6}
-    r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Question 2: say something.", "-n", "12",
+    r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Question 2: say something.", "-n", "32",
              "--ignore-eos", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr
     [q2] = [rec["response"]["body"] for rec in reference if rec["custom_id"] == "q2"]
     assert q2["choices"][0]["message"]["content"] == json.loads(r.stdout)["text"]
     stats = q2["dsv4_stats"]
-    assert q2["usage"]["completion_tokens"] == 12 and stats["draft_tokens"] == stats["drafts"] > 0
+    assert q2["usage"]["completion_tokens"] == 32 and stats["draft_tokens"] == stats["drafts"] > 0
 
 
 def test_unseeded_sampling_is_random(tiny_model_dir, tmp_path, long_run):

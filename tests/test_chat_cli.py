@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -19,9 +20,11 @@ def chat_env(home) -> dict:
 
 
 def spawn_chat(model_dir, home, *args) -> pexpect.spawn:
+    """The chat in a terminal, Ctrl-C's signal at its default as a user's shell leaves it (a harness started
+    in the background hands its children SIGINT ignored)."""
     child = pexpect.spawn(sys.executable, ["-m", "dsv4cli", "chat", "--model", str(model_dir), "--temperature", "0",
                                            *args], env=chat_env(home), dimensions=(40, 120), encoding="utf-8",
-                          timeout=60)
+                          timeout=60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect("Ctrl-D quits")
     child.expect(">>> ")
     return child
