@@ -18,7 +18,7 @@ import torch
 
 from . import native
 from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
-from .reference import ExpertStack, indexer_scan_op, quantize_per_token, swiglu
+from .reference import ExpertStack, indexer_scan_op, quantize_per_token, sort_pairs, sum_pairs, swiglu
 from .reference import grouped_experts as reference_grouped_experts
 from .reference import indexer_scores as indexer_scores_bmm
 from .reference import routed_experts as reference_routed_experts
@@ -296,8 +296,7 @@ def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> to
     T, k = local.shape
     E = experts.w13.shape[0]
     w13, w2 = (w.view(w.shape[0], E, -1) for w in experts.wide)        # [in, E, out]
-    key = torch.where((local >= 0) & (local < E), local, E).flatten()
-    order = key.argsort(stable=True)
+    key, order = sort_pairs(local, E)
     group, token = key[order], order // k
     g, dense = group.clamp(max=E - 1), 2 * T * k >= E
     q, sx = xq if xq is not None else quantize_per_token(x)
@@ -313,9 +312,7 @@ def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> to
         acc = torch.mm(q.float(), experts.wide[1]).view(len(g), E, -1)[pairs, g]
     else:
         acc = torch.bmm(q.float()[:, None, :], w2[:, g].transpose(0, 1)).squeeze(1)
-    out = (acc * sx * experts.s2[g, :, 0].float()).to(x.dtype).float()
-    out = torch.where((group < E)[:, None], out, 0.0)
-    return torch.zeros(T, out.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out)
+    return sum_pairs((acc * sx * experts.s2[g, :, 0].float()).to(x.dtype).float(), group, token, T, E)
 
 
 def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
@@ -330,8 +327,7 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
         return reference_grouped_experts(x, weights, local, experts, xq)
     T, k = local.shape
     E = experts.w13.shape[0]
-    key = torch.where((local >= 0) & (local < E), local, E).flatten()
-    order = key.argsort(stable=True)
+    key, order = sort_pairs(local, E)
     counts = torch.bincount(key, minlength=E + 1).tolist()
     y = torch.zeros(T, experts.w2.shape[1], device=x.device, dtype=torch.float32)
     w13, w2 = experts.w13, experts.w2

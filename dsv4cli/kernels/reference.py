@@ -225,6 +225,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def sort_pairs(local: torch.Tensor, n_local: int):
+    """The T*k (token, expert) pairs of routing `local` [T, k] sorted by expert, stably: (key [T*k], each
+    pair's expert with n_local for another rank's, and order, the sorted pairs' flat indices)."""
+    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
+    return key, key.argsort(stable=True)
+
+
+def sum_pairs(out: torch.Tensor, group: torch.Tensor, token: torch.Tensor, T: int, n_local: int) -> torch.Tensor:
+    """Sorted pairs' outputs `out` summed back per token in fp32 [T, dim], in sorted order; pairs of
+    another rank's experts (group == n_local) add nothing."""
+    out = torch.where((group < n_local)[:, None], out, 0.0)
+    return torch.zeros(T, out.shape[1], device=out.device, dtype=torch.float32).index_add_(0, token, out)
+
+
 def routed_experts(x, weights, local, experts, shared=None, xq=None) -> torch.Tensor:
     """Routed experts one at a time, each on its own rows (then the `shared` expert, if given, on every row),
     each expert's weights read in place; the rows per expert are read on the host (a device sync where
@@ -234,8 +248,7 @@ def routed_experts(x, weights, local, experts, shared=None, xq=None) -> torch.Te
     expert; experts: callables expert(rows, routing_weight [n,1], rows_q) with `xq` = x quantised per
     token. Pairs routed to another rank's experts add nothing. Returns fp32 [T, dim]."""
     n_local, k = len(experts), local.shape[1]
-    key = torch.where((local >= 0) & (local < n_local), local, n_local).flatten()
-    order = key.argsort(stable=True)
+    key, order = sort_pairs(local, n_local)
     counts = torch.bincount(key, minlength=n_local + 1).tolist()
     y = torch.zeros(x.shape, device=x.device, dtype=torch.float32)
     start = 0
@@ -283,17 +296,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
     per token. Pairs routed to another rank's experts sort last and add nothing. Returns fp32 [T, dim]."""
     T, k = local.shape
     E = experts.w13.shape[0]
-    key = torch.where((local >= 0) & (local < E), local, E).flatten()
-    order = key.argsort(stable=True)
+    key, order = sort_pairs(local, E)
     counts = torch.zeros(E + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     offs = counts[:E].cumsum(0).to(torch.int32)
     group, token = key[order], order // k
     rows_q = None if xq is None else (xq[0][token], xq[1][token])
     h = grouped_linear(x[token], experts.w13, experts.s13, offs, group, rows_q)
     h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
-    out = grouped_linear(h.to(x.dtype), experts.w2, experts.s2, offs, group).float()
-    out = torch.where((group < E)[:, None], out, 0.0)
-    return torch.zeros(T, out.shape[1], device=x.device, dtype=torch.float32).index_add_(0, token, out)
+    return sum_pairs(grouped_linear(h.to(x.dtype), experts.w2, experts.s2, offs, group).float(), group, token, T, E)
 
 
 # --------------------------------------------------------------------------------------------------
