@@ -157,12 +157,35 @@ def test_widened_int8_weights_give_int_mms_sums(rows):
     assert torch.equal(cpu.unpack_w8a8(weight.float()), weight)
 
 
+@pytest.mark.skipif(not native.pairs_available(), reason="the AVX2 pair GEMMs can't be built or run here")
+@pytest.mark.parametrize("pairs", [1, 7, 40])
+def test_pair_gemms_give_int_mms_sums(pairs):
+    """The native pair GEMMs: every pair's row against its expert's slice of a widened stack, exactly
+    torch._int_mm's sums at the widest input a stack is widened for, extreme values included, runs of
+    pairs longer and shorter than a tile, rows taken in any order."""
+    g = torch.Generator().manual_seed(pairs)
+    E, n, k = 5, 48, cpu.EXACT_FP32_IN
+    weights = torch.randint(-128, 128, (E, n, k), generator=g, dtype=torch.int8)
+    weights[:, 0], x = -128, torch.randint(-128, 128, (9, k), generator=g, dtype=torch.int8)
+    x[0] = -128                              # 2^24 in channel 0: the largest exact sum
+    rows = torch.randint(0, 9, (pairs,), generator=g)
+    group = torch.randint(0, E, (pairs,), generator=g).sort().values
+    wide = weights.float().flatten(0, 1).t().contiguous()
+    got = native.wide_pairs_mm(x.float(), rows, group, wide, E)
+    want = torch.stack([torch._int_mm(x[r].view(1, k).expand(17, k).contiguous(), weights[e].t())[0]
+                        for r, e in zip(rows.tolist(), group.tolist())]).float()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("how", ["pairs", "dense", "gather"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 130])
 @torch.no_grad()
-def test_widened_stack_gives_the_reference_grouped_experts(tokens):
-    """The grouped experts on a widened stack (compiled steps on CPUs where int8 GEMMs are slow), both ways
-    (every expert over every row, and a gather per pair for few rows), and the eager loop reading it: the
-    reference's sums bit for bit, other ranks' experts adding nothing."""
+def test_widened_stack_gives_the_reference_grouped_experts(tokens, how):
+    """The grouped experts on a widened stack (CPUs where int8 GEMMs are slow), each way (the native pair
+    GEMMs, every expert over every row, a gather per pair), and as `grouped_experts` picks: the reference's
+    sums bit for bit, other ranks' experts adding nothing."""
+    if how == "pairs" and not native.pairs_available():
+        pytest.skip("the AVX2 pair GEMMs can't be built or run here")
     moe = stacked(moe_layers(True)[1])
     stack = cpu.widened(moe.stack)
     g = torch.Generator().manual_seed(tokens)
@@ -170,5 +193,5 @@ def test_widened_stack_gives_the_reference_grouped_experts(tokens):
     weights = torch.rand(tokens, 3, generator=g)
     local = torch.stack([torch.randperm(20, generator=g)[:3] - 2 for _ in range(tokens)])    # -2 .. 17 of 16
     want = reference.grouped_experts(x, weights, local, moe.stack)
-    assert torch.equal(cpu.wide_grouped_experts(x, weights, local, stack), want)
-    torch.testing.assert_close(cpu.grouped_experts(x, weights, local, stack), want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(cpu.wide_grouped_experts(x, weights, local, stack, how=how), want)
+    assert torch.equal(cpu.grouped_experts(x, weights, local, stack), want)

@@ -288,27 +288,60 @@ def widened(stack: ExpertStack) -> ExpertStack:
     return dataclasses.replace(stack, wide=wide)
 
 
-def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
+@torch.library.custom_op("dsv4::wide_pairs_mm", mutates_args=())
+def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, wide: torch.Tensor,
+                  experts: int) -> torch.Tensor:
+    """`native.wide_pairs_mm`: each (row, expert) pair's GEMM against its expert's slice of a widened stack."""
+    return native.wide_pairs_mm(x, rows, group, wide, experts)
+
+
+@wide_pairs_mm.register_fake
+def _(x, rows, group, wide, experts):
+    return x.new_empty(rows.shape[0], wide.shape[1] // experts, dtype=torch.float32)
+
+
+def wide_pairs(x, rows, group, wide, experts: int) -> torch.Tensor:
+    """`wide_pairs_mm`: the custom op in a graph being compiled, the kernel itself in eager."""
+    if torch.compiler.is_compiling():
+        return wide_pairs_mm(x, rows, group, wide, experts)
+    return native.wide_pairs_mm(x, rows, group, wide, experts)
+
+
+def pairs_kernel(experts: ExpertStack) -> bool:
+    """Whether the native pair GEMMs take this widened stack."""
+    E = experts.w13.shape[0]
+    return (experts.wide is not None and native.pairs_available()
+            and all(w.shape[1] // E % native.PAIRS_COLS == 0 for w in experts.wide))
+
+
+def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None, how: str | None = None) -> torch.Tensor:
     """The reference's grouped experts on a widened stack, the same sums bit for bit (int8 products summed
-    exactly in fp32), for a compiled graph. With at least half as many (row, expert) pairs as experts, each
-    projection is one GEMM of the rows against every expert's weight (a read of the stack, [E*out, in]), and
-    each pair takes its expert's part of its row; with fewer pairs, each pair's weight is gathered (a copy)."""
+    exactly in fp32), each projection one of three ways (`how`): "pairs", each (row, expert) pair multiplied
+    by its expert's slice alone (the native pair GEMMs, `pairs_kernel`); "dense", one GEMM of the rows
+    against every expert's weight (a read of the stack, E/k times the work), each pair taking its expert's
+    part of its row; "gather", each pair's weight gathered (a copy). Unset: pairs where the kernel runs,
+    else dense with at least half as many pairs as experts, else gather."""
     T, k = local.shape
     E = experts.w13.shape[0]
     w13, w2 = (w.view(w.shape[0], E, -1) for w in experts.wide)        # [in, E, out]
     key, order = sort_pairs(local, E)
     group, token = key[order], order // k
-    g, dense = group.clamp(max=E - 1), 2 * T * k >= E
+    g = group.clamp(max=E - 1)
+    how = how or ("pairs" if pairs_kernel(experts) else "dense" if 2 * T * k >= E else "gather")
     q, sx = xq if xq is not None else quantize_per_token(x)
-    if dense:
+    if how == "pairs":
+        acc = wide_pairs(q, token, g, experts.wide[0], E)
+    elif how == "dense":
         acc = torch.mm(q.float(), experts.wide[0]).view(T, E, -1)[token, g]
     else:
         acc = torch.bmm(q.float()[token, None, :], w13[:, g].transpose(0, 1)).squeeze(1)
     h = (acc * sx[token] * experts.s13[g, :, 0].float()).to(x.dtype)
     h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
     q, sx = quantize_per_token(h.to(x.dtype))
-    if dense:
-        pairs = torch.arange(len(g), device=g.device)
+    pairs = torch.arange(len(g), device=g.device)
+    if how == "pairs":
+        acc = wide_pairs(q, pairs, g, experts.wide[1], E)
+    elif how == "dense":
         acc = torch.mm(q.float(), experts.wide[1]).view(len(g), E, -1)[pairs, g]
     else:
         acc = torch.bmm(q.float()[:, None, :], w2[:, g].transpose(0, 1)).squeeze(1)
@@ -319,11 +352,11 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
     """The reference's grouped experts, the same sums. Eager, with the routing read on the host at no sync,
     each expert's rows go through its own slice of the stack in one GEMM a projection: the reference's
     int8 path gathers an expert's weight for every row (a 2,048-row prefill copied 670 MB a projection
-    of the bundled model). A compiled graph keeps static shapes: the widened stack's own path, or the
-    reference's."""
+    of the bundled model). A compiled graph keeps static shapes: the reference's path. A widened stack
+    takes its own path in both."""
+    if experts.wide is not None:
+        return wide_grouped_experts(x, weights, local, experts, xq)
     if torch.compiler.is_compiling():
-        if experts.wide is not None:
-            return wide_grouped_experts(x, weights, local, experts, xq)
         return reference_grouped_experts(x, weights, local, experts, xq)
     T, k = local.shape
     E = experts.w13.shape[0]
@@ -331,8 +364,6 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
     counts = torch.bincount(key, minlength=E + 1).tolist()
     y = torch.zeros(T, experts.w2.shape[1], device=x.device, dtype=torch.float32)
     w13, w2 = experts.w13, experts.w2
-    if experts.wide is not None:          # each expert's [out, in] as a view of the widened [in, E*out]
-        w13, w2 = (w.view(w.shape[0], E, -1).permute(1, 2, 0) for w in experts.wide)
     start = 0
     for e, n in enumerate(counts[:-1]):
         if n:

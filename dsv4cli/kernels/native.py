@@ -1,5 +1,6 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
-machine's C compiler on first use.
+machine's C compiler on first use; on CPUs without AVX-512 VNNI, the routed experts' pair GEMMs on a
+widened stack (`cpu_pairs.c`, AVX2).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
@@ -12,7 +13,8 @@ bytes, the same fp32 sums). benchmarks/README.md has the numbers (`benchmarks/cp
 Built once per source, compiler and flags into the user cache (`kernels/`), loaded with ctypes (a
 call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
 compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
-False and the CPU kernel module (`cpu.py`) keeps torch's kernels.
+False and the CPU kernel module (`cpu.py`) keeps torch's kernels; `pairs_available()` likewise for the
+AVX2 library.
 """
 import ctypes
 import functools
@@ -34,6 +36,10 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexe
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+PAIRS_SOURCES = [Path(__file__).with_name("cpu_pairs.c")]
+PAIRS_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+PAIRS_CPU_FLAGS = ("avx2", "fma")
+PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.c): an expert's width is a multiple
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
 # faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
@@ -55,18 +61,18 @@ def _compiler() -> str | None:
     return next((path for path in found if path), None)
 
 
-def _build(cc: str, flags: list[str]) -> Path | None:
-    """The library built from SOURCES with these flags, in the user cache (once per sources, compiler
+def _build(cc: str, flags: list[str], sources: list[Path] = SOURCES) -> Path | None:
+    """The library built from `sources` with these flags, in the user cache (once per sources, compiler
     and flags), or None if the compiler fails."""
-    sources = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(sources + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
-    path = user_cache_dir() / "kernels" / f"cpu_gemm-{digest}.so"
+    text = b"".join(path.read_bytes() for path in sources)
+    digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    path = user_cache_dir() / "kernels" / f"{sources[0].stem}-{digest}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:    # built whole, then renamed in place
                 part = Path(tmp) / path.name
-                subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(part)], check=True, capture_output=True)
+                subprocess.run([cc, *flags, *map(str, sources), "-o", str(part)], check=True, capture_output=True)
                 os.replace(part, path)
         except (OSError, subprocess.CalledProcessError):
             return None
@@ -102,6 +108,24 @@ def library() -> ctypes.CDLL | None:
 @torch.compiler.assume_constant_result      # a graph asks it while tracing (`scannable`): a constant there
 def available() -> bool:
     return library() is not None
+
+
+@functools.cache
+def pairs_library() -> ctypes.CDLL | None:
+    """The AVX2 pair GEMMs (`cpu_pairs.c`), or None where they can't be built or run here."""
+    if (os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or not _cpu_flags().issuperset(PAIRS_CPU_FLAGS)
+            or not (cc := _compiler()) or not (path := _build(cc, PAIRS_FLAGS, PAIRS_SOURCES))):
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.dsv4_wide_pairs_mm.argtypes = [p, i64, p, p, i64, p, i64, i64, p]
+    lib.dsv4_wide_pairs_mm.restype = None
+    return lib
+
+
+@torch.compiler.assume_constant_result
+def pairs_available() -> bool:
+    return pairs_library() is not None
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -239,3 +263,16 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
         library().dsv4_indexer_scores(qt.data_ptr(), w.data_ptr(), B, S, H, D, keys.data_ptr(), keys.stride(0), T,
                                       keys.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, wide: torch.Tensor,
+                  experts: int) -> torch.Tensor:
+    """y[p] = x[rows[p]] times expert group[p]'s slice of a widened stack `wide` [K, experts*N], for pairs
+    sorted by expert: fp32 [P, N]. x holds int8 values as fp32 (the sums are then exact in any order)."""
+    x, rows, group = x.float().contiguous(), rows.to(torch.int64).contiguous(), group.to(torch.int64).contiguous()
+    n = wide.shape[1] // experts
+    y = torch.empty(rows.shape[0], n)
+    if rows.shape[0]:
+        pairs_library().dsv4_wide_pairs_mm(x.data_ptr(), x.shape[1], rows.data_ptr(), group.data_ptr(),
+                                           rows.shape[0], wide.data_ptr(), experts, n, y.data_ptr())
+    return y
