@@ -170,28 +170,29 @@ def test_pair_gemms_give_int_mms_sums(pairs):
     x[0] = -128                              # 2^24 in channel 0: the largest exact sum
     rows = torch.randint(0, 9, (pairs,), generator=g)
     group = torch.randint(0, E, (pairs,), generator=g).sort().values
-    wide = weights.float().flatten(0, 1).t().contiguous()
-    got = native.wide_pairs_mm(x.float(), rows, group, wide, E)
+    packed = native.pack_pairs(weights)
+    assert torch.equal(native.unpack_pairs(packed), weights)
+    got = native.wide_pairs_mm(x.float(), rows, group, packed)
     want = torch.stack([torch._int_mm(x[r].view(1, k).expand(17, k).contiguous(), weights[e].t())[0]
                         for r, e in zip(rows.tolist(), group.tolist())]).float()
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("how", ["pairs", "dense", "gather"])
+@pytest.mark.parametrize("form", ["paired", "widened"])
 @pytest.mark.parametrize("tokens", [1, 2, 5, 8, 130])
 @torch.no_grad()
-def test_widened_stack_gives_the_reference_grouped_experts(tokens, how):
-    """The grouped experts on a widened stack (CPUs where int8 GEMMs are slow), each way (the native pair
-    GEMMs, every expert over every row, a gather per pair), and as `grouped_experts` picks: the reference's
-    sums bit for bit, other ranks' experts adding nothing."""
-    if how == "pairs" and not native.pairs_available():
+def test_widened_stack_gives_the_reference_grouped_experts(tokens, form):
+    """The grouped experts where int8 GEMMs are slow, on a stack paired for the native pair GEMMs and on a
+    widened one (every expert over every row; with 1-2 tokens a gather per pair), directly and through
+    `grouped_experts`: the reference's sums bit for bit, other ranks' experts adding nothing."""
+    if form == "paired" and not native.pairs_available():
         pytest.skip("the AVX2 pair GEMMs can't be built or run here")
     moe = stacked(moe_layers(True)[1])
-    stack = cpu.widened(moe.stack)
+    stack = getattr(cpu, form)(moe.stack)
     g = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, 64, generator=g)
     weights = torch.rand(tokens, 3, generator=g)
     local = torch.stack([torch.randperm(20, generator=g)[:3] - 2 for _ in range(tokens)])    # -2 .. 17 of 16
     want = reference.grouped_experts(x, weights, local, moe.stack)
-    assert torch.equal(cpu.wide_grouped_experts(x, weights, local, stack, how=how), want)
+    assert torch.equal(cpu.wide_grouped_experts(x, weights, local, stack), want)
     assert torch.equal(cpu.grouped_experts(x, weights, local, stack), want)

@@ -7,7 +7,8 @@ is one read of the weight. torch's kernels read it well for one or two rows only
 packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
 native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
 take oneDNN's prepacked layout where torch has it, else stay plain (small ones held as fp32 of their
-values: `torch._int_mm` is slow there), and the reference's ops run.
+values: `torch._int_mm` is slow there, their expert stacks multiplied pair by pair by `cpu_pairs.c`),
+and the reference's ops run.
 Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
 the kernel is called directly (an op's dispatch costs ~20 us a call).
 """
@@ -272,13 +273,20 @@ def _(x, weights, local, xq, xs, expert_weights, expert_scales, limit, shared):
 
 
 def widen_experts(stack: ExpertStack) -> ExpertStack:
-    """The stack `widened` where `widen_w8a8` would widen each expert's weights: without it a compiled step
-    widens every (row, expert) pair's weight, a DSpark step of the bundled model 78 of them."""
+    """The stack as the grouped experts read it where int8 GEMMs are slow and `widen_w8a8` would widen each
+    expert's weights: packed for the native pair GEMMs (`paired`) where they run, else `widened`. Without
+    it a compiled step widens every (row, expert) pair's weight, a DSpark step of the bundled model 78."""
     small = max(stack.w13[0].numel(), stack.w2[0].numel()) < PACK_MIN_BYTES
     if (stack.s13 is None or stack.wide is not None or not small
             or max(stack.w13.shape[-1], stack.w2.shape[-1]) > EXACT_FP32_IN or not slow_int8()):
         return stack
-    return widened(stack)
+    pairs = native.pairs_available() and all(w.shape[1] % native.PAIRS_COLS == 0 for w in (stack.w13, stack.w2))
+    return paired(stack) if pairs else widened(stack)
+
+
+def paired(stack: ExpertStack) -> ExpertStack:
+    """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`)."""
+    return dataclasses.replace(stack, wide=(native.pack_pairs(stack.w13), native.pack_pairs(stack.w2)))
 
 
 def widened(stack: ExpertStack) -> ExpertStack:
@@ -289,63 +297,50 @@ def widened(stack: ExpertStack) -> ExpertStack:
 
 
 @torch.library.custom_op("dsv4::wide_pairs_mm", mutates_args=())
-def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, wide: torch.Tensor,
-                  experts: int) -> torch.Tensor:
-    """`native.wide_pairs_mm`: each (row, expert) pair's GEMM against its expert's slice of a widened stack."""
-    return native.wide_pairs_mm(x, rows, group, wide, experts)
+def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`native.wide_pairs_mm`: each (row, expert) pair's GEMM against its expert's weight of a paired stack."""
+    return native.wide_pairs_mm(x, rows, group, packed)
 
 
 @wide_pairs_mm.register_fake
-def _(x, rows, group, wide, experts):
-    return x.new_empty(rows.shape[0], wide.shape[1] // experts, dtype=torch.float32)
+def _(x, rows, group, packed):
+    return x.new_empty(rows.shape[0], packed.shape[1] * native.PAIRS_COLS, dtype=torch.float32)
 
 
-def wide_pairs(x, rows, group, wide, experts: int) -> torch.Tensor:
+def wide_pairs(x, rows, group, packed) -> torch.Tensor:
     """`wide_pairs_mm`: the custom op in a graph being compiled, the kernel itself in eager."""
     if torch.compiler.is_compiling():
-        return wide_pairs_mm(x, rows, group, wide, experts)
-    return native.wide_pairs_mm(x, rows, group, wide, experts)
+        return wide_pairs_mm(x, rows, group, packed)
+    return native.wide_pairs_mm(x, rows, group, packed)
 
 
-def pairs_kernel(experts: ExpertStack) -> bool:
-    """Whether the native pair GEMMs take this widened stack."""
-    E = experts.w13.shape[0]
-    return (experts.wide is not None and native.pairs_available()
-            and all(w.shape[1] // E % native.PAIRS_COLS == 0 for w in experts.wide))
-
-
-def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None, how: str | None = None) -> torch.Tensor:
-    """The reference's grouped experts on a widened stack, the same sums bit for bit (int8 products summed
-    exactly in fp32), each projection one of three ways (`how`): "pairs", each (row, expert) pair multiplied
-    by its expert's slice alone (the native pair GEMMs, `pairs_kernel`); "dense", one GEMM of the rows
-    against every expert's weight (a read of the stack, E/k times the work), each pair taking its expert's
-    part of its row; "gather", each pair's weight gathered (a copy). Unset: pairs where the kernel runs,
-    else dense with at least half as many pairs as experts, else gather."""
+def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
+    """The reference's grouped experts on a paired or widened stack, the same sums bit for bit (int8
+    products summed exactly in fp32). Paired: each (row, expert) pair multiplied by its expert's weight
+    alone (the native pair GEMMs). Widened: with at least half as many pairs as experts, one GEMM of the
+    rows against every expert's weight a projection (a read of the stack, [E*out, in], E/k times the work),
+    each pair taking its expert's part of its row; with fewer pairs, each pair's weight gathered (a copy)."""
     T, k = local.shape
     E = experts.w13.shape[0]
-    w13, w2 = (w.view(w.shape[0], E, -1) for w in experts.wide)        # [in, E, out]
     key, order = sort_pairs(local, E)
     group, token = key[order], order // k
-    g = group.clamp(max=E - 1)
-    how = how or ("pairs" if pairs_kernel(experts) else "dense" if 2 * T * k >= E else "gather")
+    g, pairs = group.clamp(max=E - 1), torch.arange(T * k, device=x.device)
+    paired_stack, dense = experts.wide[0].dtype == torch.int8, 2 * T * k >= E
+
+    def project(rows, rows_of, which):     # each pair's row rows[rows_of[p]] times its expert's weight
+        wide = experts.wide[which]
+        if paired_stack:
+            return wide_pairs(rows, rows_of, g, wide)
+        if dense:
+            return torch.mm(rows.float(), wide).view(len(rows), E, -1)[rows_of, g]
+        gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)          # [pairs, in, out]
+        return torch.bmm(rows.float()[rows_of, None, :], gathered).squeeze(1)
+
     q, sx = xq if xq is not None else quantize_per_token(x)
-    if how == "pairs":
-        acc = wide_pairs(q, token, g, experts.wide[0], E)
-    elif how == "dense":
-        acc = torch.mm(q.float(), experts.wide[0]).view(T, E, -1)[token, g]
-    else:
-        acc = torch.bmm(q.float()[token, None, :], w13[:, g].transpose(0, 1)).squeeze(1)
-    h = (acc * sx[token] * experts.s13[g, :, 0].float()).to(x.dtype)
+    h = (project(q, token, 0) * sx[token] * experts.s13[g, :, 0].float()).to(x.dtype)
     h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
     q, sx = quantize_per_token(h.to(x.dtype))
-    pairs = torch.arange(len(g), device=g.device)
-    if how == "pairs":
-        acc = wide_pairs(q, pairs, g, experts.wide[1], E)
-    elif how == "dense":
-        acc = torch.mm(q.float(), experts.wide[1]).view(len(g), E, -1)[pairs, g]
-    else:
-        acc = torch.bmm(q.float()[:, None, :], w2[:, g].transpose(0, 1)).squeeze(1)
-    return sum_pairs((acc * sx * experts.s2[g, :, 0].float()).to(x.dtype).float(), group, token, T, E)
+    return sum_pairs((project(q, pairs, 1) * sx * experts.s2[g, :, 0].float()).to(x.dtype).float(), group, token, T, E)
 
 
 def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:

@@ -118,7 +118,7 @@ def pairs_library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.dsv4_wide_pairs_mm.argtypes = [p, i64, p, p, i64, p, i64, i64, p]
+    lib.dsv4_wide_pairs_mm.argtypes = [p, i64, p, p, i64, p, i64, p]
     lib.dsv4_wide_pairs_mm.restype = None
     return lib
 
@@ -265,14 +265,24 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     return out
 
 
-def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, wide: torch.Tensor,
-                  experts: int) -> torch.Tensor:
-    """y[p] = x[rows[p]] times expert group[p]'s slice of a widened stack `wide` [K, experts*N], for pairs
-    sorted by expert: fp32 [P, N]. x holds int8 values as fp32 (the sums are then exact in any order)."""
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """An int8 expert stack [E, N, K] as the pair GEMMs read it: [E, N/16, K, 16]."""
+    e, n, k = weight.shape
+    return weight.view(e, n // PAIRS_COLS, PAIRS_COLS, k).transpose(2, 3).contiguous()
+
+
+def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
+    e, nb, k, _ = packed.shape
+    return packed.transpose(2, 3).reshape(e, nb * PAIRS_COLS, k)
+
+
+def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """y[p] = x[rows[p]] times expert group[p]'s weight of a `pack_pairs` stack, for pairs sorted by expert:
+    fp32 [P, N]. x holds int8 values as fp32 (the sums are then exact in any order)."""
     x, rows, group = x.float().contiguous(), rows.to(torch.int64).contiguous(), group.to(torch.int64).contiguous()
-    n = wide.shape[1] // experts
+    n = packed.shape[1] * PAIRS_COLS
     y = torch.empty(rows.shape[0], n)
     if rows.shape[0]:
         pairs_library().dsv4_wide_pairs_mm(x.data_ptr(), x.shape[1], rows.data_ptr(), group.data_ptr(),
-                                           rows.shape[0], wide.data_ptr(), experts, n, y.data_ptr())
+                                           rows.shape[0], packed.data_ptr(), n, y.data_ptr())
     return y
