@@ -80,9 +80,10 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         assert later.compiled.status == "compiled"
     assert not unpacked
     # the trunk's layers, the MTP layer twice (verify + one chained draft) and sampling, in few kernels;
-    # a chunk runs the trunk and the MTP layer once (178 calls with int8 GEMMs, 190 with widened ones)
-    assert 0 < kernel_calls(engine.compiled.sources[STEP]) <= 64 * (cfg["num_hidden_layers"] + 2)
-    assert 0 < kernel_calls(engine.compiled.sources[CHUNK]) <= 64 * (cfg["num_hidden_layers"] + 1)
+    # a chunk runs the trunk and the MTP layer once (178 calls with int8 GEMMs, 190 with widened ones, 194
+    # with the AVX2 pair GEMMs on this machine)
+    assert 0 < kernel_calls(engine.compiled.sources[STEP]) <= 66 * (cfg["num_hidden_layers"] + 2)
+    assert 0 < kernel_calls(engine.compiled.sources[CHUNK]) <= 66 * (cfg["num_hidden_layers"] + 1)
 
 
 STEP = StepKey((), 2, 2, 512, False, False, True)    # decode rows of batch 2 verifying 2 drafts, context 512, greedy
