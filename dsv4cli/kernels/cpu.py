@@ -316,10 +316,11 @@ def wide_pairs(x, rows, group, packed) -> torch.Tensor:
 
 def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
     """The reference's grouped experts on a paired or widened stack, the same sums bit for bit (int8
-    products summed exactly in fp32). Paired: each (row, expert) pair multiplied by its expert's weight
-    alone (the native pair GEMMs). Widened: with at least half as many pairs as experts, one GEMM of the
+    products summed exactly in fp32). With at least half as many pairs as experts: paired, each (row,
+    expert) pair multiplied by its expert's weight alone (the native pair GEMMs); widened, one GEMM of the
     rows against every expert's weight a projection (a read of the stack, [E*out, in], E/k times the work),
-    each pair taking its expert's part of its row; with fewer pairs, each pair's weight gathered (a copy)."""
+    each pair taking its expert's part of its row. With fewer pairs (plain decoding's 1-2 rows), each
+    pair's weight gathered (a copy; cheaper there than a custom op's call)."""
     T, k = local.shape
     E = experts.w13.shape[0]
     key, order = sort_pairs(local, E)
@@ -329,11 +330,14 @@ def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> to
 
     def project(rows, rows_of, which):     # each pair's row rows[rows_of[p]] times its expert's weight
         wide = experts.wide[which]
-        if paired_stack:
+        if paired_stack and dense:
             return wide_pairs(rows, rows_of, g, wide)
         if dense:
             return torch.mm(rows.float(), wide).view(len(rows), E, -1)[rows_of, g]
-        gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)          # [pairs, in, out]
+        if paired_stack:                                                           # [pairs, in, out]
+            gathered = wide[g].float().permute(0, 2, 1, 3).flatten(2)
+        else:
+            gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)
         return torch.bmm(rows.float()[rows_of, None, :], gathered).squeeze(1)
 
     q, sx = xq if xq is not None else quantize_per_token(x)
