@@ -285,8 +285,11 @@ def widen_experts(stack: ExpertStack) -> ExpertStack:
 
 
 def paired(stack: ExpertStack) -> ExpertStack:
-    """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`)."""
-    return dataclasses.replace(stack, wide=(native.pack_pairs(stack.w13), native.pack_pairs(stack.w2)))
+    """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`),
+    then `widened` for plain decoding's few pairs, which gather their weights (from the int8 blocks, a
+    permuted copy converted to fp32, plain decoded at 0.88x)."""
+    packed = (native.pack_pairs(stack.w13), native.pack_pairs(stack.w2))
+    return dataclasses.replace(stack, wide=packed + widened(stack).wide)
 
 
 def widened(stack: ExpertStack) -> ExpertStack:
@@ -334,10 +337,8 @@ def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> to
             return wide_pairs(rows, rows_of, g, wide)
         if dense:
             return torch.mm(rows.float(), wide).view(len(rows), E, -1)[rows_of, g]
-        if paired_stack:                                                           # [pairs, in, out]
-            gathered = wide[g].float().permute(0, 2, 1, 3).flatten(2)
-        else:
-            gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)
+        wide = experts.wide[which + 2] if paired_stack else wide                 # the fp32 [in, E*out]
+        gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)          # [pairs, in, out]
         return torch.bmm(rows.float()[rows_of, None, :], gathered).squeeze(1)
 
     q, sx = xq if xq is not None else quantize_per_token(x)

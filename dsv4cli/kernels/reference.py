@@ -33,7 +33,7 @@ class ExpertStack:
     s13: torch.Tensor | None
     s2: torch.Tensor | None
     limit: float
-    wide: tuple[torch.Tensor, torch.Tensor] | None = None
+    wide: tuple[torch.Tensor, ...] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
