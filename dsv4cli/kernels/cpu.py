@@ -286,8 +286,8 @@ def widen_experts(stack: ExpertStack) -> ExpertStack:
 
 def paired(stack: ExpertStack) -> ExpertStack:
     """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`),
-    then `widened` for plain decoding's few pairs, which gather their weights (from the int8 blocks, a
-    permuted copy converted to fp32, plain decoded at 0.88x)."""
+    then as `widened` does (wide[2:]): plain decoding's few pairs gather their weights from those (the int8
+    blocks' permuted copy was slower: docs/decisions.md)."""
     packed = (native.pack_pairs(stack.w13), native.pack_pairs(stack.w2))
     return dataclasses.replace(stack, wide=packed + widened(stack).wide)
 

@@ -39,7 +39,7 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
 PAIRS_SOURCES = [Path(__file__).with_name("cpu_pairs.c")]
 PAIRS_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 PAIRS_CPU_FLAGS = ("avx2", "fma")
-PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.c): an expert's width is a multiple
+PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.c); an expert's width must be a multiple
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
 # faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
