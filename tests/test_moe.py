@@ -172,7 +172,7 @@ def test_pair_gemms_give_int_mms_sums(pairs):
     group = torch.randint(0, E, (pairs,), generator=g).sort().values
     packed = native.pack_pairs(weights)
     assert torch.equal(native.unpack_pairs(packed), weights)
-    got = native.wide_pairs_mm(x.float(), rows, group, packed)
+    got = torch.ops.dsv4.expert_pairs_mm(x, rows, group, packed)
     want = torch.stack([torch._int_mm(x[r].view(1, k).expand(17, k).contiguous(), weights[e].t())[0]
                         for r, e in zip(rows.tolist(), group.tolist())]).float()
     assert torch.equal(got, want)

@@ -7,10 +7,11 @@ is one read of the weight. torch's kernels read it well for one or two rows only
 packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
 native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
 take oneDNN's prepacked layout where torch has it, else stay plain (small ones held as fp32 of their
-values: `torch._int_mm` is slow there, their expert stacks multiplied pair by pair by `cpu_pairs.c`),
+values: `torch._int_mm` is slow there, their expert stacks multiplied pair by pair by `cpu_pairs.cpp`),
 and the reference's ops run.
 Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
-the kernel is called directly (an op's dispatch costs ~20 us a call).
+the kernel is called directly (a Python op's dispatch costs ~20 us a call). The pair GEMMs are a C++ op,
+called the same way in both.
 """
 import dataclasses
 import functools
@@ -280,16 +281,14 @@ def widen_experts(stack: ExpertStack) -> ExpertStack:
     if (stack.s13 is None or stack.wide is not None or not small
             or max(stack.w13.shape[-1], stack.w2.shape[-1]) > EXACT_FP32_IN or not slow_int8()):
         return stack
-    pairs = native.pairs_available() and all(w.shape[1] % native.PAIRS_COLS == 0 for w in (stack.w13, stack.w2))
+    pairs = native.pairs_available() and all(w.shape[1] % native.PAIRS_COLS == 0 and w.shape[2] % 2 == 0
+                                             for w in (stack.w13, stack.w2))
     return paired(stack) if pairs else widened(stack)
 
 
 def paired(stack: ExpertStack) -> ExpertStack:
-    """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`),
-    then as `widened` does (wide[2:]): plain decoding's few pairs gather their weights from those (the int8
-    blocks' permuted copy was slower: docs/decisions.md)."""
-    packed = (native.pack_pairs(stack.w13), native.pack_pairs(stack.w2))
-    return dataclasses.replace(stack, wide=packed + widened(stack).wide)
+    """The stack with its int8 weights also held as the native pair GEMMs read them (`native.pack_pairs`)."""
+    return dataclasses.replace(stack, wide=(native.pack_pairs(stack.w13), native.pack_pairs(stack.w2)))
 
 
 def widened(stack: ExpertStack) -> ExpertStack:
@@ -299,45 +298,26 @@ def widened(stack: ExpertStack) -> ExpertStack:
     return dataclasses.replace(stack, wide=wide)
 
 
-@torch.library.custom_op("dsv4::wide_pairs_mm", mutates_args=())
-def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`native.wide_pairs_mm`: each (row, expert) pair's GEMM against its expert's weight of a paired stack."""
-    return native.wide_pairs_mm(x, rows, group, packed)
-
-
-@wide_pairs_mm.register_fake
-def _(x, rows, group, packed):
-    return x.new_empty(rows.shape[0], packed.shape[1] * native.PAIRS_COLS, dtype=torch.float32)
-
-
-def wide_pairs(x, rows, group, packed) -> torch.Tensor:
-    """`wide_pairs_mm`: the custom op in a graph being compiled, the kernel itself in eager."""
-    if torch.compiler.is_compiling():
-        return wide_pairs_mm(x, rows, group, packed)
-    return native.wide_pairs_mm(x, rows, group, packed)
-
-
 def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
     """The reference's grouped experts on a paired or widened stack, the same sums bit for bit (int8
-    products summed exactly in fp32). With at least half as many pairs as experts: paired, each (row,
-    expert) pair multiplied by its expert's weight alone (the native pair GEMMs); widened, one GEMM of the
-    rows against every expert's weight a projection (a read of the stack, [E*out, in], E/k times the work),
-    each pair taking its expert's part of its row. With fewer pairs (plain decoding's 1-2 rows), each
-    pair's weight gathered (a copy; cheaper there than a custom op's call)."""
+    products summed exactly). Paired: each (row, expert) pair multiplied by its expert's int8 weight alone
+    (`native.pairs_library`'s op). Widened (no pair op here): with at least half as many pairs as experts,
+    one GEMM of the rows against every expert's weight a projection (a read of the stack, [E*out, in], E/k
+    times the work), each pair taking its expert's part of its row; with fewer (plain decoding's 1-2 rows),
+    each pair's weight gathered (a copy)."""
     T, k = local.shape
     E = experts.w13.shape[0]
     key, order = sort_pairs(local, E)
     group, token = key[order], order // k
     g, pairs = group.clamp(max=E - 1), torch.arange(T * k, device=x.device)
-    paired_stack, dense = experts.wide[0].dtype == torch.int8, 2 * T * k >= E
+    paired_stack = experts.wide[0].dtype == torch.int8
 
     def project(rows, rows_of, which):     # each pair's row rows[rows_of[p]] times its expert's weight
         wide = experts.wide[which]
-        if paired_stack and dense:
-            return wide_pairs(rows, rows_of, g, wide)
-        if dense:
+        if paired_stack:
+            return torch.ops.dsv4.expert_pairs_mm(rows, rows_of, g, wide)
+        if 2 * T * k >= E:
             return torch.mm(rows.float(), wide).view(len(rows), E, -1)[rows_of, g]
-        wide = experts.wide[which + 2] if paired_stack else wide                 # the fp32 [in, E*out]
         gathered = wide.view(wide.shape[0], E, -1)[:, g].transpose(0, 1)          # [pairs, in, out]
         return torch.bmm(rows.float()[rows_of, None, :], gathered).squeeze(1)
 

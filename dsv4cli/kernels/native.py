@@ -1,6 +1,6 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
 machine's C compiler on first use; on CPUs without AVX-512 VNNI, the routed experts' pair GEMMs on a
-widened stack (`cpu_pairs.c`, AVX2).
+widened stack (`cpu_pairs.cpp`, AVX2, a torch op built against torch's headers).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
@@ -14,7 +14,7 @@ Built once per source, compiler and flags into the user cache (`kernels/`), load
 call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
 compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
 False and the CPU kernel module (`cpu.py`) keeps torch's kernels; `pairs_available()` likewise for the
-AVX2 library.
+AVX2 op (no C++ compiler, no AVX2).
 """
 import ctypes
 import functools
@@ -36,10 +36,9 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexe
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-PAIRS_SOURCES = [Path(__file__).with_name("cpu_pairs.c")]
-PAIRS_FLAGS = ["-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
-PAIRS_CPU_FLAGS = ("avx2", "fma")
-PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.c); an expert's width must be a multiple
+PAIRS_SOURCES = [Path(__file__).with_name("cpu_pairs.cpp")]
+PAIRS_FLAGS = ["-O3", "-mavx2", "-shared", "-fPIC", "-std=c++17", "-w"]    # -w: torch's headers warn under C++17
+PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.cpp); an expert's width must be a multiple
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
 # faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
@@ -56,23 +55,24 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _compiler() -> str | None:
-    found = (shutil.which(c) for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c)
+def _compiler(names=("cc", "gcc", "clang"), env: str = "CC") -> str | None:
+    found = (shutil.which(c) for c in (os.environ.get(env), *names) if c)
     return next((path for path in found if path), None)
 
 
-def _build(cc: str, flags: list[str], sources: list[Path] = SOURCES) -> Path | None:
-    """The library built from `sources` with these flags, in the user cache (once per sources, compiler
-    and flags), or None if the compiler fails."""
-    text = b"".join(path.read_bytes() for path in sources)
-    digest = hashlib.sha256(text + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+def _build(cc: str, flags: list[str], sources: list[Path] = SOURCES, libs: tuple[str, ...] = ()) -> Path | None:
+    """The library built from `sources` with these flags, linked against `libs`, in the user cache (once per
+    sources, compiler, flags and torch version), or None if the compiler fails."""
+    text = b"".join(path.read_bytes() for path in sources) + torch.__version__.encode()
+    digest = hashlib.sha256(text + cc.encode() + " ".join([*flags, *libs]).encode()).hexdigest()[:16]
     path = user_cache_dir() / "kernels" / f"{sources[0].stem}-{digest}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:    # built whole, then renamed in place
                 part = Path(tmp) / path.name
-                subprocess.run([cc, *flags, *map(str, sources), "-o", str(part)], check=True, capture_output=True)
+                subprocess.run([cc, *flags, *map(str, sources), *libs, "-o", str(part)], check=True,
+                               capture_output=True)
                 os.replace(part, path)
         except (OSError, subprocess.CalledProcessError):
             return None
@@ -111,16 +111,26 @@ def available() -> bool:
 
 
 @functools.cache
-def pairs_library() -> ctypes.CDLL | None:
-    """The AVX2 pair GEMMs (`cpu_pairs.c`), or None where they can't be built or run here."""
-    if (os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or not _cpu_flags().issuperset(PAIRS_CPU_FLAGS)
-            or not (cc := _compiler()) or not (path := _build(cc, PAIRS_FLAGS, PAIRS_SOURCES))):
+def pairs_library() -> Path | None:
+    """The AVX2 pair GEMMs (`cpu_pairs.cpp`), built and loaded: the op `torch.ops.dsv4.expert_pairs_mm` (x int8
+    [R, K], rows and group int64 [P], a `pack_pairs` stack -> y fp32 [P, N], y[p] = x[rows[p]] times expert
+    group[p]'s weight, pairs sorted by expert). None where it can't be built or run here."""
+    if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or "avx2" not in _cpu_flags():
         return None
-    lib = ctypes.CDLL(str(path))
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.dsv4_wide_pairs_mm.argtypes = [p, i64, p, p, i64, p, i64, p]
-    lib.dsv4_wide_pairs_mm.restype = None
-    return lib
+    from torch.utils import cpp_extension
+    lib = Path(torch.__file__).parent / "lib"
+    flags = [*PAIRS_FLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    libs = (f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10")
+    if not (cxx := _compiler(("c++", "g++", "clang++"), "CXX")) or not (path := _build(cxx, flags, PAIRS_SOURCES, libs)):
+        return None
+    try:
+        torch.ops.load_library(str(path))
+    except OSError:            # built against another torch than this process runs
+        return None
+    torch.library.register_fake("dsv4::expert_pairs_mm")(
+        lambda x, rows, group, packed: x.new_empty(rows.shape[0], packed.shape[1] * PAIRS_COLS, dtype=torch.float32))
+    return path
 
 
 @torch.compiler.assume_constant_result
@@ -266,23 +276,11 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """An int8 expert stack [E, N, K] as the pair GEMMs read it: [E, N/16, K, 16]."""
+    """An int8 expert stack [E, N, K] as the pair GEMMs read it: [E, N/16, K/2, 16, 2]."""
     e, n, k = weight.shape
-    return weight.view(e, n // PAIRS_COLS, PAIRS_COLS, k).transpose(2, 3).contiguous()
+    return weight.view(e, n // PAIRS_COLS, PAIRS_COLS, k // 2, 2).transpose(2, 3).contiguous()
 
 
 def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
-    e, nb, k, _ = packed.shape
-    return packed.transpose(2, 3).reshape(e, nb * PAIRS_COLS, k)
-
-
-def wide_pairs_mm(x: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """y[p] = x[rows[p]] times expert group[p]'s weight of a `pack_pairs` stack, for pairs sorted by expert:
-    fp32 [P, N]. x holds int8 values as fp32 (the sums are then exact in any order)."""
-    x, rows, group = x.float().contiguous(), rows.to(torch.int64).contiguous(), group.to(torch.int64).contiguous()
-    n = packed.shape[1] * PAIRS_COLS
-    y = torch.empty(rows.shape[0], n)
-    if rows.shape[0]:
-        pairs_library().dsv4_wide_pairs_mm(x.data_ptr(), x.shape[1], rows.data_ptr(), group.data_ptr(),
-                                           rows.shape[0], packed.data_ptr(), n, y.data_ptr())
-    return y
+    e, nb, k2 = packed.shape[:3]
+    return packed.transpose(2, 3).reshape(e, nb * PAIRS_COLS, k2 * 2)

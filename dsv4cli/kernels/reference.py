@@ -26,14 +26,14 @@ class ExpertStack:
 
     w13 [E, 2*inter, dim] (each expert's w1 rows, then its w3 rows), w2 [E, dim, inter]: int8 with
     fp32 per-channel scales s13 [E, 2*inter, 1] and s2 [E, dim, 1], or float with scales None.
-    limit: the SwiGLU clamp (0 = none). wide: int8 w13 and w2 also held in a layout of the platform's own
-    (as fp32 of the same values, or repacked), where its kernels read them so (`widen_experts`)."""
+    limit: the SwiGLU clamp (0 = none). wide: (w13, w2) also held in a layout of the platform's own (as
+    fp32 of the same values, or repacked), where its kernels read them so (`widen_experts`)."""
     w13: torch.Tensor
     w2: torch.Tensor
     s13: torch.Tensor | None
     s2: torch.Tensor | None
     limit: float
-    wide: tuple[torch.Tensor, ...] | None = None
+    wide: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
