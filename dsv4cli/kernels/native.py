@@ -122,7 +122,8 @@ def pairs_library() -> Path | None:
     flags = [*PAIRS_FLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     libs = (f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10")
-    if not (cxx := _compiler(("c++", "g++", "clang++"), "CXX")) or not (path := _build(cxx, flags, PAIRS_SOURCES, libs)):
+    cxx = _compiler(("c++", "g++", "clang++"), "CXX")
+    if not cxx or not (path := _build(cxx, flags, PAIRS_SOURCES, libs)):
         return None
     try:
         torch.ops.load_library(str(path))
