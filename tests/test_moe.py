@@ -141,10 +141,14 @@ def test_packed_int8_gemm_equals_int_mm(rows, monkeypatch):
     assert torch.equal(cpu.unpack_w8a8(packed), weight)
 
 
+@pytest.mark.parametrize("form", ["fp32", "pairs"])
 @pytest.mark.parametrize("rows", [1, 4, 5, 64])
-def test_widened_int8_weights_give_int_mms_sums(rows):
-    """A small int8 weight held as fp32 (`widen_w8a8`: CPUs where int8 GEMMs are slow) gives torch._int_mm's
-    sums bit for bit, at the widest input it is used for and with extreme values."""
+def test_widened_int8_weights_give_int_mms_sums(rows, form):
+    """A small int8 weight held as fp32 or packed for the pair GEMMs (`widen_w8a8`: CPUs where int8 GEMMs
+    are slow) gives torch._int_mm's sums bit for bit, at the widest input it is used for and with extreme
+    values."""
+    if form == "pairs" and not native.pairs_available():
+        pytest.skip("the AVX2 pair GEMMs can't be built or run here")
     g = torch.Generator().manual_seed(rows)
     n = cpu.EXACT_FP32_IN
     weight = torch.randint(-128, 128, (96, n), generator=g, dtype=torch.int8)
@@ -153,8 +157,9 @@ def test_widened_int8_weights_give_int_mms_sums(rows):
     x = torch.randn(rows, n, generator=g) * 4
     x[0] = x[0].abs()                       # row 0 quantises to 127s where it is largest
     want = reference.w8a8_linear(x, weight, scale)
-    assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=weight.float()), want)
-    assert torch.equal(cpu.unpack_w8a8(weight.float()), weight)
+    packed = weight.float() if form == "fp32" else native.pack_pairs(weight[None])
+    assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), want)
+    assert torch.equal(cpu.unpack_w8a8(packed), weight)
 
 
 @pytest.mark.skipif(not native.pairs_available(), reason="the AVX2 pair GEMMs can't be built or run here")

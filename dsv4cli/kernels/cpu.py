@@ -55,9 +55,16 @@ def pack_w8a8(weight: torch.Tensor):
 
 
 def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
-    """A small int8 weight held as fp32 of the same values, where int8 GEMMs are slow (`slow_int8`) and its
-    sums are exact in fp32: an fp32 GEMM then gives `torch._int_mm`'s sums, bit for bit. Else None."""
-    return weight.float() if weight.shape[-1] <= EXACT_FP32_IN and slow_int8() else None
+    """A small int8 weight where int8 GEMMs are slow (`slow_int8`) and its sums are exact in fp32: packed as
+    a one-expert stack for the pair GEMMs where they run (int8 [1, N/16, K/2, 16, 2]: a quarter of the fp32
+    copy's bytes, and a step's few rows cost little more than one, where MKL's fp32 GEMM of 6 rows took
+    2.5x its single row's time), else held as fp32 of the same values. Both give `torch._int_mm`'s sums,
+    bit for bit. Else None."""
+    if weight.shape[-1] > EXACT_FP32_IN or not slow_int8():
+        return None
+    if native.pairs_available() and weight.shape[0] % native.PAIRS_COLS == 0 and weight.shape[1] % 2 == 0:
+        return native.pack_pairs(weight[None])
+    return weight.float()
 
 
 @functools.cache
@@ -72,6 +79,8 @@ def unpack_w8a8(packed) -> torch.Tensor:
     """The plain int8 weight [out, in] back from `pack_w8a8`."""
     if packed.dtype == torch.float32:
         return packed.to(torch.int8)
+    if packed.dtype == torch.int8:
+        return native.unpack_pairs(packed)[0]
     if packed.dtype == torch.uint8:
         return native.unpack_int8(packed)
     return packed.to_dense().t().contiguous()
@@ -96,9 +105,11 @@ def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether a linear's weight is `pack_w8a8`'s or `pack_linear_fp32`'s (a weight held plain is 2-D).
-    Real tensors only: traced, an mkldnn tensor reads as a plain one (modules pass `packed` themselves)."""
-    return weight.is_mkldnn or weight.dim() > 2
+    """Whether a linear's weight is packed by `pack_w8a8` or `pack_linear_fp32` for kernels that read it in
+    place (a weight held plain is 2-D; a small one widened, or packed as a one-expert stack, counts as
+    plain: an expert's stays in its stack). Real tensors only: traced, an mkldnn tensor reads as a plain one
+    (modules pass `packed` themselves)."""
+    return weight.is_mkldnn or (weight.dim() > 2 and weight.dtype != torch.int8)
 
 
 @functools.cache
@@ -135,9 +146,12 @@ def _(q, packed):
 
 
 def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`packed_int_mm`, the native kernel called directly in eager; a widened weight's fp32 GEMM."""
+    """`packed_int_mm`, the native kernel called directly in eager; a widened weight's fp32 GEMM, or a
+    small weight's pair GEMMs."""
     if packed.dtype == torch.float32:
         return torch.nn.functional.linear(q.float(), packed)
+    if packed.dtype == torch.int8:
+        return torch.ops.dsv4.pairs_linear(q, packed)
     if packed.dtype == torch.uint8 and not torch.compiler.is_compiling():
         return native.int8_mm(q, packed)
     return packed_int_mm(q, packed)
@@ -216,7 +230,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
 
 def projection(x, weight, scale, xq=None):
     """A float linear (scale None), or W8A8; the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
-    packed = weight if is_packed(weight) or (scale is not None and weight.dtype != torch.int8) else None
+    packed = weight if weight.is_mkldnn or weight.dim() > 2 or (scale is not None and weight.dtype != torch.int8) \
+        else None
     if scale is None:
         return torch.nn.functional.linear(x, weight.to(x.dtype)) if packed is None \
             else linear_fp32(x, weight, packed).to(x.dtype)

@@ -1,5 +1,6 @@
 /* Routed experts' GEMMs for x86-64 CPUs with AVX2 (no AVX-512 VNNI: there torch's int8 GEMM is slow),
-   as the torch op dsv4::expert_pairs_mm (its shape function is `native.py`'s).
+   as the torch op dsv4::expert_pairs_mm, and small int8 linears' as dsv4::pairs_linear (their shape
+   functions are `native.py`'s).
 
    y[p] = x[rows[p]] W[group[p]]^T for (row, expert) pairs sorted by expert, x int8, W [E, N, K] the int8
    stack packed in blocks of 16 output columns, each block's k steps side by side in pairs
@@ -21,6 +22,8 @@
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <numeric>
+#include <vector>
 #include <torch/library.h>
 
 #define TILE 6
@@ -81,14 +84,19 @@ static void pairs_mm(const int8_t *x, int64_t K, const int64_t *rows, const int6
     }
 }
 
+static void check(const at::Tensor &x, const at::Tensor &packed) {
+    TORCH_CHECK(x.scalar_type() == at::kChar && x.dim() == 2 && x.size(1) <= MAX_K && packed.scalar_type() == at::kChar
+                && packed.dim() == 5 && packed.size(2) * 2 == x.size(1) && packed.size(3) == COLS,
+                "pair GEMMs: x [R, K<=1024] int8, packed [E, N/16, K/2, 16, 2] int8");
+}
+
 /* x [R, K] int8; rows, group [P] int64 (group sorted, rows index x); packed [E, N/16, K/2, 16, 2] int8
    (`native.pack_pairs`) -> y fp32 [P, N]. */
 static at::Tensor expert_pairs_mm(const at::Tensor &x, const at::Tensor &rows, const at::Tensor &group,
                                   const at::Tensor &packed) {
-    TORCH_CHECK(x.scalar_type() == at::kChar && x.dim() == 2 && x.size(1) <= MAX_K && packed.scalar_type() == at::kChar
-                && packed.dim() == 5 && packed.size(2) * 2 == x.size(1) && packed.size(3) == COLS
-                && rows.scalar_type() == at::kLong && group.scalar_type() == at::kLong && rows.numel() == group.numel(),
-                "expert_pairs_mm: x [R, K<=1024] int8, rows and group [P] int64, packed [E, N/16, K/2, 16, 2] int8");
+    check(x, packed);
+    TORCH_CHECK(rows.scalar_type() == at::kLong && group.scalar_type() == at::kLong && rows.numel() == group.numel(),
+                "expert_pairs_mm: rows and group [P] int64");
     const at::Tensor xc = x.contiguous(), rc = rows.contiguous(), gc = group.contiguous(), wc = packed.contiguous();
     const int64_t n = packed.size(1) * COLS;
     at::Tensor y = at::empty({rows.numel(), n}, x.options().dtype(at::kFloat));
@@ -97,10 +105,26 @@ static at::Tensor expert_pairs_mm(const at::Tensor &x, const at::Tensor &rows, c
     return y;
 }
 
+/* A small int8 linear's GEMM (`cpu.widen_w8a8`): x [M, K] int8 against one weight packed as a one-expert
+   stack [1, N/16, K/2, 16, 2] -> fp32 [M, N]: every row a pair of expert 0. */
+static at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed) {
+    check(x, packed);
+    const int64_t m = x.size(0), n = packed.size(1) * COLS;
+    std::vector<int64_t> rows(m), group(m, 0);
+    std::iota(rows.begin(), rows.end(), 0);
+    const at::Tensor xc = x.contiguous(), wc = packed.contiguous();
+    at::Tensor y = at::empty({m, n}, x.options().dtype(at::kFloat));
+    pairs_mm(xc.data_ptr<int8_t>(), x.size(1), rows.data(), group.data(), m, wc.data_ptr<int8_t>(), n,
+             y.data_ptr<float>());
+    return y;
+}
+
 TORCH_LIBRARY_FRAGMENT(dsv4, m) {
     m.def("expert_pairs_mm(Tensor x, Tensor rows, Tensor group, Tensor packed) -> Tensor");
+    m.def("pairs_linear(Tensor x, Tensor packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsv4, CPU, m) {
     m.impl("expert_pairs_mm", expert_pairs_mm);
+    m.impl("pairs_linear", pairs_linear);
 }

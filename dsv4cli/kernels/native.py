@@ -114,7 +114,8 @@ def available() -> bool:
 def pairs_library() -> Path | None:
     """The AVX2 pair GEMMs (`cpu_pairs.cpp`), built and loaded: the op `torch.ops.dsv4.expert_pairs_mm` (x int8
     [R, K], rows and group int64 [P], a `pack_pairs` stack -> y fp32 [P, N], y[p] = x[rows[p]] times expert
-    group[p]'s weight, pairs sorted by expert). None where it can't be built or run here."""
+    group[p]'s weight, pairs sorted by expert), and `torch.ops.dsv4.pairs_linear` (x int8 [M, K], a weight
+    packed as a one-expert stack -> fp32 [M, N]). None where it can't be built or run here."""
     if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or "avx2" not in _cpu_flags():
         return None
     from torch.utils import cpp_extension
@@ -131,6 +132,8 @@ def pairs_library() -> Path | None:
         return None
     torch.library.register_fake("dsv4::expert_pairs_mm")(
         lambda x, rows, group, packed: x.new_empty(rows.shape[0], packed.shape[1] * PAIRS_COLS, dtype=torch.float32))
+    torch.library.register_fake("dsv4::pairs_linear")(
+        lambda x, packed: x.new_empty(x.shape[0], packed.shape[1] * PAIRS_COLS, dtype=torch.float32))
     return path
 
 
