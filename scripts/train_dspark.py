@@ -2,7 +2,7 @@
 self-distillation, and write the model in the 0731 W8A8 layout.
 
 Usage: python scripts/train_dspark.py [--trunk dsv4cli/assets/dsv4-tiny-mtp] [--out dsv4cli/assets/dsv4-tiny]
-           [--steps 500] [--minutes 120] [--threads 2]
+           [--steps 2000] [--minutes 120] [--threads 2]
 
 The trunk is the preview-layout dsv4-tiny (scripts/train_tiny.py), loaded as `load_model` runs it (W8A8), and
 stays frozen: it gives every training row its target features (the mean hc streams of its last three
@@ -125,7 +125,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trunk", default=str(ROOT / "dsv4cli" / "assets" / "dsv4-tiny-mtp"))
     ap.add_argument("--out", default=str(ROOT / "dsv4cli" / "assets" / "dsv4-tiny"))
-    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--minutes", type=float, default=120.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-items", type=int, default=70)
