@@ -9,7 +9,7 @@ from tiny import chunk_logits, mtp_chunk_logits, random_model, tiny_config
 
 from dsv4cli.kernels import cpu, native, reference
 from dsv4cli.model import DecodeState
-from dsv4cli.model.model import MoE
+from dsv4cli.model.model import MoE, OpModule, PackedWeight
 from dsv4cli.model.quant import quantize_model
 
 
@@ -181,6 +181,55 @@ def test_pair_gemms_give_int_mms_sums(pairs):
     want = torch.stack([torch._int_mm(x[r].view(1, k).expand(17, k).contiguous(), weights[e].t())[0]
                         for r, e in zip(rows.tolist(), group.tolist())]).float()
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not native.pairs_available(), reason="the AVX2 pair GEMMs can't be built or run here")
+@pytest.mark.parametrize("rows", [1, 6, 48])
+def test_pair_gemms_at_real_widths(rows):
+    """At V4 Flash's 4096-wide inputs (int32 sums past 2^24, so their fp32 conversion rounds) the pair GEMMs
+    still give torch._int_mm's sums as `.float()` converts them, extreme values included; and where int8
+    GEMMs are slow a weight that size is packed for them and its W8A8 linear is the reference's."""
+    g = torch.Generator().manual_seed(rows)
+    k = 4096
+    weight = torch.randint(-128, 128, (512, k), generator=g, dtype=torch.int8)     # 2 MiB: a large weight
+    weight[0] = -128
+    q = torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8)
+    q[0] = -128                              # 2^26 in channel 0
+    padded = torch.cat([q, q.new_zeros(max(0, 17 - rows), k)])
+    want = torch._int_mm(padded, weight.t())[:rows].float()
+    assert torch.equal(torch.ops.dsv4.pairs_linear(q, native.pack_pairs(weight[None])), want)
+    if cpu.slow_int8():
+        packed = cpu.pack_w8a8(weight)
+        assert packed.dtype == torch.int8 and packed.dim() == 5
+        scale = torch.rand(512, 1, generator=g) / 50
+        x = torch.randn(rows, k, generator=g)
+        assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
+
+
+@pytest.mark.skipif(not (native.pairs_available() and cpu.slow_int8()), reason="for CPUs where int8 GEMMs are slow")
+@torch.no_grad()
+def test_large_int8_experts_run_in_place_on_the_pair_gemms(monkeypatch):
+    """Where int8 GEMMs are slow, experts too large to also hold as a stack's pair copy (every one, here) are
+    packed linear by linear for the pair GEMMs and run routed, each read in place: the dense oracle's
+    output, and state_dict gives the int8 weights back."""
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)
+    moe = moe_layers(True)[1]
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(1, 6, 64, generator=g), torch.randint(0, 256, (1, 6), generator=g)
+    want = dense_oracle(moe, x, ids)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    for module in moe.modules():
+        if isinstance(module, OpModule):
+            module.ops = cpu
+        if isinstance(module, PackedWeight):
+            module.pack()
+    moe.prepare_experts(on_host=True)
+    assert moe.stack is None
+    assert all(lin.packed.dtype == torch.int8 and lin.packed.dim() == 5
+               for e in moe.local_experts() for lin in (e.w1, e.w2, e.w3))
+    torch.testing.assert_close(moe(x, ids), want, rtol=1e-5, atol=1e-5)
+    after = moe.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 @pytest.mark.parametrize("form", ["paired", "widened"])

@@ -39,14 +39,14 @@ INDEXER_SLICE = 1 << 20
 
 def pack_w8a8(weight: torch.Tensor):
     """The int8 weight [out, in] in a packed layout, or None where none is available: the native few-row
-    GEMM's (uint8), else oneDNN's blocked layout (an mkldnn tensor); a small weight stays plain, or is
-    widened to fp32 where int8 GEMMs are slow (`widen_w8a8`). All give `torch._int_mm`'s int32 sums, so the
-    same results, bit for bit.
+    GEMM's (uint8), else oneDNN's blocked layout (an mkldnn tensor); a small weight stays plain; where int8
+    GEMMs are slow (an AVX2-only CPU) every weight takes `widen_w8a8`'s form. All give `torch._int_mm`'s
+    int32 sums, so the same results, bit for bit.
 
-    `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count, oneDNN's
+    `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count with VNNI, oneDNN's
     prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to 16 rows
     (`benchmarks/cpu_gemm.py`)."""
-    if weight.numel() < PACK_MIN_BYTES:
+    if weight.numel() < PACK_MIN_BYTES or slow_int8():
         return widen_w8a8(weight)
     if native.packable(weight):
         return native.pack_int8(weight)
@@ -54,15 +54,17 @@ def pack_w8a8(weight: torch.Tensor):
 
 
 def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
-    """A small int8 weight where int8 GEMMs are slow (`slow_int8`) and its sums are exact in fp32: packed as
-    a one-expert stack for the pair GEMMs where they run (int8 [1, N/16, K/2, 16, 2]: a quarter of the fp32
-    copy's bytes, and a step's few rows cost little more than one, where MKL's fp32 GEMM of 6 rows took
-    2.5x its single row's time), else held as fp32 of the same values. Both give `torch._int_mm`'s sums,
-    bit for bit. Else None."""
-    if weight.shape[-1] > EXACT_FP32_IN or not slow_int8():
+    """An int8 weight where int8 GEMMs are slow (`slow_int8`): packed as a one-expert stack for the pair
+    GEMMs where they run (int8 [1, N/16, K/2, 16, 2], any width: exact int32 sums; a small weight's fp32 copy
+    for MKL took 2.5x its single row's time at 6 rows, and torch._int_mm of a 4096 x 4096 weight 180 ms
+    here, the pair GEMMs 0.5-2 ms at 1-6 rows), else, if small and its sums are exact in fp32, held as fp32
+    of the same values. All give `torch._int_mm`'s sums, bit for bit. Else None."""
+    if not slow_int8():
         return None
     if native.pairs_available() and weight.shape[0] % native.PAIRS_COLS == 0 and weight.shape[1] % 2 == 0:
         return native.pack_pairs(weight[None])
+    if weight.shape[-1] > EXACT_FP32_IN or weight.numel() >= PACK_MIN_BYTES:
+        return None
     return weight.float()
 
 
@@ -106,9 +108,10 @@ def unpack_linear_fp32(packed: torch.Tensor) -> torch.Tensor:
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether a linear's weight is packed by `pack_w8a8` or `pack_linear_fp32` for kernels that read it in
     place (a weight held plain is 2-D; a small one widened, or packed as a one-expert stack, counts as
-    plain: an expert's stays in its stack). Real tensors only: traced, an mkldnn tensor reads as a plain one
-    (modules pass `packed` themselves)."""
-    return weight.is_mkldnn or (weight.dim() > 2 and weight.dtype != torch.int8)
+    plain: an expert's stays in its stack, whose pair GEMMs run all its pairs in one call; a large one
+    packed so is read in place, as a stack's second copy would double the experts' bytes). Real tensors
+    only: traced, an mkldnn tensor reads as a plain one (modules pass `packed` themselves)."""
+    return weight.is_mkldnn or (weight.dim() > 2 and (weight.dtype != torch.int8 or weight.numel() >= PACK_MIN_BYTES))
 
 
 @functools.cache
@@ -146,7 +149,7 @@ def _(q, packed):
 
 def int8_packed(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`packed_int_mm`, the native kernel called directly in eager; a widened weight's fp32 GEMM, or a
-    small weight's pair GEMMs."""
+    weight's pair GEMMs."""
     if packed.dtype == torch.float32:
         return torch.nn.functional.linear(q.float(), packed)
     if packed.dtype == torch.int8:

@@ -1,5 +1,5 @@
 /* Routed experts' GEMMs for x86-64 CPUs with AVX2 (no AVX-512 VNNI: there torch's int8 GEMM is slow),
-   as the torch op dsv4::expert_pairs_mm, and small int8 linears' as dsv4::pairs_linear (their shape
+   as the torch op dsv4::expert_pairs_mm, and int8 linears' as dsv4::pairs_linear (their shape
    functions are `native.py`'s).
 
    y[p] = x[rows[p]] W[group[p]]^T for (row, expert) pairs sorted by expert, x int8, W [E, N, K] the int8
@@ -12,8 +12,8 @@
    2 * TILE accumulators in registers.
 
    Each k pair of 8 columns is one vpmaddwd of the weights widened to int16 against the row's two x
-   values: int32 sums, exact, so the result is torch._int_mm's bit for bit (and exact in fp32: at most
-   1024 products of |v| <= 128). 2.5x the fp32 FMAs of the weights widened in registers, which spent
+   values: int32 sums, exact up to K = MAX_K, converted to fp32 as torch's .float() of torch._int_mm's
+   int32 sums, so the result is that bit for bit (exact in fp32 up to K = 1024). 2.5x the fp32 FMAs of the weights widened in registers, which spent
    four conversions on every 16 weights where a tile's one or two rows then used them twice.
 
    A C++ op, not a Python custom op: a step calls it a dozen times or more, and a Python op's dispatch
@@ -28,28 +28,28 @@
 
 #define TILE 6
 #define COLS 16
-#define MAX_K 1024     /* the widest input of a widened stack (cpu.EXACT_FP32_IN) */
+#define MAX_K 131072   /* K products of |v| <= 128 sum within int32 */
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* One tile of n rows against an expert's [N/16][K/2][16][2] weight, block by block. */
 INLINE void pairs_tile(const int8_t *x, int64_t K, const int64_t *rows, const int8_t *w, int64_t nblocks,
-                       float *y, const int n) {
-    int32_t xr[TILE][MAX_K / 2];          /* each row's k pairs as two int16 in one int32: vpmaddwd's operand */
+                       float *y, int32_t *xr, const int n) {
+    const int64_t K2 = K / 2;      /* xr [TILE][K/2]: each row's k pairs as two int16 in one int32 (vpmaddwd's) */
     for (int m = 0; m < n; m++) {
         const int8_t *xm = x + rows[m] * K;
-        for (int64_t k = 0; k < K / 2; k++)
-            xr[m][k] = (int32_t)((uint16_t)xm[2 * k] | ((uint32_t)(uint16_t)xm[2 * k + 1] << 16));
+        for (int64_t k = 0; k < K2; k++)
+            xr[m * K2 + k] = (int32_t)((uint16_t)xm[2 * k] | ((uint32_t)(uint16_t)xm[2 * k + 1] << 16));
     }
     for (int64_t b = 0; b < nblocks; b++) {
         __m256i acc[2 * TILE];
         for (int i = 0; i < 2 * n; i++) acc[i] = _mm256_setzero_si256();
         const int8_t *wb = w + b * K * COLS;
-        for (int64_t k = 0; k < K / 2; k++) {
+        for (int64_t k = 0; k < K2; k++) {
             __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS)));
             __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS + COLS)));
             for (int m = 0; m < n; m++) {
-                __m256i xb = _mm256_set1_epi32(xr[m][k]);
+                __m256i xb = _mm256_set1_epi32(xr[m * K2 + k]);
                 acc[2 * m] = _mm256_add_epi32(acc[2 * m], _mm256_madd_epi16(xb, w0));
                 acc[2 * m + 1] = _mm256_add_epi32(acc[2 * m + 1], _mm256_madd_epi16(xb, w1));
             }
@@ -64,6 +64,7 @@ INLINE void pairs_tile(const int8_t *x, int64_t K, const int64_t *rows, const in
 static void pairs_mm(const int8_t *x, int64_t K, const int64_t *rows, const int64_t *group, int64_t P,
                      const int8_t *w, int64_t N, float *y) {
     const int64_t nblocks = N / COLS;
+    std::vector<int32_t> xr(TILE * (K / 2));
     for (int64_t p0 = 0; p0 < P;) {
         int64_t p1 = p0 + 1;
         while (p1 < P && group[p1] == group[p0]) p1++;
@@ -72,12 +73,12 @@ static void pairs_mm(const int8_t *x, int64_t K, const int64_t *rows, const int6
             int n = p1 - t < TILE ? (int)(p1 - t) : TILE;
             float *yt = y + t * N;
             switch (n) {        /* a constant row count each: the tile's loops unrolled */
-            case 1: pairs_tile(x, K, rows + t, we, nblocks, yt, 1); break;
-            case 2: pairs_tile(x, K, rows + t, we, nblocks, yt, 2); break;
-            case 3: pairs_tile(x, K, rows + t, we, nblocks, yt, 3); break;
-            case 4: pairs_tile(x, K, rows + t, we, nblocks, yt, 4); break;
-            case 5: pairs_tile(x, K, rows + t, we, nblocks, yt, 5); break;
-            default: pairs_tile(x, K, rows + t, we, nblocks, yt, 6); break;
+            case 1: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 1); break;
+            case 2: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 2); break;
+            case 3: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 3); break;
+            case 4: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 4); break;
+            case 5: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 5); break;
+            default: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 6); break;
             }
         }
         p0 = p1;
@@ -87,7 +88,7 @@ static void pairs_mm(const int8_t *x, int64_t K, const int64_t *rows, const int6
 static void check(const at::Tensor &x, const at::Tensor &packed) {
     TORCH_CHECK(x.scalar_type() == at::kChar && x.dim() == 2 && x.size(1) <= MAX_K && packed.scalar_type() == at::kChar
                 && packed.dim() == 5 && packed.size(2) * 2 == x.size(1) && packed.size(3) == COLS,
-                "pair GEMMs: x [R, K<=1024] int8, packed [E, N/16, K/2, 16, 2] int8");
+                "pair GEMMs: x [R, K<=131072] int8, packed [E, N/16, K/2, 16, 2] int8");
 }
 
 /* x [R, K] int8; rows, group [P] int64 (group sorted, rows index x); packed [E, N/16, K/2, 16, 2] int8
@@ -105,7 +106,7 @@ static at::Tensor expert_pairs_mm(const at::Tensor &x, const at::Tensor &rows, c
     return y;
 }
 
-/* A small int8 linear's GEMM (`cpu.widen_w8a8`): x [M, K] int8 against one weight packed as a one-expert
+/* An int8 linear's GEMM (`cpu.widen_w8a8`): x [M, K] int8 against one weight packed as a one-expert
    stack [1, N/16, K/2, 16, 2] -> fp32 [M, N]: every row a pair of expert 0. */
 static at::Tensor pairs_linear(const at::Tensor &x, const at::Tensor &packed) {
     check(x, packed);

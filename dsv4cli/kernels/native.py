@@ -1,6 +1,6 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
 machine's C compiler on first use; on CPUs without AVX-512 VNNI, the pair GEMMs of the routed experts'
-stacks and small int8 linears (`cpu_pairs.cpp`, AVX2, torch ops built against torch's headers).
+stacks and int8 linears (`cpu_pairs.cpp`, AVX2, torch ops built against torch's headers).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
