@@ -13,8 +13,9 @@
 
    Each k pair of 8 columns is one vpmaddwd of the weights widened to int16 against the row's two x
    values: int32 sums, exact up to K = MAX_K, converted to fp32 as torch's .float() of torch._int_mm's
-   int32 sums, so the result is that bit for bit (exact in fp32 up to K = 1024). 2.5x the fp32 FMAs of the weights widened in registers, which spent
-   four conversions on every 16 weights where a tile's one or two rows then used them twice.
+   int32 sums, so the result is that bit for bit (exact in fp32 up to K = 1024). 2.5x the fp32 FMAs of
+   the weights widened in registers, which spent four conversions on every 16 weights where a tile's one
+   or two rows then used them twice.
 
    A C++ op, not a Python custom op: a step calls it a dozen times or more, and a Python op's dispatch
    cost ~60 us a call inside a compiled graph, twice the kernel's own time then. */
