@@ -6,8 +6,8 @@ On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than 
 is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
 packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
 native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
-take oneDNN's prepacked layout where torch has it, else stay plain (small ones, and expert stacks,
-multiplied by `cpu_pairs.cpp`'s pair GEMMs: `torch._int_mm` is slow there), and the reference's ops run.
+take oneDNN's prepacked layout where torch has it, else `cpu_pairs.cpp`'s pair GEMMs read them
+(`torch._int_mm` is slow there: small experts as a stack, the rest weight by weight), and the reference's ops run.
 Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
 the kernel is called directly (a Python op's dispatch costs ~20 us a call). The pair GEMMs are a C++ op,
 called the same way in both.
