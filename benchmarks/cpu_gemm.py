@@ -5,10 +5,12 @@
 A decode step's GEMMs multiply 1-16 rows (batch x (K+1)) by weights far larger than the caches, so
 each should cost one read of its weight. For an int8 weight [32768 x 8192] (256 MiB) and an fp32 one
 [65536 x 4096] (1 GiB), both over 4x the last-level cache, this times, in one process and interleaved
-rep by rep: the native kernels (`dsv4cli/kernels/native.py`; fp32 sums over fp32 or bf16-held weights),
-oneDNN's prepacked int8 GEMM, `torch._int_mm` and MKL's fp32 GEMM (`F.linear`), and the streaming read
-`real_width.py` measures (the best of four plain reads of 1 GiB). Reported: GB/s of weight read (median
-and best of the reps) and its fraction of the streaming read (the median of the reps' readings).
+rep by rep: the native kernels (`dsv4cli/kernels/native.py`; fp32 sums over fp32 or bf16-held weights) or,
+on a CPU without AVX-512 VNNI, the AVX2 ops (the int8 pair GEMM, the float GEMM), oneDNN's prepacked int8
+GEMM where its sums are exact, `torch._int_mm` (where it isn't slow) and MKL's fp32 GEMM (`F.linear`), and
+the streaming read `real_width.py` measures (the best of four plain reads of 1 GiB). Reported: GB/s of
+weight read (median and best of the reps) and its fraction of the streaming read (the median of the reps'
+readings).
 """
 import argparse
 import json
@@ -39,23 +41,28 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    if not native.available():
-        raise SystemExit("cpu_gemm: the native kernels aren't available here (AVX-512 VNNI CPU and a C compiler)")
+    if not (native.available() or native.avx2_available()):
+        raise SystemExit("cpu_gemm: no few-row kernels here (they need an x86-64 CPU with AVX2 and a C/C++ compiler)")
+    kind = "native" if native.available() else "avx2"
     rows = [int(r) for r in a.rows.split(",")]
     g = torch.Generator().manual_seed(0)
     w8 = torch.randint(-127, 128, (32768, 8192), generator=g, dtype=torch.int8)
     w32 = torch.randn(65536, 4096, generator=g)
-    packed8, packed32, packed16 = native.pack_int8(w8), native.pack_float(w32), native.pack_float(w32, torch.bfloat16)
+    packed8 = native.pack_int8(w8) if kind == "native" else native.pack_pairs(w8[None])
+    packed32, packed16 = native.pack_float(w32), native.pack_float(w32.bfloat16().float(), torch.bfloat16)
     onednn = torch.ops.onednn.qlinear_prepack(w8, [1, w8.shape[1]]) if cpu._onednn_int8() else None
     q = torch.randint(-127, 128, (max(rows), w8.shape[1]), generator=g, dtype=torch.int8)
     x = torch.randn(max(rows), w32.shape[1], generator=g)
     kernels = {
-        "int8 native": (w8.numel(), lambda m: native.int8_mm(q[:m], packed8)),
+        "int8 native": (w8.numel(), lambda m: native.int8_mm(q[:m], packed8)) if kind == "native" else None,
+        "int8 avx2 pairs": (w8.numel(), lambda m: torch.ops.dsv4.pairs_linear(q[:m], packed8)) if kind == "avx2"
+        else None,
         "int8 onednn": (w8.numel(), lambda m: cpu.packed_int_mm(q[:m], onednn)) if onednn is not None else None,
-        "int8 torch._int_mm": (w8.numel(), lambda m: torch._int_mm(q[:m], w8.t())),
-        "fp32 native": (w32.numel() * 4, lambda m: native.float_mm(x[:m], packed32)),
+        # where int8 GEMMs are slow (`cpu.slow_int8`) torch._int_mm takes seconds a call here: left out
+        "int8 torch._int_mm": (w8.numel(), lambda m: torch._int_mm(q[:m], w8.t())) if not cpu.slow_int8() else None,
+        f"fp32 {kind}": (w32.numel() * 4, lambda m: native.float_mm(x[:m], packed32)),
         "fp32 mkl": (w32.numel() * 4, lambda m: F.linear(x[:m], w32)),
-        "bf16-held native": (w32.numel() * 2, lambda m: native.float_mm(x[:m], packed16)),
+        f"bf16-held {kind}": (w32.numel() * 2, lambda m: native.float_mm(x[:m], packed16)),
     }
     kernels = {k: v for k, v in kernels.items() if v is not None}
     speeds = {(k, m): [] for k in kernels for m in rows}

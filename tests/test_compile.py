@@ -33,9 +33,9 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with small
     unpacked experts: grouped GEMMs in the graph), the second layer's linears packed for the native GEMMs
     (their custom ops) and its experts routed on the host from a fused-kernel table (one opaque op), as
-    `prepare` leaves big ones. The compiled step is saved without unpacking a weight, and a new engine
-    loads it. Prefill chunks compile too, padded to a bucket: both prompts' chunks (slots 0 and 1) run
-    one graph."""
+    `prepare` leaves big ones; without the native kernels, its linears packed for the AVX2 ops. The compiled
+    step is saved without unpacking a weight, and a new engine loads it. Prefill chunks compile too, padded
+    to a bucket: both prompts' chunks (slots 0 and 1) run one graph."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))      # a cold cache: this test compiles
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
@@ -43,15 +43,18 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     model = quantize_model(random_model(cfg, seed=3)).prepare()      # W8A8: the int8 GEMMs compile too
     assert all(layer.ffn.stack is not None for layer in [*model.layers, *model.mtp])
     unpacked = []      # `state_dict()` unpacks: a full extra copy of every packed weight
-    if native.available():       # the second layer's linears in the native GEMMs' layouts: their ops in the graph
+    if native.available() or native.avx2_available():
+        # the second layer's linears in the native GEMMs' layouts, or the AVX2 ops': their ops in the graph
         monkeypatch.setattr(model.layers[1].ffn.ops, "PACK_MIN_BYTES", 0)
         packed = [m for m in model.layers[1].modules() if isinstance(m, PackedWeight)
-                  and native.packable(m.weight) and (m.pack() or m.packed is not None)]
-        assert {m.packed.dtype for m in packed} == {torch.uint8, torch.float32}
-        moe = model.layers[1].ffn
-        moe.prepare_experts(on_host=True)
-        assert moe.stack is None and moe.table is not None and moe.table.shared
-        for unpack in (native.unpack_int8, native.unpack_float):
+                  and m.weight.shape[0] % native.BLOCK == 0 and (m.pack() or m.packed is not None)]
+        int8 = torch.uint8 if native.available() else torch.int8
+        assert {m.packed.dtype for m in packed} == {int8, torch.float32}
+        if native.available():
+            moe = model.layers[1].ffn
+            moe.prepare_experts(on_host=True)
+            assert moe.stack is None and moe.table is not None and moe.table.shared
+        for unpack in (native.unpack_int8 if native.available() else native.unpack_pairs, native.unpack_float):
             monkeypatch.setattr(native, unpack.__name__, lambda packed, f=unpack: unpacked.append(f) or f(packed))
     tok = Tokenizer.from_dir(small_tokenizer_dir)
     prompts = [[5 + i % 40 for i in range(n)] for n in (9, 14)]      # one chunk bucket: 16 rows

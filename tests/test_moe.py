@@ -147,7 +147,7 @@ def test_widened_int8_weights_give_int_mms_sums(rows, form):
     """A small int8 weight held as fp32 or packed for the pair GEMMs (`widen_w8a8`: CPUs where int8 GEMMs
     are slow) gives torch._int_mm's sums bit for bit, at the widest input it is used for and with extreme
     values."""
-    if form == "pairs" and not native.pairs_available():
+    if form == "pairs" and not native.avx2_available():
         pytest.skip("the AVX2 pair GEMMs can't be built or run here")
     g = torch.Generator().manual_seed(rows)
     n = cpu.EXACT_FP32_IN
@@ -162,7 +162,7 @@ def test_widened_int8_weights_give_int_mms_sums(rows, form):
     assert torch.equal(cpu.unpack_w8a8(packed), weight)
 
 
-@pytest.mark.skipif(not native.pairs_available(), reason="the AVX2 pair GEMMs can't be built or run here")
+@pytest.mark.skipif(not native.avx2_available(), reason="the AVX2 pair GEMMs can't be built or run here")
 @pytest.mark.parametrize("pairs", [1, 7, 40])
 def test_pair_gemms_give_int_mms_sums(pairs):
     """The native pair GEMMs: every pair's row against its expert's slice of a widened stack, exactly
@@ -183,7 +183,7 @@ def test_pair_gemms_give_int_mms_sums(pairs):
     assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not native.pairs_available(), reason="the AVX2 pair GEMMs can't be built or run here")
+@pytest.mark.skipif(not native.avx2_available(), reason="the AVX2 pair GEMMs can't be built or run here")
 @pytest.mark.parametrize("rows", [1, 6, 48])
 def test_pair_gemms_at_real_widths(rows):
     """At V4 Flash's 4096-wide inputs (int32 sums past 2^24, so their fp32 conversion rounds) the pair GEMMs
@@ -206,7 +206,7 @@ def test_pair_gemms_at_real_widths(rows):
         assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
 
 
-@pytest.mark.skipif(not (native.pairs_available() and cpu.slow_int8()), reason="for CPUs where int8 GEMMs are slow")
+@pytest.mark.skipif(not (native.avx2_available() and cpu.slow_int8()), reason="for CPUs where int8 GEMMs are slow")
 @torch.no_grad()
 def test_large_int8_experts_run_in_place_on_the_pair_gemms(monkeypatch):
     """Where int8 GEMMs are slow, experts too large to also hold as a stack's pair copy (every one, here) are
@@ -239,7 +239,7 @@ def test_widened_stack_gives_the_reference_grouped_experts(tokens, form):
     """The grouped experts where int8 GEMMs are slow, on a stack paired for the native pair GEMMs and on a
     widened one (every expert over every row; with 1-2 tokens a gather per pair), directly and through
     `grouped_experts`: the reference's sums bit for bit, other ranks' experts adding nothing."""
-    if form == "paired" and not native.pairs_available():
+    if form == "paired" and not native.avx2_available():
         pytest.skip("the AVX2 pair GEMMs can't be built or run here")
     moe = stacked(moe_layers(True)[1])
     stack = getattr(cpu, form)(moe.stack)

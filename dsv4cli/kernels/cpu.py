@@ -7,10 +7,10 @@ is one read of the weight. torch's kernels read it well for one or two rows only
 packed at load (`pack_w8a8`, `pack_linear_fp32`) and the packed copy is the only one held. Where the
 native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERNELS=0`), int8 weights
 take oneDNN's prepacked layout where torch has it, else `cpu_pairs.cpp`'s pair GEMMs read them
-(`torch._int_mm` is slow there: small experts as a stack, the rest weight by weight), and the reference's ops run.
-Inside a compiled graph every native call is a custom op (inductor can't lower the layouts); in eager
-the kernel is called directly (a Python op's dispatch costs ~20 us a call). The pair GEMMs are a C++ op,
-called the same way in both.
+(`torch._int_mm` is slow there: small experts as a stack, the rest weight by weight), float weights
+`cpu_float.cpp`'s few-row GEMM (AVX2), and the reference's ops run the rest. Inside a compiled graph every
+native call is a custom op (inductor can't lower the layouts); in eager the kernel is called directly (a
+Python op's dispatch costs ~20 us a call). The AVX2 ops are C++ ops, called the same way in both.
 """
 import dataclasses
 import functools
@@ -61,7 +61,7 @@ def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
     of the same values. All give `torch._int_mm`'s sums, bit for bit. Else None."""
     if not slow_int8():
         return None
-    if native.pairs_available() and weight.shape[0] % native.PAIRS_COLS == 0 and weight.shape[1] % 2 == 0:
+    if native.avx2_available() and weight.shape[0] % native.PAIRS_COLS == 0 and weight.shape[1] % 2 == 0:
         return native.pack_pairs(weight[None])
     if weight.shape[-1] > EXACT_FP32_IN or weight.numel() >= PACK_MIN_BYTES:
         return None
@@ -88,12 +88,12 @@ def unpack_w8a8(packed) -> torch.Tensor:
 
 
 def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
-    """An fp32 weight [out, in] packed for the native few-row GEMM, or None (no native kernels, a small
-    weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight at 0.9 of the
-    memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16; the native one at 0.9-1.0 with 1-4 rows, 0.7
-    with 8 (`benchmarks/cpu_gemm.py`)."""
+    """An fp32 weight [out, in] packed for the few-row GEMM (the native one, or the AVX2 op), or None (neither
+    here, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight at
+    0.9 of the memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16 (0.1-0.2 with 6-48 on an AVX2 CPU); the
+    native one at 0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`)."""
     if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
-            or (weight.shape[0] // groups) % native.BLOCK or not native.packable(weight)):
+            or not native.float_packable(weight, groups)):
         return None
     # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
     # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
@@ -181,7 +181,10 @@ def _(x, packed):
 
 
 def float_packed(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`packed_float_mm`: the custom op in a graph being compiled, the kernel itself in eager."""
+    """`packed_float_mm`: the custom op in a graph being compiled, the kernel itself in eager; without the
+    native kernels the AVX2 op, a C++ op in both."""
+    if not native.available():
+        return torch.ops.dsv4.float_linear(x.float(), packed)
     return packed_float_mm(x, packed) if torch.compiler.is_compiling() else native.float_mm(x, packed)
 
 
@@ -298,7 +301,7 @@ def widen_experts(stack: ExpertStack) -> ExpertStack:
     if (stack.s13 is None or stack.wide is not None or not small
             or max(stack.w13.shape[-1], stack.w2.shape[-1]) > EXACT_FP32_IN or not slow_int8()):
         return stack
-    pairs = native.pairs_available() and all(w.shape[1] % native.PAIRS_COLS == 0 and w.shape[2] % 2 == 0
+    pairs = native.avx2_available() and all(w.shape[1] % native.PAIRS_COLS == 0 and w.shape[2] % 2 == 0
                                              for w in (stack.w13, stack.w2))
     return paired(stack) if pairs else widened(stack)
 
@@ -318,7 +321,7 @@ def widened(stack: ExpertStack) -> ExpertStack:
 def wide_grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.Tensor:
     """The reference's grouped experts on a paired or widened stack, the same sums bit for bit (int8
     products summed exactly). Paired: each (row, expert) pair multiplied by its expert's int8 weight alone
-    (`native.pairs_library`'s op). Widened (no pair op here): with at least half as many pairs as experts,
+    (`native.avx2_library`'s op). Widened (no pair op here): with at least half as many pairs as experts,
     one GEMM of the rows against every expert's weight a projection (a read of the stack, [E*out, in], E/k
     times the work), each pair taking its expert's part of its row; with fewer (plain decoding's 1-2 rows),
     each pair's weight gathered (a copy)."""

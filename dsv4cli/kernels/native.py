@@ -1,6 +1,7 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
-machine's C compiler on first use; on CPUs without AVX-512 VNNI, the pair GEMMs of the routed experts'
-stacks and int8 linears (`cpu_pairs.cpp`, AVX2, torch ops built against torch's headers).
+machine's C compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's
+headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float
+linears' few-row GEMM (`cpu_float.cpp`).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
@@ -13,8 +14,8 @@ bytes, the same fp32 sums). benchmarks/README.md has the numbers (`benchmarks/cp
 Built once per source, compiler and flags into the user cache (`kernels/`), loaded with ctypes (a
 call releases the GIL; inside a compiled graph the calls are custom ops). Where it can't be (no C
 compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
-False and the CPU kernel module (`cpu.py`) keeps torch's kernels; `pairs_available()` likewise for the
-AVX2 op (no C++ compiler, no AVX2).
+False and the CPU kernel module (`cpu.py`) keeps torch's kernels; `avx2_available()` likewise for the
+AVX2 ops (no C++ compiler, no AVX2 and FMA).
 """
 import ctypes
 import functools
@@ -36,8 +37,10 @@ SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexe
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
-PAIRS_SOURCES = [Path(__file__).with_name("cpu_pairs.cpp")]
-PAIRS_FLAGS = ["-O3", "-mavx2", "-shared", "-fPIC", "-std=c++17", "-w"]    # -w: torch's headers warn under C++17
+AVX2_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_pairs.cpp", "cpu_float.cpp")]
+AVX2_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+              "-w"]     # -w: torch's headers warn under C++17; -fopenmp: at::parallel_for's threads are OpenMP's
+AVX2_CPU_FLAGS = ("avx2", "fma")
 PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.cpp); an expert's width must be a multiple
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
@@ -111,20 +114,21 @@ def available() -> bool:
 
 
 @functools.cache
-def pairs_library() -> Path | None:
-    """The AVX2 pair GEMMs (`cpu_pairs.cpp`), built and loaded: the op `torch.ops.dsv4.expert_pairs_mm` (x int8
+def avx2_library() -> Path | None:
+    """The AVX2 ops, built and loaded: the pair GEMMs (`cpu_pairs.cpp`) `torch.ops.dsv4.expert_pairs_mm` (x int8
     [R, K], rows and group int64 [P], a `pack_pairs` stack -> y fp32 [P, N], y[p] = x[rows[p]] times expert
-    group[p]'s weight, pairs sorted by expert), and `torch.ops.dsv4.pairs_linear` (x int8 [M, K], a weight
-    packed as a one-expert stack -> fp32 [M, N]). None where it can't be built or run here."""
-    if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or "avx2" not in _cpu_flags():
+    group[p]'s weight, pairs sorted by expert) and `torch.ops.dsv4.pairs_linear` (x int8 [M, K], a weight
+    packed as a one-expert stack -> fp32 [M, N]); the float GEMM (`cpu_float.cpp`) `torch.ops.dsv4.float_linear`
+    (x fp32 [M, K], a `pack_float` weight -> fp32 [M, N]). None where they can't be built or run here."""
+    if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or not _cpu_flags().issuperset(AVX2_CPU_FLAGS):
         return None
     from torch.utils import cpp_extension
     lib = Path(torch.__file__).parent / "lib"
-    flags = [*PAIRS_FLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
+    flags = [*AVX2_FLAGS, *(f"-I{p}" for p in cpp_extension.include_paths()),
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     libs = (f"-L{lib}", f"-Wl,-rpath,{lib}", "-ltorch_cpu", "-lc10")
     cxx = _compiler(("c++", "g++", "clang++"), "CXX")
-    if not cxx or not (path := _build(cxx, flags, PAIRS_SOURCES, libs)):
+    if not cxx or not (path := _build(cxx, flags, AVX2_SOURCES, libs)):
         return None
     try:
         torch.ops.load_library(str(path))
@@ -134,17 +138,25 @@ def pairs_library() -> Path | None:
         lambda x, rows, group, packed: x.new_empty(rows.shape[0], packed.shape[1] * PAIRS_COLS, dtype=torch.float32))
     torch.library.register_fake("dsv4::pairs_linear")(
         lambda x, packed: x.new_empty(x.shape[0], packed.shape[1] * PAIRS_COLS, dtype=torch.float32))
+    torch.library.register_fake("dsv4::float_linear")(
+        lambda x, packed: x.new_empty(x.shape[0], packed.shape[0] * BLOCK, dtype=torch.float32))
     return path
 
 
 @torch.compiler.assume_constant_result
-def pairs_available() -> bool:
-    return pairs_library() is not None
+def avx2_available() -> bool:
+    return avx2_library() is not None
 
 
 def packable(weight: torch.Tensor) -> bool:
     out, k = weight.shape
     return out % BLOCK == 0 and k % 4 == 0 and available()
+
+
+def float_packable(weight: torch.Tensor, groups: int = 1) -> bool:
+    """Whether `float_mm` can read this float weight packed (`groups` projections of their own, each in whole
+    blocks): the native kernels', or else the AVX2 op's."""
+    return (weight.shape[0] // groups) % BLOCK == 0 and (available() or avx2_available())
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
@@ -188,7 +200,11 @@ def int8_mm(q: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (as fp32) times a `pack_float` weight, summed in fp32: [M, N]."""
+    """x [M, K] (as fp32) times a `pack_float` weight, summed in fp32: [M, N]. Without the native kernels,
+    the AVX2 op's."""
+    if not available():
+        avx2_library()          # loaded once: the op's registration
+        return torch.ops.dsv4.float_linear(x.float(), packed)
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], packed.shape[0] * BLOCK)
     if x.shape[0] == 0:
