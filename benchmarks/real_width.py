@@ -23,7 +23,11 @@ The bandwidth is measured in the same process, just before each timed step, by s
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
 for the median step against its own reading. "bound_roofline" is the roofline model's whole bound: each
 part's time at least its bytes / bandwidth and its float GEMM and attention-core flops / the fp32 matmul
-peak measured in the same process (int8 GEMMs counted by their bytes only), summed. The 43-layer
+peak measured in the same process, summed; int8 GEMMs count by their bytes only, except on a CPU where
+exact int8 GEMMs are slow (AVX2 without VNNI): there the pair GEMMs' `vpmaddwd` does 16 multiply-adds an
+instruction, no more than the fp32 FMAs' rate, so from ~2 rows an int8 GEMM is compute-bound, and its
+multiply-adds count against the int8 GEMM's own peak, measured in the same process on a weight that stays
+in cache. The 43-layer
 estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
 layers counted as HCA, slightly over) and keeps the rest of the step (head, drafter, sampling) once.
 With DSpark, each depth also gets the tokens a step yields at the acceptance peers measured on 0731
@@ -204,7 +208,8 @@ class StepProfile:
         self.core_time = defaultdict(float)             # attention kind -> seconds in its core kernels
         self.core_bytes = defaultdict(int)
         self.core_flops = defaultdict(int)
-        self.flops = defaultdict(int)                   # part -> float GEMM flops (int8 ones: memory-bound)
+        self.flops = defaultdict(int)                   # part -> float GEMM flops
+        self.int8_ops = defaultdict(int)                # part -> int8 GEMM ops (2 a multiply-add)
         self._part = "other"
         self.batch_rows, self.query_rows, self.context, self._kind = 1, 1, 0, None
         self._drafting = False     # within the drafter: what its parts read is the drafter's
@@ -236,13 +241,13 @@ class StepProfile:
         setattr(kernels, name, kernel)
         self._patches.append((kernels, orig, name))
 
-    def _count_float_gemm(self, name):
+    def _count_gemm(self, name, counts):
         kernels = kernel_module(self.model)
         orig = getattr(kernels, name)
 
         def kernel(x, *args, **kw):
             out = orig(x, *args, **kw)
-            self.flops["drafter" if self._drafting else self._part] += 2 * x.numel() * out.shape[-1]
+            counts["drafter" if self._drafting else self._part] += 2 * x.numel() * out.shape[-1]
             return out
 
         setattr(kernels, name, kernel)
@@ -347,7 +352,8 @@ class StepProfile:
             if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
                 self._wrap_kernel(name)
         for name in ("linear_fp32", "linear"):
-            self._count_float_gemm(name)
+            self._count_gemm(name, self.flops)
+        self._count_gemm("w8a8_linear", self.int8_ops)
         return self
 
     def __exit__(self, *exc):
@@ -391,6 +397,7 @@ class StepProfile:
     def reset(self):
         self.core_flops.clear()
         self.flops.clear()
+        self.int8_ops.clear()
         self.core_time.clear()
         self.core_bytes.clear()
         self.time.clear()
@@ -415,7 +422,7 @@ def compiled_step_times(engine, batch, depth, bound, reps) -> tuple[list[float],
     return times[1:], times[0], kernel_calls(step.sources[key])
 
 
-def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compile_too=False) -> dict:
+def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_peak, compile_too=False) -> dict:
     engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
     bound = -(-(context + depth + 1) // 512) * 512
     state, step, _, _ = decode_step(engine, batch, depth, bound)
@@ -445,17 +452,19 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
                 parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
                               {k: list(v) for k, v in prof.block_time.items()},
                               {k: list(v) for k, v in prof.block_bytes.items()},
-                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops)))
+                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops),
+                              dict(prof.int8_ops)))
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
     median, bw = steps[mid], reads[mid]
-    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops = parts[mid]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops, int8_ops = parts[mid]
     times["other"] = median - sum(v for k, v in times.items() if k != "other")
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
 
     core_part = {"dspark": "drafter"}       # the attention cores' flops: the trunk's attention, the drafter's
     work = {p: flops.get(p, 0) + sum(f for k, f in core_flops.items() if core_part.get(k, "attention") == p)
             for p in PARTS}
-    bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, work[p] / peak) for p in PARTS}
+    int8_s = {p: int8_ops.get(p, 0) / int8_peak if int8_peak else 0.0 for p in PARTS}
+    bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, work[p] / peak + int8_s[p]) for p in PARTS}
 
     def roof(b, t):
         return round(b / bw / t, 3) if t > 0 else None
@@ -468,12 +477,13 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
         "parts": {p: {"ms": round(times.get(p, 0.0) * 1e3, 2), "bytes_held": nbytes.get(p, [0, 0])[0],
                       "bytes_stored": nbytes.get(p, [0, 0])[1], "roofline": roof(nbytes.get(p, [0, 0])[0],
                                                                                   times.get(p, 0.0)),
-                      "flops": work[p], "bound_ms": round(bound[p] * 1e3, 2),
+                      "flops": work[p], "int8_ops": int8_ops.get(p, 0), "bound_ms": round(bound[p] * 1e3, 2),
                       "bound_roofline": round(bound[p] / times[p], 3) if times.get(p, 0.0) > 0 else None}
                   for p in PARTS},
         # the roofline model's bound: each part's time at least its bytes over the bandwidth and its float
-        # flops over the fp32 peak (int8 GEMMs counted memory-bound); at 40-48 verified rows the LM head's
-        # product is compute-bound on a CPU core, where the memory roofline alone would call it slow
+        # flops over the fp32 peak, plus its int8 ops over the int8 peak where that is measured (else int8
+        # GEMMs count memory-bound); at 40-48 verified rows the LM head's product is compute-bound on a CPU
+        # core, where the memory roofline alone would call it slow
         "bound_ms": round(sum(bound.values()) * 1e3, 2), "bound_roofline": round(sum(bound.values()) / median, 3),
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
@@ -502,6 +512,24 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, compi
             result["v4_flash_43_layers"].update(tokens_per_step=round(tokens, 3),
                                                 tokens_per_s=round(batch * tokens / t43, 3))
     return result
+
+
+def int8_gemm_peak() -> float | None:
+    """Best ops/s (2 a multiply-add) of the AVX2 pair GEMM, 48 rows against a weight that stays in cache, where
+    exact int8 GEMMs are slow (`cpu.slow_int8`: AVX2 without VNNI) and the step's int8 linears and experts run
+    on it; None elsewhere (VNNI, AMX, accelerators: int8 GEMMs there count by their bytes)."""
+    from dsv4cli.kernels import cpu, native
+    if DEVICE.type != "cpu" or not cpu.slow_int8() or not native.avx2_available():
+        return None
+    g = torch.Generator().manual_seed(0)
+    w = native.pack_pairs(torch.randint(-127, 128, (1, 512, 1024), generator=g, dtype=torch.int8))
+    q = torch.randint(-127, 128, (48, 1024), generator=g, dtype=torch.int8)
+    best = 0.0
+    for _ in range(20):
+        t = clock()
+        torch.ops.dsv4.pairs_linear(q, w)
+        best = max(best, 2 * 48 * 512 * 1024 / (clock() - t))
+    return best
 
 
 def matmul_peak() -> float:
@@ -548,14 +576,16 @@ def main():
     model = build_model(cfg, getattr(torch, a.dtype))
     built = clock() - t
     stream = StreamRead()
-    first_bw, peak = stream(), matmul_peak()
-    print(f"model built in {built:.1f} s; stream read {first_bw / 1e9:.2f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s "
+    first_bw, peak, int8_peak = stream(), matmul_peak(), int8_gemm_peak()
+    int8_note = f", int8 pair GEMM {int8_peak / 1e9:.0f} GOP/s" if int8_peak else ""
+    print(f"model built in {built:.1f} s; stream read {first_bw / 1e9:.2f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s"
+          f"{int8_note} "
           f"with {a.threads} thread(s)")
     results, auto = [], []
     for context in [int(c) for c in a.contexts.split(",")]:
         for batch in [int(b) for b in a.batches.split(",")]:
             for depth in [int(d) for d in a.depths.split(",")]:
-                r = run(model, model.cfg, batch, depth, context, a.reps, stream, peak, a.compile)
+                r = run(model, model.cfg, batch, depth, context, a.reps, stream, peak, int8_peak, a.compile)
                 parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
                 core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
                          for k, v in r["attention_core"].items())
@@ -582,6 +612,7 @@ def main():
               "machine": {"cpu": platform.processor() or platform.machine(),
                                                      "cores": os.cpu_count(), "threads": a.threads},
               "stream_read_gb_s": round(first_bw / 1e9, 3), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
+              "int8_gemm_gop_s": round(int8_peak / 1e9, 1) if int8_peak else None,
               "dtype": a.dtype, "layers": ratios,
               "experts": a.experts, "vocab": a.vocab, "drafter": a.drafter, "results": results}
     if auto:

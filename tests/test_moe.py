@@ -206,6 +206,30 @@ def test_pair_gemms_at_real_widths(rows):
         assert torch.equal(cpu.w8a8_linear(x, weight, scale, packed=packed), reference.w8a8_linear(x, weight, scale))
 
 
+@pytest.mark.skipif(not native.avx2_available(), reason="the AVX2 pair GEMMs can't be built or run here")
+def test_pair_gemms_split_across_threads_give_the_same_bits():
+    """A run of pairs on one expert splits its blocks across torch's threads (4096-wide inputs: 4 blocks of 16
+    outputs a thread at least): each block is computed alone, so the sums are the same bits for any thread
+    count, as is an expert stack's run pair by pair."""
+    g = torch.Generator().manual_seed(0)
+    k = 4096
+    weights = torch.randint(-128, 128, (3, 256, k), generator=g, dtype=torch.int8)
+    x = torch.randint(-128, 128, (9, k), generator=g, dtype=torch.int8)
+    rows, group = torch.randint(0, 9, (14,), generator=g), torch.randint(0, 3, (14,), generator=g).sort().values
+    packed, linear = native.pack_pairs(weights), native.pack_pairs(weights[:1])
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outputs.append([torch.ops.dsv4.expert_pairs_mm(x, rows, group, packed),
+                            torch.ops.dsv4.pairs_linear(x[:7], linear)])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for out in outputs[1:] for a, b in zip(outputs[0], out))
+    assert torch.equal(outputs[0][1], torch._int_mm(torch.cat([x[:7], x.new_zeros(10, k)]), weights[0].t())[:7].float())
+
+
 @pytest.mark.skipif(not (native.avx2_available() and cpu.slow_int8()), reason="for CPUs where int8 GEMMs are slow")
 @torch.no_grad()
 def test_large_int8_experts_run_in_place_on_the_pair_gemms(monkeypatch):

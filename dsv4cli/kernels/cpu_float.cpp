@@ -6,8 +6,8 @@
    as half the bytes and widened exactly). MKL's fp32 GEMM reads V4 Flash's LM head [129280 x 4096] at 1.1x
    the streaming read with one row but 0.53x with two and 0.1-0.2x with 6-48: a DSpark step verifies 2-6
    rows a slot and drafts 6, so the head took most of it. Here a block is one sequential read, taken KC k
-   steps at a time so that both halves of 16 columns and every tile of TILE rows read the chunk from cache:
-   the weight leaves memory once for any row count.
+   steps at a time so that every pass over it (tiles of rows, halves of 16 columns) after the first reads the
+   chunk from cache: the weight leaves memory once for up to ROWS rows. Blocks split across torch's threads.
 
    Each output sums the same fp32 multiply-add chains in the same order whatever the row count, tile or thread
    count: a row's logits don't depend on which other rows share its step. */
@@ -22,6 +22,7 @@
 #define BLOCK 32    /* output columns per packed block (native.BLOCK) */
 #define KC 512      /* k steps per chunk: a block's chunk is 32-64 KB, read from cache by every tile */
 #define SUM 64      /* k steps per multiply-add chain, its sum then added to the total: rounding errors as MKL's */
+#define PAR_BYTES (256 << 10)    /* weight bytes a thread takes at least: less costs more to split than it saves */
 #define ROWS 48     /* rows per group: a group's x at one chunk (96 KB) stays in cache too; a prefill's many
                        rows go group by group, each reading the weight again (48 multiply-adds per weight read) */
 
@@ -109,7 +110,8 @@ template <typename W>
 static void float_mm(const float *x, int64_t M, int64_t K, const W *w, int64_t N, float *y) {
     for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
         const int64_t r1 = r0 + ROWS < M ? r0 + ROWS : M;
-        at::parallel_for(0, N / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t bytes = K * BLOCK * sizeof(W), grain = (PAR_BYTES + bytes - 1) / bytes;
+        at::parallel_for(0, N / BLOCK, grain, [&](int64_t b0, int64_t b1) {
             for (int64_t b = b0; b < b1; b++) {
                 const W *wb = w + b * K * BLOCK;
                 for (int64_t k0 = 0; k0 < K; k0 += KC) {

@@ -8,8 +8,8 @@
    GEMMs read strides across pages, and its 4x bytes fell out of the caches between layers: 244 us a
    projection in a step where the kernel alone took 39). Only the routed pairs are computed: torch's
    dense GEMM against every expert does E/k times the work, and its gather copies each pair's weight. A
-   run of pairs on one expert goes TILE rows at a time, each block read once per tile, the tile's
-   2 * TILE accumulators in registers.
+   run of pairs on one expert goes block by block, each block through every tile of TILE rows (from cache
+   after the first), the tile's 2 * TILE accumulators in registers.
 
    Each k pair of 8 columns is one vpmaddwd of the weights widened to int16 against the row's two x
    values: int32 sums, exact up to K = MAX_K, converted to fp32 as torch's .float() of torch._int_mm's
@@ -19,6 +19,7 @@
 
    A C++ op, not a Python custom op: a step calls it a dozen times or more, and a Python op's dispatch
    cost ~60 us a call inside a compiled graph, twice the kernel's own time then. */
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <immintrin.h>
@@ -30,58 +31,74 @@
 #define TILE 6
 #define COLS 16
 #define MAX_K 131072   /* K products of |v| <= 128 sum within int32 */
+#define PAR_BYTES (256 << 10)    /* weight bytes a thread takes at least: less costs more to split than it saves */
 
 #define INLINE static inline __attribute__((always_inline))
 
-/* One tile of n rows against an expert's [N/16][K/2][16][2] weight, block by block. */
-INLINE void pairs_tile(const int8_t *x, int64_t K, const int64_t *rows, const int8_t *w, int64_t nblocks,
-                       float *y, int32_t *xr, const int n) {
-    const int64_t K2 = K / 2;      /* xr [TILE][K/2]: each row's k pairs as two int16 in one int32 (vpmaddwd's) */
-    for (int m = 0; m < n; m++) {
-        const int8_t *xm = x + rows[m] * K;
-        for (int64_t k = 0; k < K2; k++)
-            xr[m * K2 + k] = (int32_t)((uint16_t)xm[2 * k] | ((uint32_t)(uint16_t)xm[2 * k + 1] << 16));
-    }
-    for (int64_t b = 0; b < nblocks; b++) {
-        __m256i acc[2 * TILE];
-        for (int i = 0; i < 2 * n; i++) acc[i] = _mm256_setzero_si256();
-        const int8_t *wb = w + b * K * COLS;
-        for (int64_t k = 0; k < K2; k++) {
-            __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS)));
-            __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS + COLS)));
-            for (int m = 0; m < n; m++) {
-                __m256i xb = _mm256_set1_epi32(xr[m * K2 + k]);
-                acc[2 * m] = _mm256_add_epi32(acc[2 * m], _mm256_madd_epi16(xb, w0));
-                acc[2 * m + 1] = _mm256_add_epi32(acc[2 * m + 1], _mm256_madd_epi16(xb, w1));
-            }
-        }
+/* One block of 16 output columns for a tile of n rows (their k pairs xr, [n][K/2]) against an expert's
+   [N/16][K/2][16][2] weight. */
+INLINE void pairs_tile(const int32_t *xr, int64_t K2, const int8_t *wb, float *y, int64_t N, const int n) {
+    __m256i acc[2 * TILE];
+    for (int i = 0; i < 2 * n; i++) acc[i] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K2; k++) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wb + k * 2 * COLS + COLS)));
         for (int m = 0; m < n; m++) {
-            _mm256_storeu_ps(y + m * nblocks * COLS + b * COLS, _mm256_cvtepi32_ps(acc[2 * m]));
-            _mm256_storeu_ps(y + m * nblocks * COLS + b * COLS + 8, _mm256_cvtepi32_ps(acc[2 * m + 1]));
+            __m256i xb = _mm256_set1_epi32(xr[m * K2 + k]);
+            acc[2 * m] = _mm256_add_epi32(acc[2 * m], _mm256_madd_epi16(xb, w0));
+            acc[2 * m + 1] = _mm256_add_epi32(acc[2 * m + 1], _mm256_madd_epi16(xb, w1));
         }
+    }
+    for (int m = 0; m < n; m++) {
+        _mm256_storeu_ps(y + m * N, _mm256_cvtepi32_ps(acc[2 * m]));
+        _mm256_storeu_ps(y + m * N + 8, _mm256_cvtepi32_ps(acc[2 * m + 1]));
     }
 }
 
+/* A run of pairs on one expert splits its blocks across torch's threads (at least PAR_BYTES of weight a
+   thread; with one thread no parallel region at all): each block is read once, then from cache by the run's
+   every tile. Blocks are independent, so the sums are the same bits for any thread count. */
 static void pairs_mm(const int8_t *x, int64_t K, const int64_t *rows, const int64_t *group, int64_t P,
                      const int8_t *w, int64_t N, float *y) {
-    const int64_t nblocks = N / COLS;
-    std::vector<int32_t> xr(TILE * (K / 2));
+    const int64_t nblocks = N / COLS, K2 = K / 2, grain = (PAR_BYTES + K * COLS - 1) / (K * COLS);
+    int64_t longest = 0;
+    for (int64_t p0 = 0, p = 0; p <= P; p++)
+        if (p == P || group[p] != group[p0]) {
+            longest = p - p0 > longest ? p - p0 : longest;
+            p0 = p;
+        }
+    std::vector<int32_t> xr(longest * K2);     /* a run's rows as k pairs of two int16 in one int32 (vpmaddwd's) */
     for (int64_t p0 = 0; p0 < P;) {
         int64_t p1 = p0 + 1;
         while (p1 < P && group[p1] == group[p0]) p1++;
-        const int8_t *we = w + group[p0] * N * K;
-        for (int64_t t = p0; t < p1; t += TILE) {
-            int n = p1 - t < TILE ? (int)(p1 - t) : TILE;
-            float *yt = y + t * N;
-            switch (n) {        /* a constant row count each: the tile's loops unrolled */
-            case 1: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 1); break;
-            case 2: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 2); break;
-            case 3: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 3); break;
-            case 4: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 4); break;
-            case 5: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 5); break;
-            default: pairs_tile(x, K, rows + t, we, nblocks, yt, xr.data(), 6); break;
-            }
+        for (int64_t p = p0; p < p1; p++) {
+            const int8_t *xp = x + rows[p] * K;
+            for (int64_t k = 0; k < K2; k++)
+                xr[(p - p0) * K2 + k] = (int32_t)((uint16_t)xp[2 * k] | ((uint32_t)(uint16_t)xp[2 * k + 1] << 16));
         }
+        const int8_t *we = w + group[p0] * N * K;
+        const int32_t *xrun = xr.data();
+        const int64_t first = p0, last = p1;
+        auto blocks = [=](int64_t b0, int64_t b1) {
+            for (int64_t b = b0; b < b1; b++)
+                for (int64_t t = first; t < last; t += TILE) {
+                    const int32_t *xt = xrun + (t - first) * K2;
+                    const int8_t *wb = we + b * K * COLS;
+                    float *yt = y + t * N + b * COLS;
+                    switch (last - t < TILE ? (int)(last - t) : TILE) {    /* a constant row count each: unrolled */
+                    case 1: pairs_tile(xt, K2, wb, yt, N, 1); break;
+                    case 2: pairs_tile(xt, K2, wb, yt, N, 2); break;
+                    case 3: pairs_tile(xt, K2, wb, yt, N, 3); break;
+                    case 4: pairs_tile(xt, K2, wb, yt, N, 4); break;
+                    case 5: pairs_tile(xt, K2, wb, yt, N, 5); break;
+                    default: pairs_tile(xt, K2, wb, yt, N, 6); break;
+                    }
+                }
+        };
+        if (at::get_num_threads() > 1 && nblocks >= 2 * grain)
+            at::parallel_for(0, nblocks, grain, blocks);
+        else
+            blocks(0, nblocks);
         p0 = p1;
     }
 }
