@@ -53,7 +53,7 @@ template <> struct Weights<uint16_t> {
 /* y[0..16) += a 16-column pair of sums (in `Weights` order); the first chain's sum is stored as it is. */
 template <typename W>
 INLINE void add_sums(float *y, __m256 lo, __m256 hi, bool first) {
-    if (Weights<W>::interleaved) {
+    if constexpr (Weights<W>::interleaved) {
         const __m256 a = _mm256_permute2f128_ps(lo, hi, 0x20), b = _mm256_permute2f128_ps(lo, hi, 0x31);
         lo = a;
         hi = b;
@@ -64,9 +64,9 @@ INLINE void add_sums(float *y, __m256 lo, __m256 hi, bool first) {
 
 /* n rows x `halves` 16-column halves of a block (from column `w`) over k in [k0, k1): chains of SUM
    multiply-adds, each chain's sum added to y's total. Every output's chains are the same whatever the shape
-   of its tile, so the shape follows the row count: 6 rows x 16 columns (12 chains, 2 weight vectors and x in
-   the 16 ymm registers), or 1-3 rows x 32 columns (four chains a row: one row's multiply-adds don't wait on
-   each other's latency). */
+   of its tile, so `rows_tile` picks the shape by row count and weight type: 6 rows x 16 columns (12 chains,
+   2 weight vectors and x in the 16 ymm registers), or 1-3 rows x 32 columns (four chains a row: one row's
+   multiply-adds don't wait on each other's latency). */
 template <typename W, int n, int halves>
 INLINE void tile(const float *x, int64_t K, const W *w, int64_t k0, int64_t k1, float *y, int64_t N) {
     for (int64_t s0 = k0; s0 < k1; s0 += SUM) {
@@ -95,11 +95,11 @@ INLINE void tile(const float *x, int64_t K, const W *w, int64_t k0, int64_t k1, 
    read at 6 rows; fp32 0.63 against 0.44 the other way, `benchmarks/cpu_gemm.py`). */
 template <typename W, int n>
 INLINE void rows_tile(const float *x, int64_t K, const W *wb, int64_t k0, int64_t k1, float *y, int64_t N) {
-    if (n <= 3) {
+    if constexpr (n <= 3) {
         tile<W, n, 2>(x, K, wb, k0, k1, y, N);
-    } else if (!Weights<W>::interleaved) {
+    } else if constexpr (!Weights<W>::interleaved) {
         tile<W, 3, 2>(x, K, wb, k0, k1, y, N);
-        tile<W, (n > 3 ? n - 3 : 1), 2>(x + 3 * K, K, wb, k0, k1, y + 3 * N, N);
+        tile<W, n - 3, 2>(x + 3 * K, K, wb, k0, k1, y + 3 * N, N);
     } else {
         tile<W, n, 1>(x, K, wb, k0, k1, y, N);
         tile<W, n, 1>(x, K, wb + 16, k0, k1, y + 16, N);
