@@ -21,13 +21,14 @@ state a query reads (window, compressor rings, indexer keys, the CSA top-k or al
 They are counted as the tensors are held in memory and as stored (int8, fp32 scales, bf16).
 The bandwidth is measured in the same process, just before each timed step, by streaming reads of a
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
-for the median step against its own reading. "bound_roofline" is the roofline model's whole bound: each
-part's time at least its bytes / bandwidth and its float GEMM and attention-core flops / the fp32 matmul
-peak measured in the same process, summed; int8 GEMMs count by their bytes only, except on a CPU where
-exact int8 GEMMs are slow (AVX2 without VNNI): there the pair GEMMs' `vpmaddwd` does 16 multiply-adds an
-instruction, no more than the fp32 FMAs' rate, so from ~2 rows an int8 GEMM is compute-bound, and its
-multiply-adds count against the int8 GEMM's own peak, measured in the same process on a weight that stays
-in cache. The 43-layer
+for the median step against its own reading. "bound_roofline" is the roofline model's whole bound, kernel
+by kernel: each GEMM call and attention core at least its bytes / bandwidth and its flops / the fp32 matmul
+peak measured in the same process, the rest of each part's bytes at the bandwidth, summed
+("part_bound_roofline": the same taken part by part, as this reported before). Each int8 GEMM call counts
+its multiply-adds against the CPU's own int8 GEMM peak, measured in the same process on a weight that stays
+in cache (VNNI's at 48 verified rows is ~10x a small weight's bytes; on AVX2 without VNNI the pair GEMMs'
+`vpmaddwd` does 16 multiply-adds an instruction, the fp32 FMAs' rate, so from ~2 rows they are
+compute-bound); the part-wide bound counts them there only, as before. The 43-layer
 estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
 layers counted as HCA, slightly over) and keeps the rest of the step (head, drafter, sampling) once.
 With DSpark, each depth also gets the tokens a step yields at the acceptance peers measured on 0731
@@ -210,6 +211,7 @@ class StepProfile:
         self.core_flops = defaultdict(int)
         self.flops = defaultdict(int)                   # part -> float GEMM flops
         self.int8_ops = defaultdict(int)                # part -> int8 GEMM ops (2 a multiply-add)
+        self.gemms = defaultdict(list)                  # part -> (weight bytes, ops, int8) per GEMM call
         self._part = "other"
         self.batch_rows, self.query_rows, self.context, self._kind = 1, 1, 0, None
         self._drafting = False     # within the drafter: what its parts read is the drafter's
@@ -244,10 +246,15 @@ class StepProfile:
     def _count_gemm(self, name, counts):
         kernels = kernel_module(self.model)
         orig = getattr(kernels, name)
+        signature, int8 = inspect.signature(orig), name == "w8a8_linear"
 
         def kernel(x, *args, **kw):
             out = orig(x, *args, **kw)
-            counts["drafter" if self._drafting else self._part] += 2 * x.numel() * out.shape[-1]
+            part, ops = "drafter" if self._drafting else self._part, 2 * x.numel() * out.shape[-1]
+            counts[part] += ops
+            call = signature.bind(x, *args, **kw).arguments      # the weight as it is read: packed where it is
+            weight = call.get("packed") if isinstance(call.get("packed"), torch.Tensor) else call["weight"]
+            self.gemms[part].append((held_bytes(weight), ops, int8))
             return out
 
         setattr(kernels, name, kernel)
@@ -280,10 +287,12 @@ class StepProfile:
             return orig(model, *args, **kw)
 
         def block(module, orig, args, kw):         # a DSpark stage's attention: its weights and its ring
-            B, ring = args[0].shape[0], args[2].win
+            (B, size), ring = args[0].shape[:2], args[2].win
             state = held_bytes(ring[:B])
             prof._kind = "dspark"            # its attention core: over the ring and the block
             prof.core_bytes["dspark"] += state
+            cfg = prof.cfg          # scores and values of every head of the block's rows over ring and block
+            prof.core_flops["dspark"] += 2 * 2 * B * size * cfg.n_heads * cfg.head_dim * (ring.shape[1] + size)
             prof._add("drafter", 0.0, weight_bytes(module), (state, state // ring.element_size() * 2))
             return orig(module, *args, **kw)
 
@@ -395,6 +404,7 @@ class StepProfile:
         return self.query_rows * (scan + 2 * 2 * c.n_heads * c.head_dim * keys)
 
     def reset(self):
+        self.gemms.clear()
         self.core_flops.clear()
         self.flops.clear()
         self.int8_ops.clear()
@@ -453,18 +463,33 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
                               {k: list(v) for k, v in prof.block_time.items()},
                               {k: list(v) for k, v in prof.block_bytes.items()},
                               dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops),
-                              dict(prof.int8_ops)))
+                              dict(prof.int8_ops), {k: list(v) for k, v in prof.gemms.items()}))
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
     median, bw = steps[mid], reads[mid]
-    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops, int8_ops = parts[mid]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops, int8_ops, gemms = parts[mid]
     times["other"] = median - sum(v for k, v in times.items() if k != "other")
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
 
     core_part = {"dspark": "drafter"}       # the attention cores' flops: the trunk's attention, the drafter's
     work = {p: flops.get(p, 0) + sum(f for k, f in core_flops.items() if core_part.get(k, "attention") == p)
             for p in PARTS}
-    int8_s = {p: int8_ops.get(p, 0) / int8_peak if int8_peak else 0.0 for p in PARTS}
-    bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, work[p] / peak + int8_s[p]) for p in PARTS}
+    # the part-wide bound as before: int8 ops counted on the AVX2 pairs only
+    from dsv4cli.kernels import cpu
+    part_int8 = int8_peak if DEVICE.type == "cpu" and cpu.slow_int8() else None
+    int8_s = {p: int8_ops.get(p, 0) / part_int8 if part_int8 else 0.0 for p in PARTS}
+    part_bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, work[p] / peak + int8_s[p]) for p in PARTS}
+
+    # the roofline kernel by kernel: each GEMM call and attention core at least its bytes over the bandwidth
+    # and its ops over its peak, the part's other bytes (experts, norms, tables) at the bandwidth. One core
+    # runs its kernels one after another, so a compute-bound GEMM (the head over a block's rows) can't hide
+    # the next kernel's memory read, which the part-wide bound above assumes.
+    def kernel_s(nb, ops, int8):
+        return max(nb / bw, (ops / int8_peak if int8_peak else 0.0) if int8 else ops / peak)
+    kernels = {p: list(gemms.get(p, [])) for p in PARTS}
+    for k in core_flops:
+        kernels[core_part.get(k, "attention")].append((core_bytes.get(k, 0), core_flops[k], False))
+    bound = {p: max(nbytes.get(p, [0, 0])[0] / bw, sum(kernel_s(*c) for c in kernels[p])
+                    + max(0, nbytes.get(p, [0, 0])[0] - sum(c[0] for c in kernels[p])) / bw) for p in PARTS}
 
     def roof(b, t):
         return round(b / bw / t, 3) if t > 0 else None
@@ -480,11 +505,13 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
                       "flops": work[p], "int8_ops": int8_ops.get(p, 0), "bound_ms": round(bound[p] * 1e3, 2),
                       "bound_roofline": round(bound[p] / times[p], 3) if times.get(p, 0.0) > 0 else None}
                   for p in PARTS},
-        # the roofline model's bound: each part's time at least its bytes over the bandwidth and its float
-        # flops over the fp32 peak, plus its int8 ops over the int8 peak where that is measured (else int8
-        # GEMMs count memory-bound); at 40-48 verified rows the LM head's product is compute-bound on a CPU
-        # core, where the memory roofline alone would call it slow
+        # the roofline model's bound, kernel by kernel (above): int8 GEMMs count their ops against the int8
+        # peak where that is measured, else memory-bound; at 40-48 verified rows the LM head's product is
+        # compute-bound on a CPU core, where the memory roofline alone would call it slow
         "bound_ms": round(sum(bound.values()) * 1e3, 2), "bound_roofline": round(sum(bound.values()) / median, 3),
+        # the same bound taken part by part (each part's bytes or its ops, whichever is longer): what this
+        # benchmark reported before 2026-12-05's seventh session, kept to compare against
+        "part_bound_roofline": round(sum(part_bound.values()) / median, 3),
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)
         # and against the compute peak: the indexer's scan does 2 x 64 heads flops per key byte in
@@ -515,19 +542,32 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
 
 
 def int8_gemm_peak() -> float | None:
-    """Best ops/s (2 a multiply-add) of the AVX2 pair GEMM, 48 rows against a weight that stays in cache, where
-    exact int8 GEMMs are slow (`cpu.slow_int8`: AVX2 without VNNI) and the step's int8 linears and experts run
-    on it; None elsewhere (VNNI, AMX, accelerators: int8 GEMMs there count by their bytes)."""
+    """Best ops/s (2 a multiply-add) of the CPU's exact int8 GEMM as the step runs it, 48 rows against a weight
+    that stays in cache: the native kernels' (VNNI, or AMX where it takes 48 rows) or, where exact int8 GEMMs
+    are slow (`cpu.slow_int8`: AVX2 without VNNI), the AVX2 pair GEMM's. None elsewhere (accelerators; a CPU
+    with neither: int8 GEMMs there count by their bytes)."""
     from dsv4cli.kernels import cpu, native
-    if DEVICE.type != "cpu" or not cpu.slow_int8() or not native.avx2_available():
+    if DEVICE.type != "cpu":
         return None
     g = torch.Generator().manual_seed(0)
-    w = native.pack_pairs(torch.randint(-127, 128, (1, 512, 1024), generator=g, dtype=torch.int8))
+    w = torch.randint(-127, 128, (512, 1024), generator=g, dtype=torch.int8)
     q = torch.randint(-127, 128, (48, 1024), generator=g, dtype=torch.int8)
+    if native.available():
+        packed = native.pack_int8(w)
+
+        def gemm():
+            native.int8_mm(q, packed)
+    elif cpu.slow_int8() and native.avx2_available():
+        packed = native.pack_pairs(w[None])
+
+        def gemm():
+            torch.ops.dsv4.pairs_linear(q, packed)
+    else:
+        return None
     best = 0.0
     for _ in range(20):
         t = clock()
-        torch.ops.dsv4.pairs_linear(q, w)
+        gemm()
         best = max(best, 2 * 48 * 512 * 1024 / (clock() - t))
     return best
 
@@ -577,7 +617,7 @@ def main():
     built = clock() - t
     stream = StreamRead()
     first_bw, peak, int8_peak = stream(), matmul_peak(), int8_gemm_peak()
-    int8_note = f", int8 pair GEMM {int8_peak / 1e9:.0f} GOP/s" if int8_peak else ""
+    int8_note = f", int8 GEMM {int8_peak / 1e9:.0f} GOP/s" if int8_peak else ""
     print(f"model built in {built:.1f} s; stream read {first_bw / 1e9:.2f} GB/s, fp32 matmul {peak / 1e9:.0f} GFLOP/s"
           f"{int8_note} "
           f"with {a.threads} thread(s)")

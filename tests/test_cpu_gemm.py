@@ -3,6 +3,7 @@ MKL's, a row's result independent of the rows beside it, packed modules that unp
 a model with every linear packed that gives the plain model's tokens, the fused routed experts
 that give the torch experts' sums, and the indexer's scan that gives torch's scores."""
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,3 +310,31 @@ def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
                 assert packed is None or packed.is_mkldnn or packed.dtype == torch.int8
     finally:
         native.library.cache_clear()
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this machine")
+def test_packed_weights_ask_for_huge_pages():
+    """A packed weight's whole 2 MiB pages are marked for huge pages before they are written (what lets a
+    1-row GEMM read experts chosen at random at the bandwidth); the values are the weight's."""
+    weight = torch.randint(-128, 128, (1024, 8192), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = native.pack_int8(weight)
+    assert torch.equal(native.unpack_int8(packed), weight)
+    first = -(-packed.data_ptr() // native.HUGE_PAGE) * native.HUGE_PAGE    # the first whole huge page in it
+    eligible, inside = None, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= first < hi
+            elif inside and line.startswith("THPeligible:"):
+                eligible = line.split()[1]
+    assert eligible == "1"

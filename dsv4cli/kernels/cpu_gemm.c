@@ -20,7 +20,12 @@
 
 #define BLOCK 32
 #define TILE_ROWS 8
-#define PREFETCH 4096   /* bytes ahead in the weight stream: 8 rows read 12 GB/s with 4 KiB, 8 with 1 KiB */
+/* Tiles of 5-8 rows read one block and spend long on each line: they ask for the weight PREFETCH bytes ahead
+   (8 rows read 12 GB/s with 4 KiB, 8 with 1 KiB on Sapphire Rapids; on Zen 4, 5-8 rows of bf16 1.2-1.4x
+   faster than without). Tiles of 1-4 rows read 2-4 blocks side by side, which the hardware prefetchers
+   follow by themselves: there the instructions cost (Zen 4: 1-4 rows 1.04-1.23x faster without them). */
+#define PREFETCH 4096
+#define PREFETCH_ROWS 5
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -36,8 +41,10 @@ INLINE void int8_tile(const int8_t *x, int64_t K, const uint8_t *w, int64_t stri
         for (int m = 0; m < rows; m++) xk[m] = _mm512_set1_epi32(*(const int32_t *)(x + m * K + k));
         for (int s = 0; s < streams; s++) {
             const uint8_t *ws = w + s * stride;
-            _mm_prefetch((const char *)ws + PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)ws + PREFETCH + 64, _MM_HINT_T0);
+            if (rows >= PREFETCH_ROWS) {
+                _mm_prefetch((const char *)ws + PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)ws + PREFETCH + 64, _MM_HINT_T0);
+            }
             __m512i w0 = _mm512_loadu_si512(ws), w1 = _mm512_loadu_si512(ws + 64);
             for (int m = 0; m < rows; m++) {
                 acc[2 * (s * rows + m)] = _mm512_dpbusd_epi32(acc[2 * (s * rows + m)], w0, xk[m]);
@@ -85,9 +92,11 @@ INLINE void float_tile(const float *x, int64_t K, const void *w, int64_t stride,
             for (int m = 0; m < rows; m++) xk[m] = _mm512_set1_ps(x[m * K + k]);
             for (int s = 0; s < streams; s++) {
                 int64_t i = s * stride + k * BLOCK;
-                const char *next = (const char *)w + i * size + PREFETCH;
-                _mm_prefetch(next, _MM_HINT_T0);
-                if (!bf16) _mm_prefetch(next + 64, _MM_HINT_T0);
+                if (rows >= PREFETCH_ROWS) {
+                    const char *next = (const char *)w + i * size + PREFETCH;
+                    _mm_prefetch(next, _MM_HINT_T0);
+                    if (!bf16) _mm_prefetch(next + 64, _MM_HINT_T0);
+                }
                 __m512 w0, w1;
                 block_weights(w, i, bf16, &w0, &w1);
                 for (int m = 0; m < rows; m++) {
@@ -110,8 +119,12 @@ INLINE void float_tile(const float *x, int64_t K, const void *w, int64_t stride,
     }
 }
 
-/* Blocks read side by side for a tile of this many rows. */
-static int streams_for(int64_t rows) { return rows <= 2 ? 4 : rows <= 4 ? 2 : 1; }
+/* Blocks read side by side for a tile of this many rows, a block `block_bytes` long. One float row over blocks
+   under 64 KiB reads them one after another: four such short streams never get going (the Markov head's
+   [129280 x 256] bf16, 16 KiB blocks: 23 GB/s with four, 31 with one, on Zen 4). */
+static int streams_for(int64_t rows, int64_t block_bytes) {
+    return rows == 1 && block_bytes < (64 << 10) ? 1 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+}
 
 /* Constant rows and streams per call, so each tile's loops unroll and its accumulators stay in registers. */
 #define BY_SHAPE(rows, streams, call) switch ((rows) * 8 + (streams)) { \
@@ -210,8 +223,8 @@ extern "C" {
 
 /* Both GEMMs: the blocks split across threads in groups of `streams`; a group's blocks go through
    every 8-row tile of x (from L2 after the first), the last blocks one at a time. */
-#define GEMM_BLOCKS(TILE)                                                                          \
-    int64_t blocks = N / BLOCK, streams = streams_for(M < TILE_ROWS ? M : TILE_ROWS);              \
+#define GEMM_BLOCKS(TILE, BLOCK_BYTES)                                                             \
+    int64_t blocks = N / BLOCK, streams = streams_for(M < TILE_ROWS ? M : TILE_ROWS, BLOCK_BYTES);  \
     int64_t groups = blocks / streams, count = groups + blocks % streams;                           \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")             \
     for (int64_t g = 0; g < count; g++) {                                                           \
@@ -256,18 +269,18 @@ void dsv4_int8_mm(const int8_t *x, int64_t M, int64_t K, const uint8_t *wp, int6
 #endif
 #define INT8_TILE(r, s) int8_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, xsum + m0, \
                                   y + m0 * N + b * BLOCK, N, r, s)
-    GEMM_BLOCKS(INT8_TILE)
+    GEMM_BLOCKS(INT8_TILE, INT64_MAX)      /* int8: one row took 25-31 GB/s either way */
 }
 
 void dsv4_float_mm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y, int threads) {
 #define FLOAT_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s, 0)
-    GEMM_BLOCKS(FLOAT_TILE)
+    GEMM_BLOCKS(FLOAT_TILE, K * BLOCK * 4)
 }
 
 /* dsv4_float_mm with the weight held in bf16 (`wp` [N/32][K][32] bf16 bits). */
 void dsv4_bf16_mm(const float *x, int64_t M, int64_t K, const uint16_t *wp, int64_t N, float *y, int threads) {
 #define BF16_TILE(r, s) float_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, y + m0 * N + b * BLOCK, N, r, s, 1)
-    GEMM_BLOCKS(BF16_TILE)
+    GEMM_BLOCKS(BF16_TILE, K * BLOCK * 2)
 }
 
 /* ---- routed W8A8 experts, whole ---------------------------------------------------------------

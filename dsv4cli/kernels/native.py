@@ -159,12 +159,41 @@ def float_packable(weight: torch.Tensor, groups: int = 1) -> bool:
     return (weight.shape[0] // groups) % BLOCK == 0 and (available() or avx2_available())
 
 
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux":
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return libc
+
+
+def weight_buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor for a packed weight, asked onto 2 MiB pages (madvise, before anything is written, so its
+    pages fault in huge where Linux's transparent huge pages allow). With 4 KiB pages a 1-row GEMM through
+    experts chosen at random read 19 GB/s on a Zen 4 core, with 2 MiB pages 28 (the TLB's reach, and the
+    hardware prefetchers stop at each page's end). Nothing changes where Linux says no."""
+    out = torch.empty(*shape, dtype=dtype)
+    start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE          # the whole huge pages inside the buffer
+    end = (out.data_ptr() + out.numel() * out.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end > start and (libc := _libc()) is not None:
+        libc.madvise(start, end - start, MADV_HUGEPAGE)            # a refusal (THP off) leaves 4 KiB pages
+    return out
+
+
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
     """int8 [N, K] -> uint8 [N/32, K/4, 32, 4] holding w + 128."""
     n, k = weight.shape
     # one pass into the new layout, then w + 128 as a flip of the sign bit in place: no full-size
     # temporaries at load (they stayed in the process's heap and raised its peak)
-    out = torch.empty(n // BLOCK, k // 4, BLOCK, 4, dtype=torch.uint8)
+    out = weight_buffer(n // BLOCK, k // 4, BLOCK, 4, dtype=torch.uint8)
     out.copy_(weight.view(torch.uint8).view(n // BLOCK, BLOCK, k // 4, 4).permute(0, 2, 1, 3))
     return out.bitwise_xor_(0x80)
 
@@ -177,7 +206,7 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 def pack_float(weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """float [N, K] -> [N/32, K, 32] in `dtype`: fp32, or bf16 for a weight whose values are bf16."""
     n, k = weight.shape
-    out = torch.empty(n // BLOCK, k, BLOCK, dtype=dtype)
+    out = weight_buffer(n // BLOCK, k, BLOCK, dtype=dtype)
     return out.copy_(weight.view(n // BLOCK, BLOCK, k).transpose(1, 2))       # converted and laid out in one pass
 
 
@@ -298,7 +327,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """An int8 expert stack [E, N, K] as the pair GEMMs read it: [E, N/16, K/2, 16, 2]."""
     e, n, k = weight.shape
-    return weight.view(e, n // PAIRS_COLS, PAIRS_COLS, k // 2, 2).transpose(2, 3).contiguous()
+    out = weight_buffer(e, n // PAIRS_COLS, k // 2, PAIRS_COLS, 2, dtype=weight.dtype)
+    return out.copy_(weight.view(e, n // PAIRS_COLS, PAIRS_COLS, k // 2, 2).transpose(2, 3))
 
 
 def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
