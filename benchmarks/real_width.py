@@ -13,11 +13,12 @@ files). The decode state is filled
 with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
 
 Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
-`--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the block drafts 5 at
-any L). Its time is split into attention, MoE, LM head, the drafter and the rest (mHC, norms,
-embedding, sampling). The bytes each part must read are counted per call: the
-weights it uses (for the MoE: gate, shared expert and only the routed experts), and the decode
-state a query reads (window, compressor rings, indexer keys, the CSA top-k or all HCA blocks).
+`--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the whole block of 5 runs
+through the stages at any L, the head and Markov head for its first L slots). Its time is split into
+attention, MoE, LM head, the drafter and the rest (mHC, norms, embedding, sampling). The bytes each part
+must read are counted per call: the weights it uses (for the MoE: gate, shared expert and only the routed
+experts), and the decode state a query reads (window, compressor rings, indexer keys, the CSA top-k or all
+HCA blocks).
 They are counted as the tensors are held in memory and as stored (int8, fp32 scales, bf16).
 The bandwidth is measured in the same process, just before each timed step, by streaming reads of a
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,

@@ -376,7 +376,9 @@ def test_w8a8_drafting_uses_its_own_vocabulary_and_equals_its_dequantised_math(t
     those copies (here: made different from the trunk's, as QuaRot's rotated trunk would be) and equals its
     dequantised float math on the same target features: the spec's reference on float weights int8 x scale,
     each int8 linear's input rounded to int8 per token as the W8A8 GEMMs take it (the int32 sums against
-    fp32 ones: an activation now and then crosses a rounding step)."""
+    fp32 ones: an activation now and then crosses a rounding step). Without a crossing the two agree to ~4e-7;
+    one moves the logits by up to ~6e-3 (this seed on a Zen 4 core, whose fp32 GEMMs sum in another order),
+    a wrong table or scale by far more."""
     float_model = random_model(CFG, seed=4)
     save_w8a8(float_model, CFG, tmp_path)
     from safetensors.torch import load_file, save_file
@@ -410,7 +412,7 @@ def test_w8a8_drafting_uses_its_own_vocabulary_and_equals_its_dequantised_math(t
     want = spec_block(dequantised, prompt, 11, tensors["mtp.0.embed.weight"].float(),
                       tensors["mtp.2.head.weight"].float(), features)
     for a, b in zip(got[:2], want[:2]):
-        assert ((a - b).norm() / b.norm()).item() < 1e-3
+        assert ((a - b).norm() / b.norm()).item() < 1e-2
     assert got[2] == want[2]
 
 

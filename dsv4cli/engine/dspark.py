@@ -18,11 +18,13 @@ from .sampling import RNG_DRAFT, draft_probs, sample_from, uniform
 
 
 class DSparkDrafter:
-    """A block of `depth` (the block size) drafts per step from `model`'s DSpark stages, writing their rings
-    in the DecodeState given."""
+    """`depth` drafts per step (at most the block size; the whole block by default) from `model`'s DSpark
+    stages, writing their rings in the DecodeState given. The block always runs whole through the stages
+    (its rows attend to each other); the head and the Markov head run for the `depth` slots drafted only: at
+    batch 1 on a CPU core the head over a block's 5 rows is compute-bound, over one row it is one read."""
 
-    def __init__(self, model: Transformer):
-        self.model, self.depth = model, model.cfg.dspark_block_size
+    def __init__(self, model: Transformer, depth: int | None = None):
+        self.model, self.depth = model, depth or model.cfg.dspark_block_size
 
     def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
         model = self.model
@@ -34,7 +36,7 @@ class DSparkDrafter:
     def _block(self, r: DraftRows, greedy: bool, sort: bool) -> Proposal:
         """The drafts of one segment's block after its newest committed token (the anchor, at position n)."""
         anchor, n = rows_at(r.next_ids, r.committed - 1)[:, 0], r.start + r.committed
-        logits, hidden = self.model.dspark_block(anchor, n, r.cache)
+        logits, hidden = self.model.dspark_block(anchor, n, r.cache, self.depth)
         markov = self.model.mtp[-1].markov_head
         prev, drafts, qs, embeddings = anchor, [], [], []
         for i in range(self.depth):        # slot i drafts position n+i+1, biased by the token before it

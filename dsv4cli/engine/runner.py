@@ -262,8 +262,8 @@ def drafter_depth(cfg, mtp: int | str) -> int:
 
 
 def make_drafter(model: Transformer, depth: int) -> Drafter | None:
-    """The drafter of the model's checkpoint for `depth` drafts a step (DSpark always drafts its whole
-    block), or None for plain decoding."""
+    """The drafter of the model's checkpoint for `depth` drafts a step (DSpark drafts the first `depth` of its
+    block: auto asks for all of it), or None for plain decoding."""
     kind, block = model.cfg.drafter, model.cfg.dspark_block_size
     if not depth:
         return None
@@ -272,7 +272,7 @@ def make_drafter(model: Transformer, depth: int) -> Drafter | None:
     if kind == "dspark":
         if depth > block:
             raise ValueError(f"mtp {depth}: above the DSpark block size {block} (one pass drafts {block} tokens)")
-        return DSparkDrafter(model)
+        return DSparkDrafter(model, depth)
     return MTPDrafter(model, depth)
 
 

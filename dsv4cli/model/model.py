@@ -962,11 +962,13 @@ class Transformer(OpModule):
         for stage, cache in zip(self.mtp, segment.state.mtp):
             stage.attn.write(main_x, call, cache)
 
-    def dspark_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, state: DecodeState):
+    def dspark_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, state: DecodeState,
+                     slots: int | None = None):
         """One draft pass: the block [anchor, noise x (size-1)] at positions anchor_pos.. through the stages,
-        each attending to its ring of state (the slots' views). Returns (base logits fp32 [B,size,V], the
-        drafter's hidden after hc_head and before its norm [B,size,D]); slot k's logits are for the
-        position after its own."""
+        each attending to its ring of state (the slots' views). Returns (base logits fp32 [B,n,V], the
+        drafter's hidden after hc_head and before its norm [B,n,D]) of the block's first n = `slots` slots (all
+        by default: the whole block runs through the stages either way, the head only for these); slot k's
+        logits are for the position after its own."""
         c, size = self.cfg, self.cfg.dspark_block_size
         noise = torch.full_like(anchor[:, None], c.dspark_noise_token_id).expand(-1, size - 1)
         ids = torch.cat([anchor[:, None], noise], 1)
@@ -976,6 +978,7 @@ class Transformer(OpModule):
         for stage, cache in zip(self.mtp, state.mtp):
             h = stage(h, plan, cache)
         y = self.ops.mhc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.norm_eps, c.hc_eps)
+        y = y[:, :slots]
         return getattr(last, "head", self.head)(last.norm(y)), y
 
     @torch.no_grad()
