@@ -25,7 +25,7 @@ buffer at least 4x the last-level cache with the same thread count; roofline = (
 for the median step against its own reading. "bound_roofline" is the roofline model's whole bound, kernel
 by kernel: each GEMM call and attention core at least its bytes / bandwidth and its flops / the fp32 matmul
 peak measured in the same process, the rest of each part's bytes at the bandwidth, summed
-("part_bound_roofline": the same taken part by part, as this reported before). Each int8 GEMM call counts
+("part_bound_roofline": the same taken part by part, as older results stored it). Each int8 GEMM call counts
 its multiply-adds against the CPU's own int8 GEMM peak, measured in the same process on a weight that stays
 in cache (VNNI's at 48 verified rows is ~10x a small weight's bytes; on AVX2 without VNNI the pair GEMMs'
 `vpmaddwd` does 16 multiply-adds an instruction, the fp32 FMAs' rate, so from ~2 rows they are
@@ -510,8 +510,8 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
         # peak where that is measured, else memory-bound; at 40-48 verified rows the LM head's product is
         # compute-bound on a CPU core, where the memory roofline alone would call it slow
         "bound_ms": round(sum(bound.values()) * 1e3, 2), "bound_roofline": round(sum(bound.values()) / median, 3),
-        # the same bound taken part by part (each part's bytes or its ops, whichever is longer): what this
-        # benchmark reported before 2026-12-05's seventh session, kept to compare against
+        # the same bound taken part by part (each part's bytes or its ops, whichever is longer), kept to
+        # compare with results stored before the kernel-by-kernel bound
         "part_bound_roofline": round(sum(part_bound.values()) / median, 3),
         # per attention kind, weights excluded: indexer scan + top-k + attention, against the state
         # bytes it must read (window, indexer keys, top-k blocks for CSA; closed blocks for HCA)

@@ -18,13 +18,13 @@ from .sampling import RNG_DRAFT, draft_probs, sample_from, uniform
 
 
 class DSparkDrafter:
-    """`depth` drafts per step (at most the block size; the whole block by default) from `model`'s DSpark
+    """`depth` drafts per step (at most the block size; auto's is the whole block) from `model`'s DSpark
     stages, writing their rings in the DecodeState given. The block always runs whole through the stages
     (its rows attend to each other); the head and the Markov head run for the `depth` slots drafted only: at
     batch 1 on a CPU core the head over a block's 5 rows is compute-bound, over one row it is one read."""
 
-    def __init__(self, model: Transformer, depth: int | None = None):
-        self.model, self.depth = model, depth or model.cfg.dspark_block_size
+    def __init__(self, model: Transformer, depth: int):
+        self.model, self.depth = model, depth
 
     def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
         model = self.model
