@@ -11,7 +11,6 @@ import dataclasses
 import os
 import random
 import signal
-import socket
 import sys
 import threading
 import time
@@ -28,19 +27,20 @@ from dsv4cli.errors import RunError
 TIMEOUT = timedelta(minutes=10)   # a generous bound for a collective; rank deaths are caught earlier
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> dist.TCPStore:
+    """The ranks' meeting point, held by whoever starts them: bound to a port the kernel picks, so no other
+    process can take it between choosing it and binding it. Ranks join with `init_rank(..., store.port, ...)`."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
 
 
 def init_rank(rank: int, world: int, port: int, device: torch.device):
-    """Join the process group; returns (this rank's device, the gloo group used for commands)."""
+    """Join the process group met at `port` (a `rendezvous()`); returns (this rank's device, the gloo group
+    used for commands)."""
     platform = platforms.for_device(device)
     device = platform.set_device(rank, world)
     backend = platform.dist_backend
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     control = dist.new_group(backend="gloo") if backend != "gloo" else None
     return device, control
 
@@ -154,7 +154,17 @@ def follower_main(rank: int, world: int, port: int, device: torch.device, build)
     engine = build(device)
     with torch.no_grad():
         follow(engine, control)
+    leave()
+
+
+def leave() -> None:
+    """End a rank's process once its part is done, skipping interpreter shutdown: gloo's worker threads drop
+    their last tensors under the GIL, and one still waiting for it when shutdown starts is stopped inside C++
+    (std::terminate, SIGABRT, a "terminate called" line on the terminal)."""
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def exit_with_parent() -> None:
@@ -181,35 +191,27 @@ def watch(procs, stop: threading.Event) -> None:
                 os._exit(1)
 
 
-def start(world: int, device: torch.device, build):
-    """Start ranks 1..world-1, each building its engine with `build(device)`, and join the group as rank 0.
-
-    Returns (device, control group, processes, the watchdog's stop event, finish)."""
-    port = free_port()
+def launch_leader(world: int, device: torch.device, build):
+    """Rank 0 side of `--tp N`: start ranks 1..N-1, each building its engine with `build(device)` (a
+    picklable call), join the group as rank 0, build the local engine, wrap it."""
+    store = rendezvous()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=follower_main, args=(r, world, port, device, build), daemon=True)
+    procs = [ctx.Process(target=follower_main, args=(r, world, store.port, device, build), daemon=True)
              for r in range(1, world)]
     for p in procs:
         p.start()
     stop = threading.Event()
     threading.Thread(target=watch, args=(procs, stop), daemon=True).start()
-    device, control = init_rank(0, world, port, device)
+    device, control = init_rank(0, world, store.port, device)
+    leader = Leader(build(device), control, procs, stop)
+    leader.store = store              # the ranks' meeting point lives as long as they run
 
-    def finish(leader: Leader | None = None):
+    def finish():
         stop.set()
-        if leader is not None:
-            leader.close()
+        leader.close()
         for p in procs:
             if p.is_alive():
                 p.kill()
 
-    return device, control, procs, stop, finish
-
-
-def launch_leader(world: int, device: torch.device, build):
-    """Rank 0 side of `--tp N`: start the followers, build the local engine (`build(device)`, a picklable
-    call each rank makes), wrap it."""
-    device, control, procs, watchdog, finish = start(world, device, build)
-    leader = Leader(build(device), control, procs, watchdog)
-    atexit.register(finish, leader)
+    atexit.register(finish)
     return leader

@@ -425,7 +425,7 @@ def _block_on_rank(rank, world, port, path, out):
     block = engine_block(model, prompts([30], CFG["vocab_size"], seed=8)[0], 42)
     if rank == 0:
         torch.save(block, out)
-    torch.distributed.destroy_process_group()
+    parallel.leave()
 
 
 def test_tp2_drafts_the_block_of_tp1(tmp_path):
@@ -435,7 +435,8 @@ def test_tp2_drafts_the_block_of_tp1(tmp_path):
 
     from dsv4cli import parallel
     write_checkpoint(tmp_path / "m", CFG, seed=6)
-    mp.start_processes(_block_on_rank, args=(2, parallel.free_port(), tmp_path / "m", tmp_path / "tp2.pt"),
+    store = parallel.rendezvous()
+    mp.start_processes(_block_on_rank, args=(2, store.port, tmp_path / "m", tmp_path / "tp2.pt"),
                        nprocs=2, start_method="spawn")
     got = torch.load(tmp_path / "tp2.pt")
     want = engine_block(load_model(tmp_path / "m", dtype=torch.float32), prompts([30], CFG["vocab_size"], seed=8)[0],

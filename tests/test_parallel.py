@@ -29,12 +29,13 @@ def _rank(rank, world, port, path, out):
     mtp = model.mtp_forward(hidden, torch.roll(ids, -1, 1))
     if rank == 0:
         torch.save({"logits": logits, "mtp": mtp}, out)
-    torch.distributed.destroy_process_group()
+    parallel.leave()
 
 
 def test_tp2_logits_match_tp1(tmp_path):
     write_checkpoint(tmp_path / "m", CFG, seed=2)
-    mp.start_processes(_rank, args=(2, parallel.free_port(), tmp_path / "m", tmp_path / "tp2.pt"), nprocs=2,
+    store = parallel.rendezvous()
+    mp.start_processes(_rank, args=(2, store.port, tmp_path / "m", tmp_path / "tp2.pt"), nprocs=2,
                        start_method="spawn")
     got = torch.load(tmp_path / "tp2.pt")
     model = load_model(tmp_path / "m", dtype=torch.float32)
