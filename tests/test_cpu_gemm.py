@@ -291,6 +291,53 @@ def test_a_compiled_graph_calls_the_native_indexer_scan():
     assert torch.equal(compiled(q, keys, w), native.indexer_scores(q, keys, w))
 
 
+@NATIVE
+@pytest.mark.parametrize("shape", [(1, 1, 4, 4), (2, 5, 4, 4), (1, 300, 4, 4), (3, 2, 2), (6, 8, 8)])
+def test_the_native_sinkhorn_gives_the_references_comb(shape):
+    """Decode's few rows and a prefill chunk's hundreds, n = 2, 4, 8: within a few fp32 ulps of the reference
+    (libm's exp against torch's), doubly stochastic to the reference's precision; each token its own."""
+    g = torch.Generator().manual_seed(len(shape) * shape[-1])
+    logits = torch.randn(*shape, generator=g) * 3
+    got, want = native.mhc_sinkhorn(logits, 1e-6, 20), reference.mhc_sinkhorn(logits, 1e-6, 20)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got, reference.mhc_sinkhorn(logits, 1e-6, 3))        # the iterations count
+    torch.testing.assert_close(got.sum(-2), torch.ones(shape[:-1]), rtol=0, atol=1e-5)
+    tokens = logits.reshape(-1, *shape[-2:])
+    assert torch.equal(native.mhc_sinkhorn(tokens[-1:], 1e-6, 20), got.reshape(-1, *shape[-2:])[-1:])
+    assert torch.equal(cpu.mhc_sinkhorn(logits, 1e-6, 20), got)           # the CPU's mHC takes it
+    grad = logits.clone().requires_grad_()                                # training keeps autograd's
+    assert cpu.mhc_sinkhorn(grad, 1e-6, 20).grad_fn is not None
+
+
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead, n, dim", [((1, 1), 4, 4096), ((2, 5), 4, 64), ((1, 300), 4, 128), ((3,), 2, 32)])
+def test_the_native_mhc_gives_the_references_streams(dtype, lead, n, dim):
+    """mhc_pre's outputs and mhc_post's new streams against the reference: fp32 within a few ulps, bf16 within
+    one bf16 rounding; a token's new streams its own (mhc_pre's mixing GEMM is torch's, as in the reference);
+    the CPU's mHC takes them, and keeps autograd's."""
+    g = torch.Generator().manual_seed(dim + n)
+    m = (2 + n) * n
+    h = torch.randn(*lead, n, dim, generator=g).to(dtype)
+    fn = torch.randn(m, n * dim, generator=g) / (n * dim) ** 0.5
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(m, generator=g) * 0.1
+    x = torch.randn(*lead, dim, generator=g).to(dtype)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 1e-5}
+    got, want = native.mhc_pre(h, fn, scale, base, 1e-6, 1e-6), reference.mhc_pre(h, fn, scale, base, 1e-6, 1e-6)
+    assert [t.dtype for t in got] == [dtype, torch.float32, torch.float32]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol)
+    comb = reference.mhc_sinkhorn(want[2], 1e-6, 20)
+    new = native.mhc_post(x, h, want[1], comb)
+    assert new.dtype == dtype
+    torch.testing.assert_close(new, reference.mhc_post(x, h, want[1], comb), **tol)
+    last = (slice(None),) * (len(lead) - 1) + (slice(-1, None),)
+    assert torch.equal(native.mhc_post(x[last], h[last], want[1][last], comb[last]), new[last])
+    assert torch.equal(cpu.mhc_pre(h, fn, scale, base, 1e-6, 1e-6)[0], got[0])
+    assert torch.equal(cpu.mhc_post(x, h, want[1], comb), new)
+    assert cpu.mhc_post(x, h.clone().requires_grad_(dtype.is_floating_point), want[1], comb).grad_fn is not None
+
+
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
     """Switched off, or the compiler fails: nothing packs for them (their uint8 layout); int8 weights pack
     for oneDNN, or for the AVX2 pair GEMMs (int8) where int8 GEMMs are slow, and float weights for the AVX2

@@ -22,6 +22,9 @@ from .reference import *  # noqa: F403 - the seam: every op, then what the CPU r
 from .reference import ExpertStack, indexer_scan_op, quantize_per_token, sort_pairs, sum_pairs, swiglu
 from .reference import grouped_experts as reference_grouped_experts
 from .reference import indexer_scores as indexer_scores_bmm
+from .reference import mhc_post as reference_mhc_post
+from .reference import mhc_pre as reference_mhc_pre
+from .reference import mhc_sinkhorn as reference_mhc_sinkhorn
 from .reference import routed_experts as reference_routed_experts
 
 # Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
@@ -229,6 +232,33 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     if native.scannable(q, keys):
         return native_indexer_scores(q, keys, weights)
     return indexer_scores_bmm(q, keys, weights, INDEXER_SLICE)
+
+
+# ---- mHC --------------------------------------------------------------------------------------
+# `native`'s calls in eager inference, where torch runs ~150 small ops a sub-layer; the reference in a graph
+# being compiled (inductor fuses it) and under autograd.
+
+def _eager(*tensors: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and not any(t.requires_grad for t in tensors)
+
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float):
+    if _eager(h, fn, scale, base) and native.mhc_fits(h):
+        return native.mhc_pre(h, fn, scale, base, norm_eps, hc_eps)
+    return reference_mhc_pre(h, fn, scale, base, norm_eps, hc_eps)
+
+
+def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    if _eager(logits) and logits.dtype == torch.float32 and logits.shape[-1] <= 8 and native.available():
+        return native.mhc_sinkhorn(logits, eps, iters)
+    return reference_mhc_sinkhorn(logits, eps, iters)
+
+
+def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    if _eager(x, res, post, comb) and x.dtype == res.dtype and native.mhc_fits(res):
+        return native.mhc_post(x, res, post, comb)
+    return reference_mhc_post(x, res, post, comb)
 
 
 # ---- routed experts on the host ----------------------------------------------------------------

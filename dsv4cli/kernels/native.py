@@ -1,4 +1,5 @@
-"""The CPU's few-row GEMMs (`cpu_gemm.c`) and the indexer's scan (`cpu_indexer.c`), built with the
+"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`) and mHC's Sinkhorn
+(`cpu_mhc.c`), built with the
 machine's C compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's
 headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float
 linears' few-row GEMM (`cpu_float.cpp`).
@@ -32,7 +33,7 @@ import torch
 
 from dsv4cli.cache import user_cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c")]
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
@@ -104,6 +105,11 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_routed_experts.restype = ctypes.c_int
     lib.dsv4_indexer_scores.argtypes = [p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.dsv4_indexer_scores.restype = None
+    f32 = ctypes.c_float
+    lib.dsv4_mhc_sinkhorn.argtypes = [p, i64, i64, f32, i64, p]
+    lib.dsv4_mhc_pre_tail.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, f32, f32, p, p, p]
+    lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
+    lib.dsv4_mhc_sinkhorn.restype = lib.dsv4_mhc_pre_tail.restype = lib.dsv4_mhc_post.restype = None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -322,6 +328,48 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
         library().dsv4_indexer_scores(qt.data_ptr(), w.data_ptr(), B, S, H, D, keys.data_ptr(), keys.stride(0), T,
                                       keys.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def mhc_fits(h: torch.Tensor) -> bool:
+    """Whether the mHC calls (`cpu_mhc.c`) take streams h [..., n, D]: fp32 or bf16, n <= 8, D in whole
+    AVX-512 vectors."""
+    return h.dtype in (torch.float32, torch.bfloat16) and h.shape[-2] <= 8 and h.shape[-1] % 16 == 0 and available()
+
+
+def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float):
+    """`reference.mhc_pre`: its mixing GEMM in torch, the rest in one call."""
+    h = h.contiguous()
+    *lead, n, D = h.shape
+    mix = torch.nn.functional.linear(h.flatten(-2).float(), fn.float())
+    x, post, comb = torch.empty(*lead, D), torch.empty(*lead, n), torch.empty(*lead, n, n)
+    if x.numel():
+        library().dsv4_mhc_pre_tail(h.data_ptr(), h.dtype == torch.bfloat16, x.numel() // D, n, D, mix.data_ptr(),
+                                    scale.float().contiguous().data_ptr(), base.float().contiguous().data_ptr(),
+                                    norm_eps, hc_eps, x.data_ptr(), post.data_ptr(), comb.data_ptr())
+    return x.to(h.dtype), post, comb
+
+
+def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
+    """`reference.mhc_sinkhorn` in one call: logits [..., n, n] fp32 (n <= 8) -> the same shape."""
+    x = logits.contiguous()
+    out = torch.empty_like(x)
+    n = x.shape[-1]
+    if out.numel():
+        library().dsv4_mhc_sinkhorn(x.data_ptr(), x.numel() // (n * n), n, eps, iters, out.data_ptr())
+    return out
+
+
+def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """`reference.mhc_post` in one call: x [..., D] and res [..., n, D] of one dtype."""
+    x, res = x.contiguous(), res.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    *lead, n, D = res.shape
+    out = torch.empty(*lead, n, D)
+    if out.numel():
+        library().dsv4_mhc_post(x.data_ptr(), res.data_ptr(), x.dtype == torch.bfloat16, out.numel() // (n * D), n, D,
+                                post.data_ptr(), comb.data_ptr(), out.data_ptr())
+    return out.to(x.dtype)
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
