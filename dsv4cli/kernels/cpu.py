@@ -1,6 +1,6 @@
 """The CPU's kernel module: the reference's ops, with weights of 2 MiB and more packed for the project's
-few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, built on first use) or oneDNN's, the
-indexer's scan in one native pass, and each MoE layer's experts routed on the host.
+few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, `cpu_mhc.c`, built on first use) or oneDNN's, the
+indexer's scan in one native pass, mHC in three native calls, and each MoE layer's experts routed on the host.
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their cost
 is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
