@@ -338,6 +338,27 @@ def test_the_native_mhc_gives_the_references_streams(dtype, lead, n, dim):
     assert cpu.mhc_post(x, h.clone().requires_grad_(dtype.is_floating_point), want[1], comb).grad_fn is not None
 
 
+@NATIVE
+@pytest.mark.parametrize("x_shape, table_shape", [((2, 3, 8, 64), (2, 3, 1, 16)), ((2, 3, 64), (2, 3, 16)),
+                                                  ((1, 5, 64, 512), (1, 5, 1, 32)), ((1, 0, 4, 64), (1, 0, 1, 32))])
+def test_the_native_rope_gives_the_references_bits(x_shape, table_shape):
+    """Queries (heads sharing a row of the tables) and keys (one row each), the inverse rotation (-sin), an
+    empty chunk: the reference's bits, the dims before the rotated ones untouched. Tables that broadcast
+    otherwise, bf16 rows and autograd take the reference."""
+    g = torch.Generator().manual_seed(x_shape[-1])
+    x = torch.randn(*x_shape, generator=g)
+    cos, sin = torch.randn(*table_shape, generator=g), torch.randn(*table_shape, generator=g)
+    assert native.rope_rows(x, cos) is not None
+    for s in (sin, -sin):
+        got = native.rope(x, cos, s)
+        assert torch.equal(got, reference.rope(x, cos, s))
+        assert torch.equal(cpu.rope(x, cos, s), got)
+        assert torch.equal(got[..., :-2 * cos.shape[-1]], x[..., :-2 * cos.shape[-1]])
+    assert native.rope_rows(x, cos[:1]) is None or x_shape[0] == 1
+    assert native.rope_rows(x.bfloat16(), cos) is None
+    assert cpu.rope(x.clone().requires_grad_(), cos, sin).grad_fn is not None
+
+
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
     """Switched off, or the compiler fails: nothing packs for them (their uint8 layout); int8 weights pack
     for oneDNN, or for the AVX2 pair GEMMs (int8) where int8 GEMMs are slow, and float weights for the AVX2

@@ -1,6 +1,7 @@
 """The CPU's kernel module: the reference's ops, with weights of 2 MiB and more packed for the project's
-few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, `cpu_mhc.c`, built on first use) or oneDNN's, the
-indexer's scan in one native pass, mHC in three native calls, and each MoE layer's experts routed on the host.
+few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, `cpu_mhc.c`, `cpu_rope.c`, built on first use) or
+oneDNN's, the indexer's scan in one native pass, mHC in three native calls and RoPE in one, and each MoE layer's
+experts routed on the host.
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their cost
 is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
@@ -25,6 +26,7 @@ from .reference import indexer_scores as indexer_scores_bmm
 from .reference import mhc_post as reference_mhc_post
 from .reference import mhc_pre as reference_mhc_pre
 from .reference import mhc_sinkhorn as reference_mhc_sinkhorn
+from .reference import rope as reference_rope
 from .reference import routed_experts as reference_routed_experts
 
 # Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
@@ -259,6 +261,15 @@ def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     if _eager(x, res, post, comb) and x.dtype == res.dtype and native.mhc_fits(res):
         return native.mhc_post(x, res, post, comb)
     return reference_mhc_post(x, res, post, comb)
+
+
+# ---- RoPE ---------------------------------------------------------------------------------------
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`native.rope` (one pass, the reference's bits) in eager inference; else the reference."""
+    if _eager(x, cos, sin) and sin.shape == cos.shape and native.rope_rows(x, cos) is not None:
+        return native.rope(x, cos, sin)
+    return reference_rope(x, cos, sin)
 
 
 # ---- routed experts on the host ----------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`) and mHC's Sinkhorn
-(`cpu_mhc.c`), built with the
+"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), mHC (`cpu_mhc.c`) and
+RoPE (`cpu_rope.c`), built with the
 machine's C compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's
 headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float
 linears' few-row GEMM (`cpu_float.cpp`).
@@ -33,7 +33,8 @@ import torch
 
 from dsv4cli.cache import user_cache_dir
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c",
+                                                                "cpu_rope.c")]
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
@@ -110,6 +111,7 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_mhc_pre_tail.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, f32, f32, p, p, p]
     lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
     lib.dsv4_mhc_sinkhorn.restype = lib.dsv4_mhc_pre_tail.restype = lib.dsv4_mhc_post.restype = None
+    lib.dsv4_rope.argtypes, lib.dsv4_rope.restype = [p, i64, i64, i64, p, p, i64, p], None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -370,6 +372,31 @@ def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
         library().dsv4_mhc_post(x.data_ptr(), res.data_ptr(), x.dtype == torch.bfloat16, out.numel() // (n * D), n, D,
                                 post.data_ptr(), comb.data_ptr(), out.data_ptr())
     return out.to(x.dtype)
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor) -> int | None:
+    """The heads per table row where `rope` takes x with this table: x fp32 [..., H, D] with cos [..., 1, half]
+    (every head of a row one table row), or x [..., D] with cos [..., half]; else None."""
+    if x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != cos.dim() or not available():
+        return None
+    if cos.shape[:-1] == x.shape[:-1]:
+        return 1
+    if x.dim() >= 2 and cos.shape[-2] == 1 and cos.shape[:-2] == x.shape[:-2]:
+        return x.shape[-2]
+    return None
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`reference.rope` in one pass, for the shapes `rope_rows` takes (sin shaped as cos)."""
+    x = x.contiguous()
+    half, D = cos.shape[-1], x.shape[-1]
+    heads = rope_rows(x, cos)
+    rows = x.numel() // (heads * D) if x.numel() else 0
+    cos, sin = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).float().contiguous()
+    out = torch.empty_like(x)
+    if rows:
+        library().dsv4_rope(x.data_ptr(), rows, heads, D, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr())
+    return out
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
