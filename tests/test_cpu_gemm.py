@@ -359,6 +359,24 @@ def test_the_native_rope_gives_the_references_bits(x_shape, table_shape):
     assert cpu.rope(x.clone().requires_grad_(), cos, sin).grad_fn is not None
 
 
+@NATIVE
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4096), (5, 1024), (300, 128), (3, 2, 32), (0, 64)])
+def test_the_native_quantisation_gives_the_references_bits(dtype, shape):
+    """Rows at every magnitude (the amax floor included), values landing on halves of a step (rounded to
+    even): the reference's int8 codes and scales, bit for bit; the CPU's W8A8 linears take it."""
+    g = torch.Generator().manual_seed(shape[-1])
+    for magnitude in (1e-7, 1e-3, 1.0, 1e3):
+        x = torch.randn(*shape, generator=g) * magnitude
+        steps = torch.randint(-254, 255, x.shape, generator=g).float()
+        halves = x.abs().amax(-1, keepdim=True).clamp(min=reference.AMAX_FLOOR) / 127 * steps / 2
+        x = torch.where(torch.rand(x.shape, generator=g) < 0.3, halves, x).to(dtype)
+        got, want = native.quantize_per_token(x, reference.AMAX_FLOOR), reference.quantize_per_token(x)
+        assert got[0].dtype == torch.int8 and got[0].shape == x.shape and got[1].shape == (*x.shape[:-1], 1)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(a, b) for a, b in zip(cpu.quantize_per_token(x), got))
+
+
 def test_without_the_native_kernels_torchs_stay(monkeypatch, tmp_path):
     """Switched off, or the compiler fails: nothing packs for them (their uint8 layout); int8 weights pack
     for oneDNN, or for the AVX2 pair GEMMs (int8) where int8 GEMMs are slow, and float weights for the AVX2

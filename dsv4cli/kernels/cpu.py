@@ -1,7 +1,7 @@
 """The CPU's kernel module: the reference's ops, with weights of 2 MiB and more packed for the project's
-few-row GEMMs (`native.py`: `cpu_gemm.c`, `cpu_indexer.c`, `cpu_mhc.c`, `cpu_rope.c`, built on first use) or
-oneDNN's, the indexer's scan in one native pass, mHC in three native calls and RoPE in one, and each MoE layer's
-experts routed on the host.
+few-row GEMMs (`native.py`, built on first use) or oneDNN's, the indexer's scan in one native pass, the small
+ops torch runs as many (mHC in three native calls, RoPE and per-token quantisation in one each), and each MoE
+layer's experts routed on the host.
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their cost
 is one read of the weight. torch's kernels read it well for one or two rows only, so big weights are
@@ -20,12 +20,13 @@ import torch
 
 from . import native
 from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
-from .reference import ExpertStack, indexer_scan_op, quantize_per_token, sort_pairs, sum_pairs, swiglu
+from .reference import AMAX_FLOOR, ExpertStack, indexer_scan_op, sort_pairs, sum_pairs, swiglu
 from .reference import grouped_experts as reference_grouped_experts
 from .reference import indexer_scores as indexer_scores_bmm
 from .reference import mhc_post as reference_mhc_post
 from .reference import mhc_pre as reference_mhc_pre
 from .reference import mhc_sinkhorn as reference_mhc_sinkhorn
+from .reference import quantize_per_token as reference_quantize_per_token
 from .reference import rope as reference_rope
 from .reference import routed_experts as reference_routed_experts
 
@@ -270,6 +271,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if _eager(x, cos, sin) and sin.shape == cos.shape and native.rope_rows(x, cos) is not None:
         return native.rope(x, cos, sin)
     return reference_rope(x, cos, sin)
+
+
+# ---- per-token int8 quantisation -----------------------------------------------------------------
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`native.quantize_per_token` (one pass, the reference's bits) in eager inference; else the reference."""
+    if _eager(x) and native.quantize_fits(x):
+        return native.quantize_per_token(x, AMAX_FLOOR)
+    return reference_quantize_per_token(x)
 
 
 # ---- routed experts on the host ----------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), mHC (`cpu_mhc.c`) and
-RoPE (`cpu_rope.c`), built with the
+"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), and the small ops torch
+runs as many: mHC (`cpu_mhc.c`), RoPE (`cpu_rope.c`), per-token int8 quantisation (`cpu_quant.c`); built with the
 machine's C compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's
 headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float
 linears' few-row GEMM (`cpu_float.cpp`).
@@ -34,7 +34,7 @@ import torch
 from dsv4cli.cache import user_cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c",
-                                                                "cpu_rope.c")]
+                                                                "cpu_rope.c", "cpu_quant.c")]
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
@@ -112,6 +112,7 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
     lib.dsv4_mhc_sinkhorn.restype = lib.dsv4_mhc_pre_tail.restype = lib.dsv4_mhc_post.restype = None
     lib.dsv4_rope.argtypes, lib.dsv4_rope.restype = [p, i64, i64, i64, p, p, i64, p], None
+    lib.dsv4_quantize_rows.argtypes, lib.dsv4_quantize_rows.restype = [p, ctypes.c_int, i64, i64, f32, p, p], None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
 
@@ -397,6 +398,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     if rows:
         library().dsv4_rope(x.data_ptr(), rows, heads, D, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr())
     return out
+
+
+def quantize_fits(x: torch.Tensor) -> bool:
+    """Whether `quantize_per_token` takes rows x [..., D]: fp32 or bf16, D in whole AVX-512 vectors."""
+    return x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] % 16 == 0 and available()
+
+
+def quantize_per_token(x: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.quantize_per_token` in one pass (its bits): x [..., D] -> (int8 [..., D], fp32 scales [..., 1])."""
+    x = x.contiguous()
+    q, scale = torch.empty(x.shape, dtype=torch.int8), torch.empty(*x.shape[:-1], 1)
+    if x.numel():
+        library().dsv4_quantize_rows(x.data_ptr(), x.dtype == torch.bfloat16, x.numel() // x.shape[-1], x.shape[-1],
+                                     floor, q.data_ptr(), scale.data_ptr())
+    return q, scale
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
