@@ -253,7 +253,7 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
-    if _eager(logits) and logits.dtype == torch.float32 and logits.shape[-1] <= 8 and native.available():
+    if _eager(logits) and native.sinkhorn_fits(logits):
         return native.mhc_sinkhorn(logits, eps, iters)
     return reference_mhc_sinkhorn(logits, eps, iters)
 

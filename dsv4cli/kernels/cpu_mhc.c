@@ -19,21 +19,14 @@
 
 #define MAX_N 8     /* V4's configs hold 4 copies of the stream; the caller checks n */
 
-static void normalise_columns(float *c, int64_t n, float eps) {
-    for (int64_t j = 0; j < n; j++) {
-        float s = 0.0f;
-        for (int64_t i = 0; i < n; i++) s += c[i * n + j];
+/* Divide each of the n lines of c (n x n, row-major) by its sum + eps: the rows with (line, step) strides
+   (n, 1), the columns with (1, n). */
+static void normalise(float *c, int64_t n, float eps, int64_t line, int64_t step) {
+    for (int64_t a = 0; a < n; a++) {
+        float *v = c + a * line, s = 0.0f;
+        for (int64_t b = 0; b < n; b++) s += v[b * step];
         s += eps;
-        for (int64_t i = 0; i < n; i++) c[i * n + j] = c[i * n + j] / s;
-    }
-}
-
-static void normalise_rows(float *c, int64_t n, float eps) {
-    for (int64_t i = 0; i < n; i++) {
-        float s = 0.0f;
-        for (int64_t j = 0; j < n; j++) s += c[i * n + j];
-        s += eps;
-        for (int64_t j = 0; j < n; j++) c[i * n + j] = c[i * n + j] / s;
+        for (int64_t b = 0; b < n; b++) v[b * step] = v[b * step] / s;
     }
 }
 
@@ -48,10 +41,10 @@ void dsv4_mhc_sinkhorn(const float *logits, int64_t T, int64_t n, float eps, int
             for (int64_t j = 0; j < n; j++) s += c[i * n + j] = expf(l[i * n + j] - m);
             for (int64_t j = 0; j < n; j++) c[i * n + j] = c[i * n + j] / s + eps;
         }
-        normalise_columns(c, n, eps);
+        normalise(c, n, eps, 1, n);              /* the columns */
         for (int64_t k = 1; k < iters; k++) {
-            normalise_rows(c, n, eps);
-            normalise_columns(c, n, eps);
+            normalise(c, n, eps, n, 1);          /* the rows, then the columns */
+            normalise(c, n, eps, 1, n);
         }
         for (int64_t i = 0; i < n * n; i++) out[t * n * n + i] = c[i];
     }

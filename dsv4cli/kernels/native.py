@@ -353,6 +353,11 @@ def mhc_pre(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     return x.to(h.dtype), post, comb
 
 
+def sinkhorn_fits(logits: torch.Tensor) -> bool:
+    """Whether `mhc_sinkhorn` takes these comb logits [..., n, n]: fp32, n <= 8 (`cpu_mhc.c`'s MAX_N)."""
+    return logits.dtype == torch.float32 and logits.shape[-1] <= 8 and available()
+
+
 def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     """`reference.mhc_sinkhorn` in one call: logits [..., n, n] fp32 (n <= 8) -> the same shape."""
     x = logits.contiguous()
