@@ -23,8 +23,8 @@ They are counted as the tensors are held in memory and as stored (int8, fp32 sca
 The bandwidth is measured in the same process, just before each timed step, by streaming reads of a
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
 for the median step against its own reading. "bound_roofline" is the roofline model's whole bound, kernel
-by kernel: each GEMM call and attention core at least its bytes / bandwidth and its flops / the fp32 matmul
-peak measured in the same process, the rest of each part's bytes at the bandwidth, summed
+by kernel: each GEMM call (`wo_a`'s grouped projection included) and attention core at least its bytes /
+bandwidth and its flops / the fp32 matmul peak measured in the same process, the rest of each part's bytes at the bandwidth, summed
 ("part_bound_roofline": the same taken part by part, as older results stored it). Each int8 GEMM call counts
 its multiply-adds against the CPU's own int8 GEMM peak, measured in the same process on a weight that stays
 in cache (VNNI's at 48 verified rows is ~10x a small weight's bytes; on AVX2 without VNNI the pair GEMMs'
@@ -361,7 +361,7 @@ class StepProfile:
         for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
             if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
                 self._wrap_kernel(name)
-        for name in ("linear_fp32", "linear"):
+        for name in ("linear_fp32", "linear", "grouped_projection"):     # wo_a's groups: one call, one weight
             self._count_gemm(name, self.flops)
         self._count_gemm("w8a8_linear", self.int8_ops)
         return self

@@ -213,15 +213,23 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_float(weight: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """float [N, K] -> [N/32, K, 32] in `dtype`: fp32, or bf16 for a weight whose values are bf16."""
+    """float [N, K] -> [N/32, K, 32] in `dtype`: fp32, or bf16 for a weight whose values are bf16. bf16 for
+    the native kernels is [N/32, K, 16, 2]: each k step's channels j and 16 + j side by side (`cpu_gemm.c`);
+    the AVX2 op reads [N/32, K, 32]."""
     n, k = weight.shape
+    blocks = weight.view(n // BLOCK, BLOCK, k)
+    if dtype == torch.bfloat16 and available():
+        out = weight_buffer(n // BLOCK, k, BLOCK // 2, 2, dtype=dtype)
+        return out.copy_(blocks.view(n // BLOCK, 2, BLOCK // 2, k).permute(0, 3, 2, 1))
     out = weight_buffer(n // BLOCK, k, BLOCK, dtype=dtype)
-    return out.copy_(weight.view(n // BLOCK, BLOCK, k).transpose(1, 2))       # converted and laid out in one pass
+    return out.copy_(blocks.transpose(1, 2))       # converted and laid out in one pass
 
 
 def unpack_float(packed: torch.Tensor) -> torch.Tensor:
     """The fp32 weight [N, K] back."""
-    nb, k, _ = packed.shape
+    nb, k = packed.shape[:2]
+    if packed.dim() == 4:           # bf16, channels j and 16 + j side by side
+        packed = packed.transpose(2, 3).reshape(nb, k, BLOCK)
     return packed.transpose(1, 2).reshape(nb * BLOCK, k).float()
 
 
