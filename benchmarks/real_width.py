@@ -24,12 +24,12 @@ The bandwidth is measured in the same process, just before each timed step, by s
 buffer at least 4x the last-level cache with the same thread count; roofline = (bytes / bandwidth) / time,
 for the median step against its own reading. "bound_roofline" is the roofline model's whole bound, kernel
 by kernel: each GEMM call (`wo_a`'s grouped projection included) and attention core at least its bytes /
-bandwidth and its flops / the fp32 matmul peak measured in the same process, the rest of each part's bytes at the bandwidth, summed
-("part_bound_roofline": the same taken part by part, as older results stored it). Each int8 GEMM call counts
-its multiply-adds against the CPU's own int8 GEMM peak, measured in the same process on a weight that stays
-in cache (VNNI's at 48 verified rows is ~10x a small weight's bytes; on AVX2 without VNNI the pair GEMMs'
-`vpmaddwd` does 16 multiply-adds an instruction, the fp32 FMAs' rate, so from ~2 rows they are
-compute-bound); the part-wide bound counts them there only, as before. The 43-layer
+bandwidth and its flops / the fp32 matmul peak measured in the same process, the rest of each part's bytes at
+the bandwidth, summed ("part_bound_roofline": the same taken part by part, as older results stored it).
+Each int8 GEMM call counts its multiply-adds against the CPU's own int8 GEMM peak, measured in the same
+process on a weight that stays in cache (VNNI's at 48 verified rows is ~10x a small weight's bytes; on AVX2
+without VNNI the pair GEMMs' `vpmaddwd` does 16 multiply-adds an instruction, the fp32 FMAs' rate, so from ~2
+rows they are compute-bound); the part-wide bound counts them there only, as before. The 43-layer
 estimate scales the measured CSA and HCA blocks to V4 Flash's 21 CSA + 22 others (the 2 window-only
 layers counted as HCA, slightly over) and keeps the rest of the step (head, drafter, sampling) once.
 With DSpark, each depth also gets the tokens a step yields at the acceptance peers measured on 0731
