@@ -344,18 +344,19 @@ def test_the_native_mhc_gives_the_references_streams(dtype, lead, n, dim):
 def test_the_native_rope_gives_the_references_bits(x_shape, table_shape):
     """Queries (heads sharing a row of the tables) and keys (one row each), the inverse rotation (-sin), an
     empty chunk: the reference's bits, the dims before the rotated ones untouched. Tables that broadcast
-    otherwise, bf16 rows and autograd take the reference."""
+    otherwise, bf16 rows or tables, tables of two shapes and autograd take the reference."""
     g = torch.Generator().manual_seed(x_shape[-1])
     x = torch.randn(*x_shape, generator=g)
     cos, sin = torch.randn(*table_shape, generator=g), torch.randn(*table_shape, generator=g)
-    assert native.rope_rows(x, cos) is not None
+    assert native.rope_rows(x, cos, sin) is not None
     for s in (sin, -sin):
         got = native.rope(x, cos, s)
         assert torch.equal(got, reference.rope(x, cos, s))
         assert torch.equal(cpu.rope(x, cos, s), got)
         assert torch.equal(got[..., :-2 * cos.shape[-1]], x[..., :-2 * cos.shape[-1]])
-    assert native.rope_rows(x, cos[:1]) is None or x_shape[0] == 1
-    assert native.rope_rows(x.bfloat16(), cos) is None
+    assert native.rope_rows(x, cos[:1], sin[:1]) is None or x_shape[0] == 1
+    assert native.rope_rows(x.bfloat16(), cos, sin) is None
+    assert native.rope_rows(x, cos, sin.bfloat16()) is None and native.rope_rows(x, cos, sin[..., :-1]) is None
     assert cpu.rope(x.clone().requires_grad_(), cos, sin).grad_fn is not None
 
 

@@ -237,9 +237,9 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     return indexer_scores_bmm(q, keys, weights, INDEXER_SLICE)
 
 
-# ---- mHC --------------------------------------------------------------------------------------
-# `native`'s calls in eager inference, where torch runs ~150 small ops a sub-layer; the reference in a graph
-# being compiled (inductor fuses it) and under autograd.
+# ---- small ops in one native call ---------------------------------------------------------------
+# mHC (~150 torch ops a sub-layer), RoPE and per-token quantisation run as `native`'s calls in eager inference;
+# a graph being compiled (inductor fuses them) and autograd keep the reference.
 
 def _eager(*tensors: torch.Tensor) -> bool:
     return not torch.compiler.is_compiling() and not any(t.requires_grad for t in tensors)
@@ -264,16 +264,12 @@ def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     return reference_mhc_post(x, res, post, comb)
 
 
-# ---- RoPE ---------------------------------------------------------------------------------------
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`native.rope` (one pass, the reference's bits) in eager inference; else the reference."""
-    if _eager(x, cos, sin) and sin.shape == cos.shape and native.rope_rows(x, cos) is not None:
+    if _eager(x, cos, sin) and native.rope_rows(x, cos, sin) is not None:
         return native.rope(x, cos, sin)
     return reference_rope(x, cos, sin)
 
-
-# ---- per-token int8 quantisation -----------------------------------------------------------------
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`native.quantize_per_token` (one pass, the reference's bits) in eager inference; else the reference."""

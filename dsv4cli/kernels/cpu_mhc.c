@@ -11,9 +11,9 @@
    - `dsv4_mhc_post`: the new streams post_k x + sum_j comb[j][k] h_j (`reference.mhc_post`).
    exp is libm's, where torch has its own vectorised one, and the RMS's sum of squares runs in 16 lanes:
    within a few fp32 ulps of torch. A token's results depend on its own values alone. */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+
+#include "cpu_load.h"
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -48,14 +48,6 @@ void dsv4_mhc_sinkhorn(const float *logits, int64_t T, int64_t n, float eps, int
         }
         for (int64_t i = 0; i < n * n; i++) out[t * n * n + i] = c[i];
     }
-}
-
-/* 16 values of a stream row, fp32 or bf16 (widened exactly: its bits are fp32's top half). */
-INLINE __m512 load16(const void *p, int bf16, int64_t i) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_loadu_ps((const float *)p + i);
 }
 
 INLINE float sigmoid(float v) { return 1.0f / (1.0f + expf(-v)); }

@@ -2,15 +2,7 @@
    scale = max(amax |x|, floor) / 127, q = round-half-even(x / scale), the reference's operations in fp32
    (a true division, not a reciprocal's product), so its bits. torch runs it as ~8 ops, once per int8
    linear's input. */
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline __m512 load16(const void *p, int bf16, int64_t i) {
-    if (bf16)    /* bf16 widened exactly: its bits are fp32's top half */
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
-    return _mm512_loadu_ps((const float *)p + i);
-}
+#include "cpu_load.h"
 
 /* x [R][D] fp32 or bf16 (D a multiple of 16) -> q [R][D] int8, scale [R] fp32. */
 void dsv4_quantize_rows(const void *x, int bf16, int64_t R, int64_t D, float floor, int8_t *q, float *scale) {

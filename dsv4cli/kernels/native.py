@@ -35,6 +35,7 @@ from dsv4cli.cache import user_cache_dir
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c",
                                                                 "cpu_rope.c", "cpu_quant.c")]
+HEADERS = [Path(__file__).with_name("cpu_load.h")]     # included by the sources: part of what a build is of
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
@@ -67,8 +68,8 @@ def _compiler(names=("cc", "gcc", "clang"), env: str = "CC") -> str | None:
 
 def _build(cc: str, flags: list[str], sources: list[Path] = SOURCES, libs: tuple[str, ...] = ()) -> Path | None:
     """The library built from `sources` with these flags, linked against `libs`, in the user cache (once per
-    sources, compiler, flags and torch version), or None if the compiler fails."""
-    text = b"".join(path.read_bytes() for path in sources) + torch.__version__.encode()
+    sources and the headers they include, compiler, flags and torch version), or None if the compiler fails."""
+    text = b"".join(path.read_bytes() for path in [*sources, *HEADERS]) + torch.__version__.encode()
     digest = hashlib.sha256(text + cc.encode() + " ".join([*flags, *libs]).encode()).hexdigest()[:16]
     path = user_cache_dir() / "kernels" / f"{sources[0].stem}-{digest}.so"
     if not path.exists():
@@ -388,10 +389,11 @@ def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
     return out.to(x.dtype)
 
 
-def rope_rows(x: torch.Tensor, cos: torch.Tensor) -> int | None:
-    """The heads per table row where `rope` takes x with this table: x fp32 [..., H, D] with cos [..., 1, half]
-    (every head of a row one table row), or x [..., D] with cos [..., half]; else None."""
-    if x.dtype != torch.float32 or cos.dtype != torch.float32 or x.dim() != cos.dim() or not available():
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
+    """The heads per table row where `rope` takes x with these tables: x fp32 [..., H, D] with cos and sin
+    fp32 [..., 1, half] (every head of a row one table row), or x [..., D] with them [..., half]; else None."""
+    if (any(t.dtype != torch.float32 for t in (x, cos, sin)) or sin.shape != cos.shape or x.dim() != cos.dim()
+            or not available()):
         return None
     if cos.shape[:-1] == x.shape[:-1]:
         return 1
@@ -401,12 +403,12 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor) -> int | None:
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`reference.rope` in one pass, for the shapes `rope_rows` takes (sin shaped as cos)."""
+    """`reference.rope` in one pass, for the tables `rope_rows` takes."""
     x = x.contiguous()
     half, D = cos.shape[-1], x.shape[-1]
-    heads = rope_rows(x, cos)
+    heads = rope_rows(x, cos, sin)
     rows = x.numel() // (heads * D) if x.numel() else 0
-    cos, sin = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).float().contiguous()
+    cos, sin = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()
     out = torch.empty_like(x)
     if rows:
         library().dsv4_rope(x.data_ptr(), rows, heads, D, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr())
