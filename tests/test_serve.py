@@ -606,8 +606,8 @@ def test_best_of_returns_the_most_likely_candidates(server):
 
 
 def test_a_completion_prompt_of_token_ids_is_used_as_it_is(server):
-    """OpenAI's other prompt form: token ids, no BOS added (the text form adds it); ids that are no token ids,
-    or a list of prompts, are a 400 naming the prompt."""
+    """OpenAI's other prompt form: token ids, no BOS added (the text form adds it); ids that are no token ids
+    are a 400 naming the prompt (or, in a list of prompts, which one)."""
     client = server.client()
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     text = client.completions.create(model="x", prompt="Once upon a time", max_tokens=12, temperature=0)
@@ -615,9 +615,10 @@ def test_a_completion_prompt_of_token_ids_is_used_as_it_is(server):
                                     temperature=0, echo=True)
     assert ids.choices[0].text == tok.decode([tok.bos_id, *tok.encode("Once upon a time")]) + text.choices[0].text
     assert ids.usage.prompt_tokens == text.usage.prompt_tokens
-    for bad in ([tok.bos_id, tok.vocab_size], ["Once", "upon"], [], [[1, 2]], [True]):
+    for bad, param in (([tok.bos_id, tok.vocab_size], "prompt"), ([], "prompt"), ([True], "prompt"),
+                       ([["Once"], 3], "prompt"), ([[1, tok.vocab_size]], "prompt[0]"), (["Once", []], "prompt[1]")):
         r = server.post("/v1/completions", {"model": "x", "prompt": bad, "max_tokens": 2})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (bad, r.text)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
 
 
 def test_echo_repeats_the_prompt(server):
@@ -629,9 +630,6 @@ def test_echo_repeats_the_prompt(server):
                                             temperature=0, stream=True))
     assert chunks[0].choices[0].text == "Once upon a time" and "".join(c.choices[0].text for c in chunks) == \
         r.choices[0].text
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="x", prompt="Hi", echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
     with pytest.raises(openai.BadRequestError) as e:
         ask(client, "Hi", extra_body={"echo": True})
     assert e.value.body["param"] == "echo"
@@ -805,3 +803,91 @@ def test_ctrl_c_with_a_stream_open_is_clean(tmp_path):
         assert "Traceback" not in log and "Ctrl-C again" in log
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    """The served model loaded here, for the logprobs a full forward pass gives."""
+    import torch
+
+    from dsv4cli.model import load_model
+
+    return load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32)
+
+
+def full_forward_logprobs(model, ids: list[int]) -> list[float]:
+    """Each token's logprob after the ones before it (the first: None), from one plain forward pass."""
+    import torch
+
+    lp = model.forward(torch.tensor([ids])).log_softmax(-1)[0]
+    return [None] + lp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+
+
+def close(got: list, want: list, tol: float = 1e-3) -> bool:
+    return len(got) == len(want) and all((g is None) == (w is None) and (g is None or abs(g - w) <= tol)
+                                         for g, w in zip(got, want))
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, bundled):
+    """echo + logprobs (what lm-evaluation-harness sends, token ids, max_tokens 1; or max_tokens 0 to score
+    only): the prompt's tokens and logprobs (the first null), then the reply's, each prompt of a list a choice
+    of its own in order; streamed, the first chunk carries the prompt's. Logprobs are a full forward pass's."""
+    client, tok = server.client(), Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    texts = ["Once upon a time there was a cat.", "What is the capital of France?"]
+    ids = [tok.encode(t) for t in texts]
+    r = client.completions.create(model="x", prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, prompt in zip(r.choices, ids):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.top_logprobs[0] is None
+        assert close(lp.token_logprobs[:-1], full_forward_logprobs(bundled, prompt)), lp.token_logprobs
+        assert lp.tokens[:len(prompt)] == [tok.decode([t]) for t in prompt]
+        assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+        assert choice.text.startswith(tok.decode(prompt))
+    assert r.usage.prompt_tokens == sum(map(len, ids))
+    only = client.completions.create(model="x", prompt=texts[0], max_tokens=0, echo=True, logprobs=3)
+    lp = only.choices[0].logprobs
+    assert only.choices[0].text == texts[0] and only.usage.completion_tokens == 0
+    assert close(lp.token_logprobs, full_forward_logprobs(bundled, [tok.bos_id, *ids[0]]))
+    chunks = list(client.completions.create(model="x", prompt=texts[0], max_tokens=3, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    assert chunks[0].choices[0].text == texts[0] and chunks[0].choices[0].logprobs.token_logprobs == lp.token_logprobs
+    for body, param in (({"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "Hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"prompt": "Hi", "prompt_logprobs": 21}, "prompt_logprobs")):
+        r = server.post("/v1/completions", {"model": "x", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_vllm_prompt_logprobs(server, bundled):
+    """vLLM's prompt_logprobs: per prompt token (the first null) its id's logprob and the N most likely with their
+    ranks, on each completion choice and on a chat reply's body."""
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    body = server.post("/v1/completions", {"model": "x", "prompt": "Hello there", "max_tokens": 1,
+                                           "prompt_logprobs": 2}).json()
+    ids = [tok.bos_id, *tok.encode("Hello there")]
+    scored = body["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(ids)
+    assert close([None] + [entry[str(t)]["logprob"] for t, entry in zip(ids[1:], scored[1:])],
+                 full_forward_logprobs(bundled, ids))
+    for entry in scored[1:]:
+        ranked = sorted((v["rank"], v["logprob"]) for v in entry.values() if v["rank"] is not None)
+        assert [r for r, _ in ranked][:2] == [1, 2] and ranked[0][1] >= ranked[1][1]
+    chat = server.post("/v1/chat/completions", {"model": "x", "messages": [{"role": "user", "content": "Hi"}],
+                                                "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_tokenizer_info(server):
+    """What lm-evaluation-harness's remote tokenizer reads: the special tokens, a note for the template, the
+    context; under the key; its eos_token tokenizes to the EOS id."""
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    r = server.post("/tokenize", {"prompt": "x"}, key=None)
+    assert r.status_code == 401
+    info = httpx.get(server.url + "/tokenizer_info", headers={"authorization": f"Bearer {KEY}"}).json()
+    assert info["bos_token"] == "<｜begin▁of▁sentence｜>" and info["eos_token"] == "<｜end▁of▁sentence｜>"
+    assert info["model_max_length"] == 4096 and info["chat_template"] is None
+    assert "in code" in info["chat_template_note"]
+    eos = server.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert eos == [tok.eos_id]
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 401

@@ -10,9 +10,12 @@ def append_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]
     p = seq.params
     stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {eos_id})
     new_ids, text = [], ""
+    if not p.max_tokens:            # a prompt scored only: its first token is not a reply
+        tokens, seq.finish_reason = [], "length"
     for j, t in enumerate(tokens):
         if t in stops:
             seq.finish_reason = "stop"
+            seq.stop_logprob = logprobs[j] if logprobs is not None else None
             break
         new_ids.append(t)
         seq.output_ids.append(t)

@@ -60,6 +60,12 @@ class SlotHistory:
         self.written_to = max(self.written_to, len(self.tokens) + mtp_depth)
 
 
+def scored(seq: Sequence) -> bool:
+    """Whether a request scores its prompt: it then prefills it whole, reusing no state, since a reused
+    prefix's logprobs were never computed (its prefill still stores snapshots for the requests after it)."""
+    return seq.params.prompt_logprobs is not None
+
+
 class PrefixReuse:
     """Where an admitted prompt's prefill starts, and what its prefill leaves for later prompts, for the
     `max_batch` slots of `state` (their drafter drafting `depth` tokens a step).
@@ -86,8 +92,8 @@ class PrefixReuse:
 
     def ready(self, waiting: list[Sequence], prefilling: list[Sequence]) -> int | None:
         """The first waiting request that need not wait for a prefilling one, or None."""
-        return next((i for i, seq in enumerate(waiting) if self.store is None or not self._held(seq, prefilling)),
-                    None)
+        return next((i for i, seq in enumerate(waiting)
+                     if self.store is None or scored(seq) or not self._held(seq, prefilling)), None)
 
     def _held(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
         """Whether a prefilling request will store more of this prompt than the store holds now."""
@@ -102,12 +108,13 @@ class PrefixReuse:
 
     def place(self, seq: Sequence, free: list[int]) -> tuple[int, int]:
         """A free slot for `seq` and the prompt position its prefill starts at; the state of every position
-        before it is in the slot."""
+        before it is in the slot (none for a scored prompt)."""
         s = self.state
-        starts = {i: self.history[i].resume_point(seq.prompt_ids, s.lookback, s.ring) if self.same_slot else 0
-                  for i in free}
+        reuse = not scored(seq)
+        starts = {i: self.history[i].resume_point(seq.prompt_ids, s.lookback, s.ring) if self.same_slot and reuse
+                  else 0 for i in free}
         slot = max(free, key=lambda i: (starts[i], -i))
-        node = self.store.longest(self.keys(seq)) if self.store is not None else None
+        node = self.store.longest(self.keys(seq)) if self.store is not None and reuse else None
         if node is None or node.end <= starts[slot]:
             self.history[slot] = self.history[slot].resumed(starts[slot], s.ring)
             return slot, starts[slot]

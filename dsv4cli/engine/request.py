@@ -101,7 +101,7 @@ class Metrics:
 class TokenLogprob:
     """A committed token's logprob under the processed distribution, and the most likely alternatives."""
     token: int
-    logprob: float
+    logprob: float | None              # None: a prompt's first token, which nothing predicts
     top: list[tuple[int, float]]       # (token id, logprob), most likely first
 
     @classmethod
@@ -129,6 +129,8 @@ class Sequence:
     metrics: Metrics = field(default_factory=Metrics)
     decoder: StreamDecoder | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)     # one per output id, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)     # one per prompt token, when asked for
+    stop_logprob: TokenLogprob | None = None    # the stop token that ended it, when logprobs are on (not an output id)
     prefix_keys: list[bytes] | None = None     # the prompt's keys in the prefix store, once computed
 
     @property
@@ -143,3 +145,4 @@ class Event:
     text: str
     token_ids: list[int]
     finished: bool
+    first: bool = False     # the request's first event: its prompt is prefilled (and scored, if asked)

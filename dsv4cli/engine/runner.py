@@ -27,7 +27,7 @@ from .drafter import Drafter, DraftRows
 from .dspark import DSparkDrafter
 from .graphs import DecodeGraphs
 from .mtp import MTPDrafter
-from .sampling import SamplingParams
+from .sampling import SamplingParams, token_logprobs
 from .slots import SlotState, SlotView
 from .verify import commit_rows
 
@@ -36,6 +36,7 @@ class ChunkKey(NamedTuple):
     rows: int         # the chunk's rows (padded to a bucket when compiled)
     context: int      # a bound on its positions + 1 (the compressed blocks it reads)
     last: bool        # it ends its prompt: the first token and first drafts come out of it
+    scored: bool = False    # its prompt tokens are scored (`prompt_logprobs`): the LM head runs on every row
 
 
 class StepKey(NamedTuple):
@@ -44,7 +45,8 @@ class StepKey(NamedTuple):
     (its first token as candidate 0, no drafts accepted); each row padded to the drafter's D+1 candidates.
     Where the runner reports confidences, float64, each row followed by its next drafts' D confidences;
     when `masked`, then its next D drafts (the host computes their rows' masks); with `logprobs`, float64,
-    then what token_logprobs gives for each candidate."""
+    then what token_logprobs gives for each candidate. A step with `scored` chunks also returns their rows'
+    scores: what token_logprobs gives for each row's next token under the model's raw logits, chunk after chunk."""
     chunks: tuple[ChunkKey, ...]
     batch: int        # decode rows for slots [0, batch); 0: none
     drafts: int       # L: the drafts the decode rows verify (at most the drafter's D a step)
@@ -118,7 +120,7 @@ class StepRunner:
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor:
+    def run(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`step`, compiled once its key is ready, captured as a graph once it runs compiled (decode rows
         only, not masked: a masked step waits for the host mid-way; no compile running beside the capture: a
         worker's device work would spoil it)."""
@@ -129,8 +131,9 @@ class StepRunner:
             return fused(*chunks)
         return self.graphs.run(key, fused)
 
-    def step(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor:
-        """One step on the device (see StepKey for what it returns). Without chunks it reads and writes only
+    def step(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One step on the device (see StepKey for what it returns: the packed tensor, and the scores when a
+        chunk is scored). Without chunks it reads and writes only
         preallocated tensors, so it can be captured as a graph.
 
         A chunk runs before the decode rows in every layer, and its slot's `pos` moves to the chunk's end
@@ -158,6 +161,9 @@ class StepRunner:
         if key.masked:            # the host's masks, computed while the trunk ran
             logits = apply_masks(logits, await_masks(logits))
         logits = split(logits, [x.shape[:2] for x in scored]) if scored else []
+        # a scored chunk's rows, each scoring the prompt's next token: [rows, V] logits at most, never a prompt's
+        scores = [token_logprobs(self.model.logits(hidden[i]), c.ids[:, 1:ck.rows + 1])[0]
+                  for i, (ck, c) in enumerate(zip(key.chunks, chunks)) if ck.scored]
         firsts, rows = [], []         # per prompt that ends: (its inputs, first token [1,1], its logprobs)
         for i, (ck, c) in enumerate(zip(key.chunks, chunks)):
             nxt = c.ids[:, 1:ck.rows + 1]
@@ -182,7 +188,8 @@ class StepRunner:
             if proposal is not None:
                 self._keep(proposal, c.slot.drafts, c.slot.draft_q, c.slot.confidence)
             c.slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
-        return self._packed(key, decoded, firsts)
+        packed = self._packed(key, decoded, firsts)
+        return (packed, torch.cat(scores)) if scores else packed
 
     def _verify(self, key: StepKey, trunk, logits, rows: list[DraftRows]):
         """The decode rows' committed tokens [B,L+1], accepted drafts [B] and logprobs, and their rows for the

@@ -35,6 +35,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
+    # None: off; N: each prompt token's logprob under the model (its raw logits, after the tokens before it) and
+    # the N most likely there (<= 20); the prompt is then prefilled whole (no reused prefix: `prefix.py`)
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
     # a background request (an API batch's) gives way: a step that prefills a foreground prompt while only
     # background requests decode runs the prefill alone (`scheduler.streams_to_decode`); its tokens are the same
@@ -60,8 +63,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -INT64_MAX <= v <= INT64_MAX):
                 return f"{name}: must be an integer that fits in 64 bits, got {v!r}"
-        if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
-            return f"logprobs: must be 0..{TOP_LOGPROBS}, got {self.logprobs}"
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= TOP_LOGPROBS:
+                return f"{name}: must be 0..{TOP_LOGPROBS}, got {v}"
+        if self.max_tokens < 0:
+            return f"max_tokens: must be >= 0 (0: score the prompt only), got {self.max_tokens}"
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             return f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})"

@@ -13,6 +13,8 @@ import itertools
 import random
 import time
 
+import torch
+
 from dsv4cli.model import Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
@@ -20,7 +22,7 @@ from .api import ModelInfo
 from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
-from .prefix import PrefixReuse
+from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingParams, needs_sort, plain_greedy
@@ -83,6 +85,17 @@ def streams_to_decode(running: list[Sequence], chunks: list[tuple[Sequence, int,
     if all(s.params.background for s in running) and any(not seq.params.background for seq, _, _ in chunks):
         return []
     return running
+
+
+def read_step(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[list[list], list[list[float]]]:
+    """A step's results on the host in one read: the packed rows (StepKey), and the scored chunks' rows (none
+    unless a chunk is scored)."""
+    if not isinstance(out, tuple):
+        return out.tolist(), []
+    packed, scores = out
+    (n, w), width = packed.shape, scores.shape[1]
+    flat = torch.cat([packed.double().flatten(), scores.flatten()]).tolist()
+    return [flat[i:i + w] for i in range(0, n * w, w)], [flat[i:i + width] for i in range(n * w, len(flat), width)]
 
 
 class EngineFailed(RuntimeError):
@@ -235,6 +248,7 @@ class Engine:
         self.constraints.admit(slot, seq.params.grammar)
         self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
         self.slots[slot], seq.slot, seq.metrics.cached_tokens, seq.prefilled = seq, slot, reused, reused
+        seq.prompt_logprobs = [TokenLogprob(seq.prompt_ids[0], None, [])] if scored(seq) else []
         self.prefilling.append(seq)
 
     # ---- a call of the step ------------------------------------------------------------------
@@ -257,7 +271,7 @@ class Engine:
             rows, context = b - a, b
             if compiled:
                 rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
-            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids)))
+            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq)))
             inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows))
         context = context_bound(self.slots[:nb], self.mtp_depth) if nb else 0
         if compiled and nb:
@@ -269,11 +283,14 @@ class Engine:
         # a step that compiles (or runs eager while its graph compiles) is no measure of the length's cost
         steady = self.compiled is None or self.compiled.is_ready(key)
         t0 = time.perf_counter()
-        packed = self.runner.run(key, *inputs)
+        out = self.runner.run(key, *inputs)
         self.prefixes.chunks_ran(chunks)
+        if not (ending or nb or isinstance(out, tuple)):
+            return []                       # nothing committed or scored: nothing to read
+        packed, scores = read_step(out)     # the one host read
+        self._score(chunks, keys, scores)
         if not (ending or nb):
-            return []                       # nothing committed: nothing to read
-        packed = packed.tolist()            # the one host read
+            return []
         now = time.perf_counter()
         if self.lengths is not None:
             if nb and not chunks and steady and (drafts > 0) == propose:
@@ -312,12 +329,26 @@ class Engine:
 
     # ---- host bookkeeping --------------------------------------------------------------------
 
+    @staticmethod
+    def _score(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], scores: list[list[float]]) -> None:
+        """The scored chunks' rows into their requests' prompt logprobs: row i of a chunk [a, b) scores prompt
+        token a + i + 1 (the last chunk's last row scores the first output token, reported with it)."""
+        at = 0
+        for (seq, a, b), ck in zip(chunks, keys):
+            if ck.scored:
+                seq.prompt_logprobs += [TokenLogprob.from_scored(seq.prompt_ids[i + 1], scores[at + i - a],
+                                                                 seq.params.prompt_logprobs)
+                                        for i in range(a, min(b, len(seq.prompt_ids) - 1))]
+                at += ck.rows
+
     def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
         self.prefilling.remove(seq)
         self.prefixes.record(seq.slot, seq.prompt_ids + [first])
         logprobs = None if scored is None else [TokenLogprob.from_scored(first, scored, seq.params.logprobs)]
         seq.metrics.t_first = seq.metrics.t_last = time.perf_counter()
-        return self._emit(seq, [first], logprobs)
+        event = self._emit(seq, [first], logprobs)
+        event.first = True
+        return event
 
     def _emit(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
         """Committed tokens into the request's output (stop rules, grammar); a finished one frees its slot."""

@@ -28,7 +28,8 @@ SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} |
 # takes (top_k, min_p, seed, ...), but the length and stop fields, which those APIs name their own way
 PASSED_SAMPLING = {name for name in SAMPLING_FIELDS if name not in ("max_tokens", "max_completion_tokens", "stop")}
 HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", "reasoning_effort", "logprobs",
-            "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "response_format"}
+            "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "response_format",
+            "prompt_logprobs"}
 # accepted and without effect, for this reason
 HARMLESS = {
     "model": "a run serves the one model given by --model",
@@ -50,6 +51,7 @@ REFUSED = {
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # response_format's json_schema object
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
 MAX_CHOICES = 128                                     # OpenAI's limit on n
+MAX_PROMPTS = 2048                                    # prompts in one completion (evaluation harnesses batch them)
 TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "add_generation_prompt"}
 # what a JSON text holding a lone surrogate has: a \uD800-\uDFFF escape, or one encoded as (invalid) UTF-8, which
 # json.loads passes through too (its lead byte 0xED also starts Hangul; looking for these is memchr-fast)
@@ -59,15 +61,20 @@ SURROGATE_SIGNS = (b"\\ud", b"\\uD", b"\xed")
 @dataclass
 class Request:
     chat: bool                      # /v1/chat/completions; else /v1/completions
-    prompt_ids: list[int]
+    prompts: list[list[int]]        # one; completions in dsv4 serve: several (n choices each, in order)
     params: SamplingParams
     thinking: bool
     stream: bool = False            # send chunks as they come (dsv4 serve only)
     include_usage: bool = False     # stream_options.include_usage: a last chunk with the usage
     n: int = 1                      # choices returned (dsv4 serve only)
     best_of: int = 1                # candidates generated, the n most likely returned (completions, dsv4 serve)
-    echo: str | None = None         # completions with echo: the prompt, which each choice's text starts with
+    echo: list[str] | None = None   # completions with echo: each prompt's text, which its choices' texts start with
     parallel_tool_calls: bool = True    # false: one tool call at most (a forced call's grammar; else the first)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each choice lists its prompt's, N alternatives
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompts[0]
 
 
 class BadRequest(Exception):
@@ -168,20 +175,27 @@ class BodyParser:
         include_usage = _stream_options(body, place) if server else False
         n, best_of = _choices(body, place, chat, server)
         fmt = _response_format(body, place)
-        params = self._params(body, place, seed)
+        echo = _echo(body, place, chat)
+        prompt_logprobs = _prompt_logprobs(body, place)
+        if prompt_logprobs is not None and stream:
+            raise BadRequest("unsupported_parameter", f"{place}prompt_logprobs: not streamed; ask without stream "
+                                                      f"(or, on {COMPLETIONS_URL}, with echo and logprobs)")
+        params = self._params(body, place, seed, scoring=echo or prompt_logprobs is not None)
         params.logprobs = _logprobs(body, place, chat)
         params.logit_bias = self._logit_bias(body.get("logit_bias"), place)
-        echo = _echo(body, place, chat, server, params.logprobs)
+        # the prompt's logprobs, for vLLM's field or echoed with the reply's (OpenAI's legacy scoring)
+        scored = [v for v in (prompt_logprobs, params.logprobs if echo else None) if v is not None]
+        params.prompt_logprobs = max(scored, default=None)
         thinking, tools, choice = False, [], "auto"
         if chat:
             thinking, effort = self._thinking(body, place)
             tools, choice = _tools(body, place)
-            ids = self._chat_ids(body, place, thinking, effort, tools, fmt)
+            prompts = [(self._chat_ids(body, place, thinking, effort, tools, fmt), None)]
         else:
             for name in ("tools", "tool_choice", "parallel_tool_calls"):
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
-            ids = self._completion_ids(body, place)
+            prompts = self._completion_prompts(body, place, server)
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise BadRequest("invalid_parameter", f"{place}parallel_tool_calls: must be true or false")
@@ -189,21 +203,22 @@ class BodyParser:
         if params.grammar is not None and params.ignore_eos:
             raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format or a forced tool "
                                                   f"call (the grammar says where the reply ends)")
-        prompt = body.get("prompt")
-        echoed = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if echo else None
-        return Request(chat, ids, params, thinking, bool(stream), include_usage, n, best_of, echoed, parallel)
+        echoed = [text if text is not None else self.tok.decode(ids) for ids, text in prompts] if echo else None
+        return Request(chat, [ids for ids, _ in prompts], params, thinking, bool(stream), include_usage, n, best_of,
+                       echoed, parallel, prompt_logprobs)
 
     def tokenize(self, body) -> tuple[list[int], bool]:
         """A `/tokenize` body (vLLM's) -> the prompt's token ids, and whether each token's text is wanted
-        (`return_token_strs`). `prompt` (with `add_special_tokens`, default true: BOS first) is tokenised as
-        a completion's prompt; `messages` (with `tools`, `tool_choice`, `thinking`, `reasoning_effort`) as
-        a chat request's."""
+        (`return_token_strs`). `prompt` (with `add_special_tokens`, default true: BOS before a text) is
+        tokenised as a completion's prompt; `messages` (with `tools`, `tool_choice`, `thinking`,
+        `reasoning_effort`) as a chat request's, whose template starts with BOS whatever `add_special_tokens`
+        says (vLLM's meaning: the tokenizer adds nothing to a template)."""
         if not isinstance(body, dict):
             raise BadRequest("invalid_request", "the body: must be a JSON object")
         chat = "messages" in body
         if chat == ("prompt" in body):
             raise BadRequest("invalid_request", "give exactly one of messages or prompt")
-        fields = {"model", "return_token_strs"} | (TOKENIZE_CHAT_FIELDS if chat else {"prompt", "add_special_tokens"})
+        fields = {"model", "return_token_strs", "add_special_tokens"} | (TOKENIZE_CHAT_FIELDS if chat else {"prompt"})
         for name in body:
             if name not in fields:
                 raise BadRequest("unsupported_parameter", f"{name}: not a field of a /tokenize body with "
@@ -219,8 +234,10 @@ class BodyParser:
         if chat:
             thinking, effort = self._thinking(body, "")
             return self._chat_ids(body, "", thinking, effort, _tools(body, "")[0]), flags["return_token_strs"]
-        ids = self._completion_ids(body, "")
-        return ids if flags["add_special_tokens"] else ids[1:], flags["return_token_strs"]
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and not flags["add_special_tokens"]:
+            return self._encode(prompt, []), flags["return_token_strs"]
+        return self._completion_ids(prompt, "prompt"), flags["return_token_strs"]
 
     def detokenize(self, body) -> list[int]:
         """A `/detokenize` body (vLLM's: `tokens`, and `model`) -> the token ids to decode."""
@@ -251,12 +268,15 @@ class BodyParser:
             name = "tools" if forced or tools else "response_format"
             raise BadRequest("invalid_parameter", f"{place}{name}: {e}") from None
 
-    def _params(self, body: dict, place: str, seed: int | None) -> SamplingParams:
-        """The run's sampling defaults with the body's values on top."""
+    def _params(self, body: dict, place: str, seed: int | None, scoring: bool) -> SamplingParams:
+        """The run's sampling defaults with the body's values on top; `scoring` (echo or prompt_logprobs):
+        max_tokens may be 0, the prompt scored and nothing generated."""
         given = {}
         for name, key in SAMPLING_FIELDS.items():
             value = body.get(name)
-            if value is not None:
+            if key == "max_tokens" and value == 0 and type(value) is int and scoring:
+                given[key] = 0
+            elif value is not None:
                 given[key] = _check(key, [value] if name == "stop" and isinstance(value, str) else value, place + name)
         if len(given.get("stop", [])) > MAX_STOP:
             raise BadRequest("invalid_parameter", f"{place}stop: at most {MAX_STOP} strings")
@@ -313,21 +333,34 @@ class BodyParser:
             raise BadRequest("invalid_messages", f"{place}messages: nested too deeply") from None
         return self._encode(text, [])
 
-    def _completion_ids(self, body: dict, place: str) -> list[int]:
-        """A completion's prompt: a text (BOS, then its tokens), or token ids used as they are (OpenAI's
-        other form; a list of prompts is not taken: one request, one prompt)."""
+    def _completion_prompts(self, body: dict, place: str, server: bool) -> list[tuple[list[int], str | None]]:
+        """A completion's prompts, each as token ids and its text (None where given as ids): OpenAI's four forms,
+        a text, token ids, or a list of either (several prompts: dsv4 serve only, a batch line is one request)."""
         prompt = body.get("prompt")
+        if not (isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt)):
+            return [(self._completion_ids(prompt, f"{place}prompt"), prompt if isinstance(prompt, str) else None)]
+        if len(prompt) > 1 and not server:
+            raise BadRequest("unsupported_parameter", f"{place}prompt: a batch line gives one prompt; give each "
+                                                      f"its own line (and custom_id)")
+        if len(prompt) > MAX_PROMPTS:
+            raise BadRequest("invalid_parameter", f"{place}prompt: {len(prompt)} prompts; at most {MAX_PROMPTS}")
+        return [(self._completion_ids(p, f"{place}prompt[{i}]"), p if isinstance(p, str) else None)
+                for i, p in enumerate(prompt)]
+
+    def _completion_ids(self, prompt, name: str) -> list[int]:
+        """One completion prompt: a text (BOS, then its tokens), or token ids used as they are (OpenAI's other
+        form). `name` names it in errors."""
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = next((t for t in prompt if not 0 <= t < self.tok.vocab_size), None)
             if bad is not None:
-                raise BadRequest("invalid_prompt",
-                                 f"{place}prompt: {bad} is not a token id (0..{self.tok.vocab_size - 1})")
+                raise BadRequest("invalid_prompt", f"{name}: {bad} is not a token id (0..{self.tok.vocab_size - 1})")
             if len(prompt) > self.max_prompt_tokens:
                 raise BadRequest("prompt_too_long", f"the prompt has {len(prompt)} tokens; at most "
                                                     f"{self.max_prompt_tokens} fit ({self.prompt_limit})")
             return list(prompt)
         if not isinstance(prompt, str):
-            raise BadRequest("invalid_prompt", f"{place}prompt: must be a string or a non-empty list of token ids")
+            raise BadRequest("invalid_prompt", f"{name}: must be a string or a non-empty list of token ids (or, for "
+                                               f"several prompts, a list of those)")
         return self._encode(prompt, [self.tok.bos_id])
 
     def _encode(self, text: str, ids: list[int]) -> list[int]:
@@ -395,7 +428,8 @@ def _choices(body: dict, place: str, chat: bool, server: bool) -> tuple[int, int
     return n, best_of
 
 
-def _echo(body: dict, place: str, chat: bool, server: bool, logprobs: int | None) -> bool:
+def _echo(body: dict, place: str, chat: bool) -> bool:
+    """Whether a completion's text starts with its prompt (and, with logprobs, its logprobs with the prompt's)."""
     echo = body.get("echo")
     if echo is None:
         return False
@@ -403,12 +437,15 @@ def _echo(body: dict, place: str, chat: bool, server: bool, logprobs: int | None
         raise BadRequest("invalid_parameter", f"{place}echo: must be true or false")
     if echo and chat:
         raise BadRequest("unsupported_parameter", f"{place}echo: only for {COMPLETIONS_URL}")
-    if echo and not server:
-        raise BadRequest("unsupported_parameter", f"{place}echo: batch results do not repeat the prompt")
-    if echo and logprobs is not None:
-        raise BadRequest("unsupported_parameter", f"{place}echo: not with logprobs (the prompt's logprobs are not "
-                                                  f"computed)")
     return echo
+
+
+def _prompt_logprobs(body: dict, place: str) -> int | None:
+    """vLLM's prompt_logprobs: each prompt token's logprob and the N most likely (None: off)."""
+    n = body.get("prompt_logprobs")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= TOP_LOGPROBS):
+        raise BadRequest("invalid_parameter", f"{place}prompt_logprobs: must be an integer 0..{TOP_LOGPROBS}")
+    return n
 
 
 def _stream_options(body: dict, place: str) -> bool:

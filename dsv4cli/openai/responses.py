@@ -27,14 +27,34 @@ def chat_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
                         for e in logprobs], "refusal": None}
 
 
-def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], offset: int = 0) -> dict:
-    """OpenAI completions `choices[].logprobs`: parallel lists, alternatives keyed by their text; `offset`
-    is where the first token's text starts in the reply (a streamed chunk's tokens start mid-reply), which
-    shows no special tokens."""
+def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], n_top: int, offset: int = 0) -> dict:
+    """OpenAI completions `choices[].logprobs`: parallel lists, the `n_top` alternatives keyed by their text
+    (null for an echoed prompt's first token, which nothing predicts); `offset` is where the first token's text
+    starts in the reply (a streamed chunk's tokens start mid-reply), which shows no special tokens."""
     tokens = [tok.decode([e.token]) for e in logprobs]
     offsets = [offset + sum(len(tok.visible(t)) for t in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
-            "top_logprobs": [{tok.decode([t]): v for t, v in e.top} for e in logprobs], "text_offset": offsets}
+            "top_logprobs": [None if e.logprob is None else {tok.decode([t]): v for t, v in e.top[:n_top]}
+                             for e in logprobs], "text_offset": offsets}
+
+
+def prompt_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], n_top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) its id's logprob and the `n_top` most
+    likely ids' (rank: 1 for the most likely; null for the prompt's token where it is not among them)."""
+    def entry(token: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tok.decode([token])}
+
+    out = []
+    for e in logprobs:
+        top = {str(t): entry(t, v, r) for r, (t, v) in enumerate(e.top[:n_top], 1)}
+        out.append(None if e.logprob is None else top | {str(e.token): top.get(str(e.token))
+                                                           or entry(e.token, e.logprob, None)})
+    return out
+
+
+def scored_reply(seq: Sequence) -> list[TokenLogprob]:
+    """A completion's tokens with their logprobs as OpenAI and vLLM list them: the stop token that ended it too."""
+    return seq.logprobs + ([seq.stop_logprob] if seq.stop_logprob is not None else [])
 
 
 def tool_calls(calls: list[dict], prefix: str) -> list[dict]:
@@ -56,9 +76,10 @@ def visible_message(tok: Tokenizer, text: str, thinking: bool) -> dict:
     return parsed | {field: tok.visible(parsed[field]) for field in ("content", "reasoning_content")}
 
 
-def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str) -> dict:
-    """The response body of a finished request: ids `chatcmpl-<number>` / `cmpl-<number>`, tool call ids
-    `call_<number>_<n>`. The text shows no special tokens."""
+def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str, prompt: int = 0) -> dict:
+    """The response body of a finished request (of its `prompt`-th prompt): ids `chatcmpl-<number>` /
+    `cmpl-<number>`, tool call ids `call_<number>_<n>`. The text shows no special tokens; with echo it starts
+    with the prompt, and its logprobs with the prompt's."""
     finish_reason = seq.finish_reason
     if req.chat:
         parsed = visible_message(tok, seq.text, req.thinking)
@@ -73,9 +94,16 @@ def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: 
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": logprobs}
         body = {"id": f"chatcmpl-{number}", "object": "chat.completion"}
     else:
-        logprobs = completion_logprobs(tok, seq.logprobs) if req.params.logprobs is not None else None
-        choice = {"index": 0, "text": tok.visible(seq.text), "finish_reason": finish_reason, "logprobs": logprobs}
+        echo = req.echo is not None
+        logprobs = None if req.params.logprobs is None else completion_logprobs(
+            tok, (seq.prompt_logprobs if echo else []) + scored_reply(seq), req.params.logprobs)
+        text = (req.echo[prompt] if echo else "") + tok.visible(seq.text)
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(tok, seq.prompt_logprobs, req.prompt_logprobs)
         body = {"id": f"cmpl-{number}", "object": "text_completion"}
+    if req.chat and req.prompt_logprobs is not None:        # vLLM puts a chat reply's on the body
+        body["prompt_logprobs"] = prompt_logprobs(tok, seq.prompt_logprobs, req.prompt_logprobs)
     return body | {"created": int(time.time()), "model": model, "choices": [choice], "usage": usage(seq),
                    "dsv4_stats": seq.metrics.as_dict()}
 
@@ -113,6 +141,10 @@ class ChunkStream:
         """A chat stream opens with the assistant role (OpenAI's first chunk); a completion with nothing."""
         return [self._chunk({"role": "assistant", "content": ""})] if self.req.chat else []
 
+    def echo(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
+        """An echoing completion's first chunk, once its prompt is prefilled: the prompt's text (and logprobs)."""
+        return [self._chunk(text, logprobs if self.req.params.logprobs is not None else [])]
+
     def update(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
         self.text += text
         if not self.req.chat:
@@ -142,7 +174,7 @@ class ChunkStream:
             if parsed["tool_calls"]:
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
-            chunks = self._text(self.tok.visible(seq.text), [])
+            chunks = self._text(self.tok.visible(seq.text), scored_reply(seq)[len(seq.logprobs):])
         chunks.append(self._chunk({} if self.req.chat else "", finish_reason=finish_reason))
         if self.req.include_usage:
             chunks.append(self.base | {"choices": [], "usage": usage(seq)})
@@ -184,6 +216,7 @@ class ChunkStream:
         else:
             choice = {"index": 0, "text": delta, "logprobs": None}
             if wanted:
-                choice["logprobs"] = completion_logprobs(self.tok, logprobs or [], self.offset)
+                choice["logprobs"] = completion_logprobs(self.tok, logprobs or [], self.req.params.logprobs,
+                                                         self.offset)
                 self.offset += sum(len(self.tok.visible(t)) for t in choice["logprobs"]["tokens"])
         return self.base | {"choices": [choice | {"finish_reason": finish_reason}]}

@@ -1,7 +1,7 @@
 """The HTTP routes: OpenAI's /v1/chat/completions, /v1/completions, /v1/models and /v1/models/{id}, vLLM's
-/tokenize and /detokenize, plus /health and /metrics; Anthropic's /v1/messages and OpenAI's /v1/responses
-(`agent_api.py`), and the Batch API (`batch_api.py`). Handlers parse and answer; the engine thread (`loop.py`)
-does the rest.
+/tokenize, /detokenize and /tokenizer_info, plus /health and /metrics; Anthropic's /v1/messages and OpenAI's
+/v1/responses (`agent_api.py`), and the Batch API (`batch_api.py`). Handlers parse and answer; the engine thread
+(`loop.py`) does the rest.
 
 What a handler lets through (how long a request may take to arrive is bounded in `http.py`): a Host header the
 server answers to (bound to a loopback address: loopback names only, so no web page reaches it by DNS
@@ -75,12 +75,13 @@ def sequence_params(params: SamplingParams, count: int, ranked: bool) -> list[Sa
     return [dataclasses.replace(params, seed=seed(i)) for i in range(count)]
 
 
-def usage(seqs: list[Sequence]) -> dict:
-    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated); the
-    prompt's cached tokens are its first sequence's."""
-    prompt, completion_tokens = len(seqs[0].prompt_ids), sum(len(s.output_ids) for s in seqs)
+def usage(seqs: list[Sequence], per_prompt: int) -> dict:
+    """Tokens of every sequence run for the request (best_of counts its candidates: they were generated), each
+    prompt counted once (its first sequence's, as its cached tokens), `per_prompt` sequences each."""
+    firsts = seqs[::per_prompt]
+    prompt, completion_tokens = sum(len(s.prompt_ids) for s in firsts), sum(len(s.output_ids) for s in seqs)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": seqs[0].metrics.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(s.metrics.cached_tokens for s in firsts)}}
 
 
 def indexed(chunks: list[dict], index: int) -> list[dict]:
@@ -103,16 +104,10 @@ class EventStream:
         self.loop, self.job, self.req, self.streams, self.gone = loop, job, req, streams, gone
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        finished: list[Sequence] = []
+        finished: dict[int, Sequence] = {}        # by index
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-            opening = []
-            for i, stream in enumerate(self.streams):
-                opening += indexed(stream.first(), i)
-                if self.req.echo is not None:
-                    opening.append(stream.base | {"choices": [{"index": i, "text": self.req.echo, "logprobs": None,
-                                                               "finish_reason": None}]})
-            await self._send(send, opening)
+            await self._send(send, [c for i, stream in enumerate(self.streams) for c in indexed(stream.first(), i)])
             while len(finished) < len(self.streams) and (item := await next_delta(self.job, self.gone)) is not None:
                 i, delta = item
                 if delta.error is not None:     # the engine failed it, or the server is stopping: say so and end
@@ -120,14 +115,18 @@ class EventStream:
                     await self._send(send, [{"error": {"message": e.message, "type": ERROR_TYPES[e.status],
                                                        "param": None, "code": e.code}}])
                     break
-                chunks = self.streams[i].update(delta.text, delta.logprobs)
+                chunks = []
+                if delta.first and self.req.echo is not None:       # the prompt, scored once it is prefilled
+                    chunks = self.streams[i].echo(self.req.echo[i // self.req.n], delta.prompt_logprobs)
+                chunks += self.streams[i].update(delta.text, delta.logprobs)
                 if delta.done is not None:
                     chunks += self.streams[i].finish(delta.done)
-                    finished.append(delta.done)
+                    finished[i] = delta.done
                 await self._send(send, indexed(chunks, i))
             complete = len(finished) == len(self.streams)
             if complete and self.req.include_usage:
-                await self._send(send, [self.streams[0].base | {"choices": [], "usage": usage(finished)}])
+                done = [finished[i] for i in range(len(finished))]
+                await self._send(send, [self.streams[0].base | {"choices": [], "usage": usage(done, self.req.n)}])
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n" if complete else b"",
                         "more_body": False})
         except OSError:                         # the client went away while we wrote
@@ -209,12 +208,14 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         return await run_in_threadpool(lambda: parse(load_json(raw)))
 
     def submit(req: body_requests.Request) -> Job:
-        if req.best_of > loop.capacity:
-            name = "best_of" if req.best_of > req.n else "n"
-            raise Refusal(400, f"{name}: {req.best_of} sequences; at most {loop.capacity} fit (max_batch + "
-                               f"max_waiting)", "invalid_parameter", name)
+        """The request's sequences, best_of for each of its prompts in turn."""
+        if req.best_of * len(req.prompts) > loop.capacity:
+            name = "best_of" if req.best_of > req.n else "n" if len(req.prompts) == 1 else "prompt"
+            raise Refusal(400, f"{name}: {req.best_of * len(req.prompts)} sequences; at most {loop.capacity} fit "
+                               f"(max_batch + max_waiting)", "invalid_parameter", name)
+        params = sequence_params(req.params, req.best_of, req.best_of > req.n)
         try:
-            return loop.submit(req.prompt_ids, sequence_params(req.params, req.best_of, req.best_of > req.n))
+            return loop.submit([p for p in req.prompts for _ in params], params * len(req.prompts))
         except QueueFull:
             raise Refusal(429, f"too many requests waiting (--max-waiting {loop.max_waiting}); retry later",
                           "queue_full") from None
@@ -224,16 +225,16 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
             raise Refusal(500, str(e)) from None
 
     def reply(req: body_requests.Request, seqs: list[Sequence], number: str) -> dict:
-        """The reply body: n choices (of best_of candidates, the n with the highest cumulative logprob)."""
-        if req.best_of > req.n:
-            seqs = sorted(seqs, key=lambda s: -sum(e.logprob for e in s.logprobs))
-        bodies = [completion(req, seq, model, tok, number) for seq in seqs[:req.n]]
-        body = bodies[0] | {"choices": [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)],
-                            "usage": usage(seqs)}
-        if req.echo is not None:
-            for choice in body["choices"]:
-                choice["text"] = req.echo + choice["text"]
-        return body
+        """The reply body: n choices per prompt, in order (of best_of candidates, the n with the highest
+        cumulative logprob)."""
+        bodies = []
+        for p in range(len(req.prompts)):
+            candidates = seqs[p * req.best_of:(p + 1) * req.best_of]
+            if req.best_of > req.n:
+                candidates = sorted(candidates, key=lambda s: -sum(e.logprob for e in s.logprobs))
+            bodies += [completion(req, seq, model, tok, number, p) for seq in candidates[:req.n]]
+        return bodies[0] | {"choices": [b["choices"][0] | {"index": i} for i, b in enumerate(bodies)],
+                            "usage": usage(seqs, req.best_of)}
 
     async def completions(request: Request, chat: bool) -> Response | EventStream:
         req = await parsed(request, lambda body: parser.parse(body, chat, server=True))
@@ -242,8 +243,8 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
         gone = asyncio.ensure_future(disconnect(request.receive))
         if req.stream:
             alone = dataclasses.replace(req, include_usage=False)     # one usage chunk for all choices, at the end
-            return EventStream(loop, job, req, [ChunkStream(alone, tok, model, number) for _ in range(req.n)], gone)
-        seqs = await finished(loop, job, gone, req.best_of)
+            return EventStream(loop, job, req, [ChunkStream(alone, tok, model, number) for _ in job.params], gone)
+        seqs = await finished(loop, job, gone, len(job.params))
         return Response(status_code=499) if seqs is None else JSONResponse(reply(req, seqs, number))
 
     async def chat_completions(request: Request) -> Response | EventStream:
@@ -268,6 +269,17 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
     async def tokenize(request: Request) -> Response:
         return JSONResponse(await parsed(request, lambda body: tokenized(*parser.tokenize(body))))
 
+    pad = tok.special_ids.get("<｜▁pad▁｜>")
+    # what harnesses read to tokenize through the server (lm-evaluation-harness's remote tokenizer)
+    info = {"tokenizer_class": "DeepseekV4Tokenizer", "bos_token": tok.decode([tok.bos_id]),
+            "eos_token": tok.decode([tok.eos_id]), "pad_token": None if pad is None else tok.decode([pad]),
+            "chat_template": None, "model_max_length": parser.max_seq_len,
+            "chat_template_note": f"the chat encoding ({tok.encoding}) is rendered in code, not by a template: "
+                                  f"send messages to /v1/chat/completions, or to /tokenize for their tokens"}
+
+    async def tokenizer_info(request: Request) -> Response:
+        return JSONResponse(info)
+
     async def detokenize(request: Request) -> Response:
         return JSONResponse(await parsed(request, lambda body: {"prompt": tok.decode(parser.detokenize(body))}))
 
@@ -290,6 +302,7 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
               Route("/v1/models/{model:path}", endpoint(model_info), methods=["GET"]),
               Route("/tokenize", endpoint(tokenize), methods=["POST"]),
               Route("/detokenize", endpoint(detokenize), methods=["POST"]),
+              Route("/tokenizer_info", endpoint(tokenizer_info), methods=["GET"]),
               Route("/health", endpoint(health, keyed=False), methods=["GET"]),
               Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
     # the agent APIs' ids carry a token of this run: a restarted server does not continue another's response

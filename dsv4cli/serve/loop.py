@@ -46,13 +46,15 @@ class Delta:
     done: Sequence | None = None
     error: str | None = None        # the request is over: the engine failed it, or the server is stopping
     status: int = 500               # the HTTP status of that error
+    first: bool = False             # the sequence's first delta: its prompt is prefilled
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)     # on the first delta, when asked for
 
 
 @dataclass(eq=False)
 class Job:
-    """A request on its way through the engine thread: the prompt, one SamplingParams per sequence to run,
-    and where their deltas go, as (sequence index, Delta)."""
-    prompt_ids: list[int]
+    """A request on its way through the engine thread: a prompt and SamplingParams per sequence to run, and
+    where their deltas go, as (sequence index, Delta)."""
+    prompts: list[list[int]]
     params: list[SamplingParams]
     queue: asyncio.Queue
     aloop: asyncio.AbstractEventLoop
@@ -116,10 +118,10 @@ class EngineLoop:
             self.batch_cancels.append(batch)
             self.wake.notify()
 
-    def submit(self, prompt_ids: list[int], params: list[SamplingParams]) -> Job:
-        """Queue a request of len(params) sequences (from the event loop); raises QueueFull when they would
-        wait beyond max_waiting, Stopping once the server stops."""
-        job = Job(prompt_ids, params, asyncio.Queue(), asyncio.get_running_loop())
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams]) -> Job:
+        """Queue a request of len(params) sequences, each of its prompt (from the event loop); raises QueueFull
+        when they would wait beyond max_waiting, Stopping once the server stops."""
+        job = Job(prompts, params, asyncio.Queue(), asyncio.get_running_loop())
         with self.wake:
             if self.error is not None:
                 raise RuntimeError(self.error)
@@ -182,8 +184,8 @@ class EngineLoop:
 
     def _admit(self, job: Job) -> None:
         try:
-            for params in job.params:
-                job.seqs.append(self.engine.submit(job.prompt_ids, params))
+            for prompt, params in zip(job.prompts, job.params):
+                job.seqs.append(self.engine.submit(prompt, params))
         except ValueError as e:         # the parser checks what the engine refuses; this is a last guard
             for seq in job.seqs:
                 self.engine.cancel(seq)
@@ -261,7 +263,8 @@ class EngineLoop:
                 self.metrics.finish(seq)
                 if seq.error is not None:
                     print(f"request {seq.id}: {seq.error}", file=sys.stderr, flush=True)
-            deliveries.append((*entry, Delta(event.text, logprobs, done, seq.error)))
+            deliveries.append((*entry, Delta(event.text, logprobs, done, seq.error, first=event.first,
+                                             prompt_logprobs=seq.prompt_logprobs if event.first else [])))
         with self.wake:
             self._count()           # before the deltas: a client that got its tokens sees itself running
         if deliveries:      # one wake-up of the (one) event loop per step, not one per request

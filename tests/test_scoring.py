@@ -1,0 +1,103 @@
+"""Prompt logprobs (`SamplingParams.prompt_logprobs`): every prompt token scored by the model's own
+log-softmax, whatever the chunking, the drafter, the prefix store or the rest of the batch."""
+import torch
+from test_engine import spy
+from tiny import prompts
+
+from dsv4cli.engine import Engine, SamplingParams
+
+STORE = (64 << 20, 0)
+
+
+def reference(model, ids: list[int]) -> torch.Tensor:
+    """log_softmax of a plain full forward pass: row i scores token i + 1."""
+    return model.forward(torch.tensor([ids])).log_softmax(-1)[0]
+
+
+def worst_error(model, seq, n_top: int) -> float:
+    """The largest difference between a request's prompt logprobs (and alternatives) and the reference."""
+    ids = seq.prompt_ids
+    assert len(seq.prompt_logprobs) == len(ids)
+    assert seq.prompt_logprobs[0].token == ids[0] and seq.prompt_logprobs[0].logprob is None
+    if len(ids) == 1:
+        return 0.0
+    ref = reference(model, ids)[:-1]
+    scored = seq.prompt_logprobs[1:]
+    assert [e.token for e in scored] == ids[1:]
+    got = torch.tensor([e.logprob for e in scored])
+    err = (got - ref.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]).abs().max().item()
+    if n_top:
+        top = ref.topk(n_top, -1)
+        assert [[t for t, _ in e.top] for e in scored] == top.indices.tolist()
+        err = max(err, (torch.tensor([[v for _, v in e.top] for e in scored]) - top.values).abs().max().item())
+    return err
+
+
+@torch.no_grad()
+def test_prompt_logprobs_equal_a_full_forward_pass(model, tok):
+    """Prompts crossing the window (16), ratio-4 and ratio-128 blocks and the prefill chunk (48), scored in
+    chunks beside running streams, with and without a drafter: within 1e-4 nats of the full forward pass; the
+    generated tokens are those of the same request unscored."""
+    ps = prompts([2, 47, 130, 300], tok.vocab_size, seed=11)
+    worst = 0.0
+    for mtp in (0, 2):
+        eng = Engine(model, tok, max_batch=3, max_seq_len=512, mtp=mtp, prefill_chunk=48, prefill_budget=64)
+        plain = eng.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        for n_top in (0, 5):
+            params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=n_top)
+            for seq, want in zip(eng.generate(ps, params), plain):
+                worst = max(worst, worst_error(model, seq, n_top))
+                assert seq.output_ids == want.output_ids
+    print(f"max |prompt logprob - full forward log_softmax|: {worst:.2e}")
+    assert worst <= 1e-4
+
+
+@torch.no_grad()
+def test_a_scored_prompt_is_prefilled_whole_not_from_the_prefix_store(model, tok):
+    """The store holds the prompt's prefix; a scored request refills it (cached_tokens 0) and scores every
+    token; an unscored one after it still resumes from the store."""
+    (prompt,) = prompts([300], tok.vocab_size, seed=12)
+    eng = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=1, prefix_cache=STORE)
+    eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    (seq,) = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
+    assert seq.metrics.cached_tokens == 0
+    assert worst_error(model, seq, 3) <= 1e-4
+    (again,) = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    assert again.metrics.cached_tokens == 256
+
+
+@torch.no_grad()
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing(model, tok):
+    ps = prompts([1, 30], tok.vocab_size, seed=13)
+    eng = Engine(model, tok, max_batch=2, max_seq_len=128, mtp=0)
+    for seq in eng.generate(ps, SamplingParams(temperature=0.8, max_tokens=0, prompt_logprobs=0)):
+        assert seq.output_ids == [] and seq.finish_reason == "length"
+        assert worst_error(model, seq, 0) <= 1e-4
+    assert SamplingParams(max_tokens=-1).problem(300) is not None
+
+
+@torch.no_grad()
+def test_scored_chunks_read_the_host_once(model, tok, monkeypatch):
+    """A step whose chunk is scored (ending its prompt or not) still reads the host once (its rows ride in the
+    same read as the packed tensor): 0 MoE reads with stacked experts counted apart."""
+    from dsv4cli.kernels import cpu
+
+    moe_calls, static = [], []
+    monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
+    monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
+    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
+    running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
+    eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
+    eng.step()
+    new = eng.submit(prompt, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, prompt_logprobs=1))
+    syncs = []
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
+            m.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), syncs, name))
+        for _ in range(3):                                  # chunks of 16, 16 and 8, with decode rows
+            syncs.clear()
+            moe_calls.clear()
+            static.clear()
+            eng.step()
+            assert syncs == ["tolist"] * (1 + len(moe_calls) - len(static)), syncs
+    assert len(new.output_ids) == 1 and len(new.prompt_logprobs) == 40
