@@ -59,6 +59,8 @@ VERBS = {
     "serve": Verb("dsv4cli.serve.command:serve", "Serve the model over an OpenAI-compatible HTTP API "
                   "(/v1/chat/completions, /v1/completions, /v1/responses, streaming) and Anthropic's "
                   "/v1/messages, with continuous batching."),
+    "perplexity": Verb("dsv4cli.perplexity:perplexity", "Perplexity of the model on a text (windows of --ctx "
+                       "tokens), and KL divergence against logits saved by another run (--save-logits)."),
     "bench": Verb("dsv4cli.bench:bench_command", "Decode speed: plain vs the drafter (DSpark at each length and "
                   "auto, the MTP chain) at several batch sizes and prompt lengths, with peers."),
     "inspect": Verb("dsv4cli.tools.commands:inspect", "Describe a checkpoint from its config and headers: format, "

@@ -101,3 +101,25 @@ def test_scored_chunks_read_the_host_once(model, tok, monkeypatch):
             eng.step()
             assert syncs == ["tolist"] * (1 + len(moe_calls) - len(static)), syncs
     assert len(new.output_ids) == 1 and len(new.prompt_logprobs) == 40
+
+
+@torch.no_grad()
+def test_score_ids_report_the_logprobs_of_given_ids(model, tok):
+    """`score_ids`: each position also reports the logprobs of the ids given for it (another run's top ids, for
+    a KL divergence), in chunks as in one pass; mismatched lists are refused at submit."""
+    (prompt,) = prompts([90], tok.vocab_size, seed=14)
+    g = torch.Generator().manual_seed(0)
+    given = torch.randint(0, tok.vocab_size, (len(prompt), 3), generator=g).tolist()
+    eng = Engine(model, tok, max_batch=1, max_seq_len=128, mtp=0, prefill_chunk=32, prefill_budget=32)
+    (seq,) = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1, score_ids=given))
+    want = reference(model, prompt)[:-1].gather(-1, torch.tensor(given[1:]))
+    got = torch.tensor([e.given for e in seq.prompt_logprobs[1:]])
+    assert (got - want).abs().max().item() <= 1e-4
+    assert worst_error(model, seq, 1) <= 1e-4
+    for bad in (given[:-1], [[1, 2]] + given[1:], [[]] * len(prompt), [[tok.vocab_size] * 3] * len(prompt)):
+        try:
+            eng.submit(prompt, SamplingParams(max_tokens=0, prompt_logprobs=0, score_ids=bad))
+        except ValueError as e:
+            assert "score_ids" in str(e)
+        else:
+            raise AssertionError(f"score_ids {bad[:2]}... accepted")

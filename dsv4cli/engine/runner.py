@@ -37,6 +37,7 @@ class ChunkKey(NamedTuple):
     context: int      # a bound on its positions + 1 (the compressed blocks it reads)
     last: bool        # it ends its prompt: the first token and first drafts come out of it
     scored: bool = False    # its prompt tokens are scored (`prompt_logprobs`): the LM head runs on every row
+    given: int = 0          # ids each scored row scores besides its token and the top ones (`score_ids`)
 
 
 class StepKey(NamedTuple):
@@ -64,6 +65,7 @@ class ChunkInputs(NamedTuple):
     start: torch.Tensor           # [1] the chunk's first position
     length: torch.Tensor | None   # [1] its real rows when padded to a bucket, else None
     slot: SlotView
+    given: torch.Tensor | None = None     # [1, rows, G]: the ids each row also scores (ChunkKey.given)
 
 
 class StepRunner:
@@ -109,13 +111,19 @@ class StepRunner:
         """The drafts each decode row [0, len) verifies in the next step whose key says `limits`."""
         self.state.limit[:len(limits)].copy_(torch.tensor(limits))
 
-    def chunk_inputs(self, slot: int, prompt: list[int], a: int, b: int, rows: int) -> ChunkInputs:
-        """Prompt positions [a, b) of the request in `slot` as a chunk of `rows` rows (padded when more)."""
+    def chunk_inputs(self, slot: int, prompt: list[int], a: int, b: int, rows: int,
+                     score_ids: list[list[int]] | None = None) -> ChunkInputs:
+        """Prompt positions [a, b) of the request in `slot` as a chunk of `rows` rows (padded when more); row i
+        also scores the ids `score_ids[a + i + 1]` when given (the ids for the token it predicts)."""
         ids = prompt[a:b + 1]
         ids = torch.tensor(ids + [0] * (rows + 1 - len(ids)), device=self.device)[None]
         start = torch.tensor([a], device=self.device)
         length = torch.tensor([b - a], device=self.device) if rows > b - a or self.compiled is not None else None
-        return ChunkInputs(ids, start, length, self.state.view(slot))
+        given = None
+        if score_ids is not None:
+            part = score_ids[a + 1:b + 1]
+            given = torch.tensor(part + [[0] * len(score_ids[0])] * (rows - len(part)), device=self.device)[None]
+        return ChunkInputs(ids, start, length, self.state.view(slot), given)
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -162,7 +170,7 @@ class StepRunner:
             logits = apply_masks(logits, await_masks(logits))
         logits = split(logits, [x.shape[:2] for x in scored]) if scored else []
         # a scored chunk's rows, each scoring the prompt's next token: [rows, V] logits at most, never a prompt's
-        scores = [token_logprobs(self.model.logits(hidden[i]), c.ids[:, 1:ck.rows + 1])[0]
+        scores = [token_logprobs(self.model.logits(hidden[i]), c.ids[:, 1:ck.rows + 1], c.given)[0]
                   for i, (ck, c) in enumerate(zip(key.chunks, chunks)) if ck.scored]
         firsts, rows = [], []         # per prompt that ends: (its inputs, first token [1,1], its logprobs)
         for i, (ck, c) in enumerate(zip(key.chunks, chunks)):
@@ -256,8 +264,12 @@ class StepRunner:
     def example_inputs(self, key: StepKey) -> tuple:
         """Tensor inputs to trace the step `key` with: each chunk's rows, start and real length, and slot
         0's views (every slot's views share its graph)."""
+        def given(ck: ChunkKey):
+            return torch.zeros(1, ck.rows, ck.given, dtype=torch.long, device=self.device) if ck.given else None
+
         zeros = [torch.zeros(1, ck.rows + 1, dtype=torch.long, device=self.device) for ck in key.chunks]
-        return tuple(ChunkInputs(z, z[0, :1].clone(), z[0, :1] + 1, self.state.view(0)) for z in zeros)
+        return tuple(ChunkInputs(z, z[0, :1].clone(), z[0, :1] + 1, self.state.view(0), given(ck))
+                     for z, ck in zip(zeros, key.chunks))
 
 
 def drafter_depth(cfg, mtp: int | str) -> int:

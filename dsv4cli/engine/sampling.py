@@ -38,6 +38,9 @@ class SamplingParams:
     # None: off; N: each prompt token's logprob under the model (its raw logits, after the tokens before it) and
     # the N most likely there (<= 20); the prompt is then prefilled whole (no reused prefix: `prefix.py`)
     prompt_logprobs: int | None = None
+    # with prompt_logprobs: per prompt position (0 unused), ids whose logprobs are reported there too, as many at
+    # each (another run's top ids, for a KL divergence: `dsv4 perplexity`)
+    score_ids: list[list[int]] | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
     # a background request (an API batch's) gives way: a step that prefills a foreground prompt while only
     # background requests decode runs the prefill alone (`scheduler.streams_to_decode`); its tokens are the same
@@ -67,6 +70,12 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= TOP_LOGPROBS:
                 return f"{name}: must be 0..{TOP_LOGPROBS}, got {v}"
+        if self.score_ids is not None:
+            if self.prompt_logprobs is None:
+                return "score_ids: only with prompt_logprobs"
+            width = len(self.score_ids[0]) if self.score_ids else 0
+            if not width or any(len(ids) != width or not all(0 <= t < vocab for t in ids) for ids in self.score_ids):
+                return f"score_ids: as many ids at each position (at least one), each in 0..{vocab - 1}"
         if self.max_tokens < 0:
             return f"max_tokens: must be >= 0 (0: score the prompt only), got {self.max_tokens}"
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
@@ -193,13 +202,14 @@ def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool = Tr
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W] float64: the token's
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
+    """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W(+G)] float64: the token's
     logprob, then the W = TOP_LOGPROBS highest logprobs and their ids (exact in float64), so they travel in
-    the step's one packed tensor."""
+    the step's one packed tensor; then the logprobs of the `given` ids [B,R,G] of each row."""
     lp = logits.log_softmax(-1).clamp(min=MASKED_LOGPROB)     # a token a grammar forbids: -inf, which JSON lacks
     top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), -1)
-    return torch.cat([lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)], -1).double()
+    parts = [lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)]
+    return torch.cat(parts + ([lp.gather(-1, given)] if given is not None else []), -1).double()
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,9 @@ class Engine:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
         if problem := params.problem(self.model.cfg.vocab_size):
             raise ValueError(problem)
+        if params.score_ids is not None and len(params.score_ids) != len(prompt_ids):
+            raise ValueError(f"score_ids: one list per prompt position ({len(prompt_ids)}), got "
+                             f"{len(params.score_ids)}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
         seq.metrics.t_submit = time.perf_counter()
@@ -271,8 +274,9 @@ class Engine:
             rows, context = b - a, b
             if compiled:
                 rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
-            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq)))
-            inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows))
+            given = seq.params.score_ids
+            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq), len(given[0]) if given else 0))
+            inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows, given))
         context = context_bound(self.slots[:nb], self.mtp_depth) if nb else 0
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
@@ -337,7 +341,7 @@ class Engine:
         for (seq, a, b), ck in zip(chunks, keys):
             if ck.scored:
                 seq.prompt_logprobs += [TokenLogprob.from_scored(seq.prompt_ids[i + 1], scores[at + i - a],
-                                                                 seq.params.prompt_logprobs)
+                                                                 seq.params.prompt_logprobs, ck.given)
                                         for i in range(a, min(b, len(seq.prompt_ids) - 1))]
                 at += ck.rows
 
