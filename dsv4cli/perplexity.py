@@ -335,6 +335,7 @@ def perplexity(
     save_top_k: int = typer.Option(20, "--save-top-k", min=1, max=20, help="Logprobs kept per token by "
                                    "--save-logits (the most likely ids')"),
 ) -> int:
-    """Perplexity of the model on a text (windows of --ctx tokens), and KL divergence against saved logits."""
+    """Perplexity of the model on a text (windows of --ctx tokens), and KL divergence against logits saved by
+    another run (--save-logits)."""
     settings, _ = opts.resolve()
     return run_perplexity(settings, file, ctx, stride, save_logits, kl_divergence, save_top_k)

@@ -485,3 +485,36 @@ def test_a_completion_prompt_of_token_ids(tmp_path):
     assert records["bad"]["error"]["code"] == "invalid_prompt" and f"{tok.vocab_size} is not a token id" in \
         records["bad"]["error"]["message"]
     assert "drafter DSpark auto (block 5)" in r.stderr and "mean length" in r.stderr
+
+
+def test_echo_with_logprobs_scores_the_prompt_in_a_batch(tmp_path):
+    """A completions line with echo and logprobs (max_tokens 0: scored only) answers with the prompt's text
+    and tokens, their logprobs (the first null) and alternatives, as an OpenAI Completion; a list of several
+    prompts is that line's error (one line, one request)."""
+    from openai.types import Completion
+
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.model import load_model
+    from dsv4cli.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    rows = [{"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": body} for cid, body in (
+        ("scored", {"prompt": "Once upon a time", "max_tokens": 0, "echo": True, "logprobs": 2}),
+        ("two", {"prompt": ["a", "b"], "max_tokens": 1, "echo": True}))]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = dsv4("batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--dtype", "float32")
+    assert r.returncode == 0, r.stderr
+    records = {rec["custom_id"]: rec for rec in read_jsonl(tmp_path / "out.jsonl")}
+    body = records["scored"]["response"]["body"]
+    Completion.model_validate(body)
+    choice, ids = body["choices"][0], [tok.bos_id, *tok.encode("Once upon a time")]
+    assert choice["text"] == "Once upon a time" and body["usage"]["completion_tokens"] == 0
+    assert choice["logprobs"]["tokens"] == [tok.decode([t]) for t in ids]
+    lp = load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32).forward(torch.tensor([ids])).log_softmax(-1)[0]
+    want = lp[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    got = choice["logprobs"]["token_logprobs"]
+    assert got[0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert (torch.tensor(got[1:]) - want).abs().max() <= 1e-4
+    assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"][1:])
+    assert records["two"]["error"]["code"] == "unsupported_parameter" and "prompt" in records["two"]["error"]["message"]

@@ -89,6 +89,28 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     assert 0 < kernel_calls(engine.compiled.sources[CHUNK]) <= 66 * (cfg["num_hidden_layers"] + 1)
 
 
+@COMPILER
+def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer_dir, tmp_path, monkeypatch):
+    """A scored prompt (prompt_logprobs and score_ids, nothing generated) runs one compiled chunk graph whose
+    scores are eager's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
+                      vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
+    model, tok = random_model(cfg, seed=4).prepare(), Tokenizer.from_dir(small_tokenizer_dir)
+    prompt = [5 + i % 40 for i in range(14)]
+    params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3, score_ids=[[7, 9]] * len(prompt))
+    with torch.no_grad():
+        eager = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=0)
+        want = eager.generate([prompt], params)[0].prompt_logprobs
+        engine = eager.resized(1, 0, compile=True)
+        got = engine.generate([prompt], params)[0].prompt_logprobs
+    assert list(engine.compiled.ready) == [StepKey((ChunkKey(16, 512, True, True, 2),), 0, 0, 0, False, False, True)]
+    assert engine.compiled.eager_steps == 0 and [e.token for e in got] == prompt
+    for a, b in zip(got[1:], want[1:]):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert max(abs(x - y) for x, y in zip([a.logprob, *a.given], [b.logprob, *b.given])) <= 1e-5
+
+
 STEP = StepKey((), 2, 2, 512, False, False, True)    # decode rows of batch 2 verifying 2 drafts, context 512, greedy
 CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
 

@@ -250,9 +250,10 @@ def test_readme_config_reference_matches_spec():
 
 
 def test_the_sampling_settings_are_the_engines_request_params():
-    """One list: every [sampling] key is a SamplingParams field with the same default (logit_bias, background and
-    the grammar are only per request), the CLI's request defaults carry every one, and batch bodies may set them."""
-    per_request = {"logit_bias", "background", "grammar"}
+    """One list: every [sampling] key is a SamplingParams field with the same default (logit_bias, background, the
+    grammar and prompt scoring are only per request), the CLI's request defaults carry every one, and batch
+    bodies may set them."""
+    per_request = {"logit_bias", "background", "grammar", "prompt_logprobs", "score_ids"}
     assert {f.name for f in dataclasses.fields(SamplingParams)} == {*SAMPLING_KEYS, *per_request}
     assert all(getattr(SamplingParams(), name) == SPEC[name].default for name in SAMPLING_KEYS)
     given = {"temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2,
@@ -261,6 +262,7 @@ def test_the_sampling_settings_are_the_engines_request_params():
     assert given.keys() == set(SAMPLING_KEYS)
     settings = Settings(**given)
     params = sampling_params(settings)
-    assert dataclasses.asdict(params) == {**given, "logit_bias": {}, "background": False, "grammar": None}
+    assert dataclasses.asdict(params) == {**given, "logit_bias": {}, "background": False, "grammar": None,
+                                          "prompt_logprobs": None, "score_ids": None}
     assert params.stop is not settings.stop
     assert set(SAMPLING_FIELDS.values()) == set(SAMPLING_KEYS) - {"logprobs"}

@@ -16,7 +16,7 @@ PACKAGE = ROOT / "dsv4cli"
 LAYERS = [
     ("front ends", ("dsv4cli", "dsv4cli.__main__", "dsv4cli.cli", "dsv4cli.options", "dsv4cli.generate",
                     "dsv4cli.bench", "dsv4cli.chat", "dsv4cli.batch", "dsv4cli.serve", "dsv4cli.openai",
-                    "dsv4cli.tools", "dsv4cli.api", "dsv4cli.terminal", "dsv4cli.structured")),
+                    "dsv4cli.tools", "dsv4cli.api", "dsv4cli.terminal", "dsv4cli.structured", "dsv4cli.perplexity")),
     ("loading", ("dsv4cli.config", "dsv4cli.loading", "dsv4cli.parallel", "dsv4cli.hub")),
     ("engine", ("dsv4cli.engine",)),
     ("model", ("dsv4cli.model",)),

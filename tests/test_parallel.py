@@ -169,3 +169,16 @@ def test_killed_rank_0_takes_the_other_ranks_with_it(tiny_model_dir):
         for pid in workers:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_tp2_perplexity_matches_tp1(tiny_model_dir, tmp_path):
+    """Scored prefill chunks under --tp 2 (the vocabulary split, logits all-gathered): the NLL of one process."""
+    text = tmp_path / "text.txt"
+    text.write_text("Once upon a time there was a cat who liked the sun. " * 12)
+    runs = []
+    for tp in ("1", "2"):
+        r = dsv4("perplexity", str(text), "--model", str(tiny_model_dir), "--dtype", "float32", "--ctx", "200",
+                 "--tp", tp, "--json")
+        assert r.returncode == 0, r.stderr
+        runs.append(json.loads(r.stdout))
+    assert runs[0]["tokens"] == runs[1]["tokens"] and abs(runs[0]["nll"] - runs[1]["nll"]) <= 1e-5 * runs[0]["nll"]

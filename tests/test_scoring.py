@@ -123,3 +123,16 @@ def test_score_ids_report_the_logprobs_of_given_ids(model, tok):
             assert "score_ids" in str(e)
         else:
             raise AssertionError(f"score_ids {bad[:2]}... accepted")
+
+
+@torch.no_grad()
+def test_the_head_runs_on_a_chunk_at_a_time(model, tok, monkeypatch):
+    """A scored 400-token prompt never holds its logits whole: each LM head call takes at most a prefill
+    chunk's rows (memory bounded by the chunk, not the prompt)."""
+    rows = []
+    logits = model.logits
+    monkeypatch.setattr(model, "logits", lambda h: rows.append(h.shape[-4] * h.shape[-3]) or logits(h))
+    (prompt,) = prompts([400], tok.vocab_size, seed=15)
+    eng = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=0, prefill_chunk=64, prefill_budget=64)
+    (seq,) = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))
+    assert len(seq.prompt_logprobs) == 400 and max(rows) <= 64 and sum(rows) >= 399

@@ -99,7 +99,8 @@ class Metrics:
 
 @dataclass
 class TokenLogprob:
-    """A committed token's logprob under the processed distribution, and the most likely alternatives."""
+    """A committed token's logprob under the processed distribution (a prompt token's: under the model's raw
+    one), and the most likely alternatives."""
     token: int
     logprob: float | None              # None: a prompt's first token, which nothing predicts
     top: list[tuple[int, float]]       # (token id, logprob), most likely first

@@ -141,8 +141,8 @@ class StepRunner:
 
     def step(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One step on the device (see StepKey for what it returns: the packed tensor, and the scores when a
-        chunk is scored). Without chunks it reads and writes only
-        preallocated tensors, so it can be captured as a graph.
+        chunk is scored). Without chunks it reads and writes only preallocated tensors, so it can be captured as
+        a graph.
 
         A chunk runs before the decode rows in every layer, and its slot's `pos` moves to the chunk's end
         first: the decode rows [0, batch) include inactive slots (free, or prefilling), which act as a

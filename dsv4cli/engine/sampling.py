@@ -47,11 +47,12 @@ class SamplingParams:
     background: bool = False
     grammar: Grammar | None = None      # what the reply must match (structured output: `grammar.py`)
 
-    def problem(self, vocab: int) -> str | None:
-        """Why these settings can't run on the device of a model with `vocab` tokens, or None: a number no
-        float32 or int64 holds, a negative temperature or a penalty that rounds to 0 (it divides), more
-        logprobs than the step returns, a biased id that is no token. The front ends refuse values outside
-        the meaningful ranges (`config.SPEC`); this guards the engine's own callers."""
+    def problem(self, vocab: int, prompt: int | None = None) -> str | None:
+        """Why these settings can't run on the device of a model with `vocab` tokens (for a prompt of `prompt`
+        tokens), or None: a number no float32 or int64 holds, a negative temperature or a penalty that rounds
+        to 0 (it divides), more logprobs than the step returns, a biased or scored id that is no token. The
+        front ends refuse values outside the meaningful ranges (`config.SPEC`); this guards the engine's own
+        callers."""
         floats = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "repetition_penalty",
                                                           "presence_penalty", "frequency_penalty")}
         for name, v in (floats | {f"logit_bias[{t}]": b for t, b in self.logit_bias.items()}).items():
@@ -76,6 +77,8 @@ class SamplingParams:
             width = len(self.score_ids[0]) if self.score_ids else 0
             if not width or any(len(ids) != width or not all(0 <= t < vocab for t in ids) for ids in self.score_ids):
                 return f"score_ids: as many ids at each position (at least one), each in 0..{vocab - 1}"
+            if prompt is not None and len(self.score_ids) != prompt:
+                return f"score_ids: one list per prompt position ({prompt}), got {len(self.score_ids)}"
         if self.max_tokens < 0:
             return f"max_tokens: must be >= 0 (0: score the prompt only), got {self.max_tokens}"
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)

@@ -24,7 +24,7 @@ from .draft_length import DraftLength
 from .output import append_output
 from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
-from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
+from .runner import ChunkInputs, ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingParams, needs_sort, plain_greedy
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
@@ -98,6 +98,29 @@ def read_step(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[li
     return [flat[i:i + w] for i in range(0, n * w, w)], [flat[i:i + width] for i in range(n * w, len(flat), width)]
 
 
+def chunk_call(runner: StepRunner, chunk: tuple[Sequence, int, int], longest: int) -> tuple[ChunkKey, ChunkInputs]:
+    """A prefill chunk (request, a, b) as a step's chunk key and inputs; `longest` (compiled steps): its rows
+    padded to a bucket of at most that many, its context to a bucket. The request counts it prefilled."""
+    seq, a, b = chunk
+    seq.prefilled = b
+    rows, context = (chunk_bucket(b - a, longest), context_bucket(b)) if longest else (b - a, b)
+    given = seq.params.score_ids
+    key = ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq), len(given[0]) if given else 0)
+    return key, runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows, given)
+
+
+def score_chunks(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], scores: list[list[float]]) -> None:
+    """The scored chunks' rows into their requests' prompt logprobs: row i of a chunk [a, b) scores prompt token
+    a + i + 1 (the last chunk's last row scores the first output token, reported with it)."""
+    at = 0
+    for (seq, a, b), ck in zip(chunks, keys):
+        if ck.scored:
+            seq.prompt_logprobs += [TokenLogprob.from_scored(seq.prompt_ids[i + 1], scores[at + i - a],
+                                                             seq.params.prompt_logprobs, ck.given)
+                                    for i in range(a, min(b, len(seq.prompt_ids) - 1))]
+            at += ck.rows
+
+
 class EngineFailed(RuntimeError):
     """The engine cannot go on: its steps keep failing whatever requests they hold."""
 
@@ -146,11 +169,8 @@ class Engine:
             raise ValueError("empty prompt")
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; max_seq_len is {self.max_seq_len}")
-        if problem := params.problem(self.model.cfg.vocab_size):
+        if problem := params.problem(self.model.cfg.vocab_size, len(prompt_ids)):
             raise ValueError(problem)
-        if params.score_ids is not None and len(params.score_ids) != len(prompt_ids):
-            raise ValueError(f"score_ids: one list per prompt position ({len(prompt_ids)}), got "
-                             f"{len(params.score_ids)}")
         seed = params.seed if params.seed is not None else random.getrandbits(62)
         seq = Sequence(request_id or f"req-{next(self._ids)}", list(prompt_ids), params, seed)
         seq.metrics.t_submit = time.perf_counter()
@@ -268,15 +288,8 @@ class Engine:
             drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
         committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
         logprobs = any(p.logprobs is not None for p in committing)
-        keys, inputs = [], []
-        for seq, a, b in chunks:
-            seq.prefilled = b
-            rows, context = b - a, b
-            if compiled:
-                rows, context = chunk_bucket(b - a, min(self.prefill_chunk, self.prefill_budget)), context_bucket(b)
-            given = seq.params.score_ids
-            keys.append(ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq), len(given[0]) if given else 0))
-            inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows, given))
+        longest = min(self.prefill_chunk, self.prefill_budget) if compiled else 0
+        keys, inputs = zip(*[chunk_call(self.runner, chunk, longest) for chunk in chunks]) if chunks else ((), ())
         context = context_bound(self.slots[:nb], self.mtp_depth) if nb else 0
         if compiled and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
@@ -292,7 +305,7 @@ class Engine:
         if not (ending or nb or isinstance(out, tuple)):
             return []                       # nothing committed or scored: nothing to read
         packed, scores = read_step(out)     # the one host read
-        self._score(chunks, keys, scores)
+        score_chunks(chunks, keys, scores)
         if not (ending or nb):
             return []
         now = time.perf_counter()
@@ -332,18 +345,6 @@ class Engine:
         return events
 
     # ---- host bookkeeping --------------------------------------------------------------------
-
-    @staticmethod
-    def _score(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], scores: list[list[float]]) -> None:
-        """The scored chunks' rows into their requests' prompt logprobs: row i of a chunk [a, b) scores prompt
-        token a + i + 1 (the last chunk's last row scores the first output token, reported with it)."""
-        at = 0
-        for (seq, a, b), ck in zip(chunks, keys):
-            if ck.scored:
-                seq.prompt_logprobs += [TokenLogprob.from_scored(seq.prompt_ids[i + 1], scores[at + i - a],
-                                                                 seq.params.prompt_logprobs, ck.given)
-                                        for i in range(a, min(b, len(seq.prompt_ids) - 1))]
-                at += ck.rows
 
     def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
         self.prefilling.remove(seq)
