@@ -13,6 +13,7 @@ from dsv4cli.engine.grammar import JSON_OPTIONS, Grammar
 from dsv4cli.tokenizer import Tokenizer
 
 ANY_OBJECT = {"type": "object"}
+ENDLESS = "no finite JSON value matches it (a required property, item or branch only its own recursion satisfies)"
 # a string parameter with nothing but these keys is written as text (string="true"), as the model was trained
 # (an enum of strings: one of them); any other parameter as JSON (string="false"), its schema constraining it
 PLAIN_STRING_KEYS = {"type", "title", "description", "examples", "enum"}
@@ -31,12 +32,79 @@ def free_until(tok: Tokenizer, thinking: bool) -> int | None:
     return tok.special_ids[THINK_END] if thinking else None
 
 
+def finite(schema: dict) -> bool:
+    """Whether some finite JSON value matches `schema`: not so where a required property, item or branch only its
+    own recursion satisfies (`{"properties": {"x": {"$ref": "#"}}, "required": ["x"]}`), which a grammar accepts
+    but no reply can end. A least fixpoint over the subschemas: one holds once some value of it needs only
+    subschemas that hold. Keywords it does not model (bounds, patterns, ...) count as satisfiable: llguidance
+    judges those."""
+    nodes, todo = {}, [schema]          # every subschema by id (all alive while this runs): what a $ref can name
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict) and id(node) not in nodes:
+            nodes[id(node)] = node
+            for key in ("properties", "$defs", "definitions"):
+                todo += node[key].values() if isinstance(node.get(key), dict) else []
+            for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+                todo += node[key] if isinstance(node.get(key), list) else []
+            todo += [node[k] for k in ("items", "additionalProperties") if isinstance(node.get(k), dict)]
+    held: set[int] = set()
+
+    def holds(sub) -> bool:
+        if not isinstance(sub, dict):
+            return sub is not False
+        if isinstance(ref := sub.get("$ref"), str) and ref.startswith("#"):
+            target = schema
+            for part in filter(None, ref[1:].split("/")):
+                target = target.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(target, dict) else None
+            if isinstance(target, bool):
+                return target
+            if isinstance(target, dict) and id(target) not in held:     # a missing one: llguidance says so
+                return False
+        branches = [s for key in ("anyOf", "oneOf") for s in sub.get(key, [])]
+        return all(holds(s) for s in sub.get("allOf", [])) and (not branches or any(holds(s) for s in branches)) \
+            and ("enum" in sub or "const" in sub or any(kind_holds(sub, kind) for kind in kinds(sub)))
+
+    def kind_holds(sub: dict, kind: str) -> bool:
+        if kind == "object":
+            props = sub.get("properties", {})
+            return all(holds(props.get(k, sub.get("additionalProperties", True))) for k in sub.get("required", []))
+        if kind == "array":
+            prefix, least = sub.get("prefixItems", []), sub.get("minItems", 0)
+            return all(holds(prefix[i] if i < len(prefix) else sub.get("items", True))
+                       for i in range(min(least, len(prefix) + 1)))
+        return True
+
+    try:
+        while grown := [i for i, node in nodes.items() if i not in held and holds(node)]:
+            held.update(grown)
+    except (RecursionError, TypeError, AttributeError):     # too deep, or keywords of odd types: llguidance judges
+        return True
+    return id(schema) in held
+
+
+def kinds(sub: dict) -> list[str]:
+    """The JSON types a subschema admits, as a grammar built from it reads them: its `type`, else what its
+    keywords imply (properties: an object; items: an array), else any."""
+    kind = sub.get("type")
+    if kind is not None:
+        return [kind] if isinstance(kind, str) else list(kind)
+    if any(k in sub for k in ("properties", "required", "additionalProperties")):
+        return ["object"]
+    if any(k in sub for k in ("items", "prefixItems", "minItems")):
+        return ["array"]
+    return ["any"]
+
+
 def json_grammar(schema: dict | None, tok: Tokenizer, vocab: int, thinking: bool) -> Grammar:
     """JSON matching `schema` (None: any JSON object)."""
     if schema is not None and not isinstance(schema, dict):
         raise ValueError("a JSON schema must be an object")
-    return checked(Grammar.json_schema(ANY_OBJECT if schema is None else schema, free_until(tok, thinking)), tok,
-                   vocab)
+    grammar = checked(Grammar.json_schema(ANY_OBJECT if schema is None else schema, free_until(tok, thinking)), tok,
+                      vocab)
+    if schema is not None and not finite(schema):
+        raise ValueError(ENDLESS)
+    return grammar
 
 
 def text_grammar(text: str, tok: Tokenizer, vocab: int, thinking: bool) -> Grammar:
@@ -65,6 +133,8 @@ def tool_grammar(tools: list[dict], choice, tok: Tokenizer, vocab: int, thinking
         calls = f'{_text(TOOL_CALLS_OPENING + chr(10), tok)} ({invoke}){more} {_text(chr(10) + TOOL_CALLS_END, tok)}'
     rules = [f"start: {'answer | calls' if choice == 'auto' else 'calls'}", f"calls: {calls}"]
     if choice == "auto":
+        if answer is not None and not finite(answer):
+            raise ValueError(ENDLESS)
         rules.append(f"answer: %json {json.dumps(_with_options(answer), ensure_ascii=False)}")
     for i, tool in enumerate(tools):
         rules += _invoke(f"invoke_{i}", tool["function"], tok)
@@ -78,6 +148,8 @@ def _invoke(rule: str, function: dict, tok: Tokenizer) -> list[str]:
     if not isinstance(schema, dict) or schema.get("type", "object") != "object" or \
             not isinstance(schema.get("properties", {}), dict):
         raise ValueError(f"{name}: its parameters must be an object schema with properties")
+    if not finite(schema):
+        raise ValueError(f"{name}: its parameters: {ENDLESS}")
     shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}     # what the properties' $refs name
     required, rules, params = schema.get("required", []), [], []
     for j, (key, sub) in enumerate(schema.get("properties", {}).items()):

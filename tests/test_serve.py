@@ -264,6 +264,13 @@ def test_structured_output_through_the_openai_sdk(server):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
                 "a": {"not": {"type": "string"}}}}}})
     assert e.value.body["param"] == "response_format" and "Unimplemented keys" in e.value.body["message"]
+    endless = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}   # no finite value
+    for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": endless}}},
+                          "response_format"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": endless}}],
+                           "tool_choice": "required"}, "tools")):
+        r = server.post("/v1/chat/completions", {"model": "x", "messages": messages, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and "finite" in r.text, r.text
 
 
 def test_16_concurrent_streams_equal_dsv4_generate(server, reference):

@@ -281,6 +281,39 @@ def test_a_schema_that_cannot_constrain_is_one_message(bad, says, tok):
     assert "\n" not in str(e.value)
 
 
+ENDLESS = {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}
+
+
+@pytest.mark.parametrize("schema, ends", [
+    (ENDLESS, False),
+    ({"properties": {"x": {"$ref": "#"}}}, True),                                   # x may be left out
+    ({"type": ["object", "null"], "properties": {"x": {"$ref": "#"}}, "required": ["x"]}, True),    # {"x": null}
+    ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}, "required": ["kids"]},
+     True),                                                                          # a tree: kids may be []
+    ({"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+      "required": ["kids"]}, False),
+    ({"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                "b": {"anyOf": [{"$ref": "#/$defs/a"}, {"type": "null"}]}}, "$ref": "#/$defs/a"}, True),
+    ({"$defs": {"a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+                "b": {"anyOf": [{"$ref": "#/$defs/a"}]}}, "$ref": "#/$defs/a"}, False)])
+def test_a_schema_only_recursion_satisfies_is_refused(schema, ends, tok):
+    """A schema no finite value matches (a required property, item or branch that only its own recursion
+    satisfies) is refused, as a response format and as a forced tool's parameters; recursion with a way out
+    is not."""
+    tool = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    if ends:
+        json_grammar(schema, tok, tok.vocab_size, False)
+        if schema.get("type", "object") == "object":            # a tool's parameters are an object
+            tool_grammar(tool, "required", tok, tok.vocab_size, False)
+        return
+    with pytest.raises(ValueError, match="no finite JSON value"):
+        json_grammar(schema, tok, tok.vocab_size, False)
+    with pytest.raises(ValueError, match="f: its parameters: no finite JSON value"):
+        tool_grammar(tool, "required", tok, tok.vocab_size, False)
+    with pytest.raises(ValueError, match="no finite JSON value"):
+        tool_grammar(tool, "auto", tok, tok.vocab_size, False, schema)
+
+
 def test_a_grammar_that_allows_no_token_is_refused(tok):
     for text in ("[^\\s\\S]", "start: <[5]> <[5]>\n%llguidance {}\nstart: foo"):
         with pytest.raises(ValueError):
