@@ -186,12 +186,14 @@ def parse_completion(text: str, thinking: bool) -> dict:
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
 
-def split_tool_calls(answer: str) -> tuple[str, str | None]:
-    """(the content, the tool-calls block after `<｜DSML｜tool_calls>`, None without one) of an answer. Tolerant:
-    a block the model opened without the blank line before it still ends the content, so its markup never
-    shows as text."""
-    content, found, calls = answer.partition(TOOL_CALLS_START)
-    return (content.removesuffix("\n\n"), calls) if found else (answer, None)
+def split_tool_calls(answer: str, final: bool = True) -> tuple[str, str | None]:
+    """(the content, the tool-calls block after its opening tag, None without one) of an answer. Tolerant: the
+    opening in any spelling (`_CALLS_OPENINGS`), and a block the model opened without the blank line before it
+    still ends the content, so its markup never shows as text. While a reply streams (`final` False), an ending
+    of the content that could open the block is held back."""
+    if m := _CALLS_START.search(answer):
+        return answer[:m.start()].removesuffix("\n\n"), answer[m.end():]
+    return answer[:len(answer) - (0 if final else _held_back(answer, _CALLS_HELD))], None
 
 
 def tool_calls_so_far(block: str) -> list[dict]:
@@ -199,36 +201,41 @@ def tool_calls_so_far(block: str) -> list[dict]:
     official parser builds them (string values JSON-quoted, others as the model wrote them), `done` once
     the call's closing tag came. The arguments of a call not done are those so far, a prefix of the whole
     ones, without an ending that could be the start of a closing tag: no markup ever shows in them, while
-    the reply streams or when it was cut off. Tolerant: no newline needed after an invoke's opening tag, a
-    parameter not closed ends the call's arguments, anything else between tags is skipped."""
+    the reply streams or when it was cut off. Tolerant: tags in any spelling of the marker, no newline needed
+    after an invoke's opening tag, anything else between tags skipped."""
     calls, at = [], 0
     while m := _INVOKE_OPEN.search(block, at):
-        end = block.find(INVOKE_CLOSE, m.end())
-        body = block[m.end():] if end < 0 else block[m.end():end]
-        calls.append({"name": m[1], "arguments": _arguments(body, end >= 0), "done": end >= 0})
-        if end < 0:
+        arguments, at = _arguments(block, m.end())
+        calls.append({"name": m[1], "arguments": arguments, "done": at is not None})
+        if at is None:
             break
-        at = end + len(INVOKE_CLOSE)
     return calls
 
 
-def _arguments(body: str, done: bool) -> str:
-    """An invoke's parameters as a JSON object's text: whole when `done`, else so far."""
-    params, at = [], 0
-    while m := _PARAM_OPEN.search(body, at):
-        end = body.find(PARAM_CLOSE, m.end())
-        value = body[m.end():] if end < 0 else body[m.end():end]
-        if end < 0:             # hold back a possible start of the closing tag
-            value = value[: len(value) - next((n for n in range(len(PARAM_CLOSE) - 1, 0, -1)
-                                               if value.endswith(PARAM_CLOSE[:n])), 0)]
-        quoted = json.dumps(value, ensure_ascii=False) if m[2] == "true" else value
-        if end < 0 and m[2] == "true":
+def _arguments(block: str, at: int) -> tuple[str, int | None]:
+    """The parameters of the invoke whose opening tag ends at `at`, as a JSON object's text, and where the
+    invoke's closing tag ends; while it is not closed, the arguments so far and None. A value ends at its own
+    closing tag, and the invoke at the closing tag after its last parameter, so a string may hold other markup."""
+    params = []
+    while (m := _INVOKE_NEXT.search(block, at)) and m["name"] is not None:
+        end = _PARAM_CLOSE.search(block, m.end())
+        value = block[m.end():end.start() if end else len(block)]
+        if not end:             # hold back a possible start of the closing tag
+            value = value[:len(value) - _held_back(value, _PARAM_CLOSES)]
+        quoted = json.dumps(value, ensure_ascii=False) if m["string"] == "true" else value
+        if not end and m["string"] == "true":
             quoted = quoted[:-1]            # the string goes on: no closing quote yet
-        params.append(f"{json.dumps(m[1], ensure_ascii=False)}: {quoted}")
-        if end < 0:
-            return "{" + ", ".join(params)
-        at = end + len(PARAM_CLOSE)
-    return "{" + ", ".join(params) + ("}" if done else "")
+        params.append(f"{json.dumps(m['name'], ensure_ascii=False)}: {quoted}")
+        if not end:
+            return "{" + ", ".join(params), None
+        at = end.end()
+    return "{" + ", ".join(params) + ("}" if m else ""), m.end() if m else None
+
+
+def _held_back(text: str, markers: tuple[str, ...]) -> int:
+    """How many of the last characters of `text` could start one of `markers`."""
+    return next((n for n in range(min(len(text), max(map(len, markers)) - 1), 0, -1)
+                 if any(marker.startswith(text[-n:]) for marker in markers)), 0)
 
 
 def is_tool(t) -> bool:
@@ -386,8 +393,29 @@ def _render_param(key, value):
 
 
 INVOKE_CLOSE, PARAM_CLOSE = f"</{DSML}invoke>", f"</{DSML}parameter>"
-_INVOKE_OPEN = re.compile(f'<{DSML}invoke name="([^"\n]*)">\n?')
-_PARAM_OPEN = re.compile(f'<{DSML}parameter name="([^"\n]*)" string="(true|false)">')
+
+
+def _spellings(*tags: str) -> tuple[str, ...]:
+    """The tags (written with DSML) with each bar of the marker fullwidth or ASCII: models write all four."""
+    return tuple(tag.replace(DSML, f"{a}DSML{b}") for tag in tags for a in "｜|" for b in "｜|")
+
+
+def _any_of(spellings: tuple[str, ...]) -> str:
+    return "(?:" + "|".join(map(re.escape, spellings)) + ")"
+
+
+# Every spelling of the block's opening (V3.2 named it function_calls), and the endings of a streamed answer
+# that may start one.
+_CALLS_OPENINGS = _spellings(TOOL_CALLS_START, f"<{DSML}function_calls>")
+_CALLS_START = re.compile(_any_of(_CALLS_OPENINGS))
+_CALLS_HELD = _CALLS_OPENINGS + tuple("\n\n" + opening for opening in _CALLS_OPENINGS)
+_PARAM_CLOSES = _spellings(PARAM_CLOSE)
+_PARAM_CLOSE = re.compile(_any_of(_PARAM_CLOSES))
+_INVOKE_OPEN = re.compile(_any_of(_spellings(f"<{DSML}invoke")) + ' name="([^"\n]*)">\n?')
+# what comes next in an invoke: a parameter's opening tag or the invoke's closing tag
+_INVOKE_NEXT = re.compile(_any_of(_spellings(f"<{DSML}parameter"))
+                          + ' name="(?P<name>[^"\n]*)" string="(?P<string>true|false)">'
+                          + "|" + _any_of(_spellings(INVOKE_CLOSE)))
 
 
 def checkpoint_encoding(model_dir) -> str:

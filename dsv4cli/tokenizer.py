@@ -96,7 +96,10 @@ class Tokenizer:
         so what streams is always the beginning of the final text."""
         if not final:
             tail = range(max(len(text) - self._longest_special + 1, 0), len(text))
-            text = text[:next((i for i in tail if text[i:] in self._special_starts), len(text))]
+            # the last characters of a whole special token (the `｜` ending `｜DSML｜`) start none
+            whole = [m.span() for m in self._specials.finditer(text) if m.end() > tail.start] if self._specials else []
+            text = text[:next((i for i in tail if text[i:] in self._special_starts
+                               and not any(a < i < b for a, b in whole)), len(text))]
         return self._specials.sub("", text) if self._specials else text
 
     def _require_id(self, token: str) -> int:

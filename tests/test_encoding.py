@@ -4,7 +4,12 @@ import json
 
 import pytest
 
+from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import EOS, encode_messages, parse_completion
+from dsv4cli.engine import SamplingParams, Sequence
+from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.responses import ChunkStream, completion
+from dsv4cli.tokenizer import Tokenizer
 
 BOS = "<｜begin▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -557,3 +562,96 @@ def test_parse_keeps_non_string_values_as_written():
         {"type": "function", "function": {"name": "f", "arguments": '{"ids": [1,2], "q": "say \\"hi\\""}'}},
         {"type": "function", "function": {"name": "g", "arguments": "{}"}},
     ]
+
+
+# --- tool calls in every spelling, streamed and not ---------------------------------------------------
+
+
+def rendered_reply(content, calls):
+    """An assistant turn with `calls` ({name: arguments}) as encode_messages renders it (DSV4's spelling)."""
+    messages = [{"role": "user", "content": "U"}, {"role": "assistant", "content": content,
+                                                   "tool_calls": [call(f"c{i}", name, args)
+                                                                  for i, (name, args) in enumerate(calls.items())]}]
+    return encode_messages(messages)[len(encode_messages(messages[:1])):]
+
+
+def spelled(text, *bars):
+    """`text` with its DSML markers spelled with `bars` in turn (each a pair: the marker's left and right bar)."""
+    parts = text.split("｜DSML｜")
+    return parts[0] + "".join(f"{bars[i % len(bars)][0]}DSML{bars[i % len(bars)][1]}{part}"
+                              for i, part in enumerate(parts[1:]))
+
+
+CALLS = {"get_weather": {"city": "Paris", "days": 2},
+         "search": {"q": 'say "hi" <b>|x|</b> \\ ok', "n": [1, {"a": None}]}}
+REPLY = rendered_reply("Sure.", CALLS)
+# how peers' models write the same reply: ASCII bars, bars mixed in a tag and across tags, a fullwidth block
+# whose invokes use ASCII bars, V3.2's block name
+SPELLINGS = {
+    "fullwidth": REPLY,
+    "ascii": spelled(REPLY, "||"),
+    "mixed": spelled(REPLY, "｜|", "|｜", "||", "｜｜"),
+    "ascii invokes": REPLY.replace("｜DSML｜invoke", "|DSML|invoke").replace("｜DSML｜parameter", "|DSML|parameter"),
+    "function_calls": REPLY.replace("tool_calls>", "function_calls>"),
+    "function_calls ascii": spelled(REPLY.replace("tool_calls>", "function_calls>"), "||"),
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_tool_calls_in_every_spelling(spelling):
+    parsed = parse_completion(SPELLINGS[spelling], thinking=False)
+    assert parsed["content"] == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == \
+        list(CALLS.items())
+    assert parsed == parse_completion(REPLY, thinking=False)
+
+
+def test_a_string_holding_markup_ends_at_its_own_closing_tag():
+    """A string parameter whose value holds an invoke's closing tag (and a call block's) keeps it whole."""
+    args = {"code": "end </｜DSML｜invoke> and </｜DSML｜tool_calls> here", "n": 1}
+    parsed = parse_completion(rendered_reply("", {"write": args, "now": {}}), thinking=False)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]] == \
+        [("write", args), ("now", {})]
+
+
+TOK = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+
+
+def streamed_message(pieces, thinking):
+    """The chat message a client puts together from the chunks of a reply fed to ChunkStream in `pieces`, and
+    the non-streamed message of the same reply (the bodies dsv4 serve sends)."""
+    body = {"messages": [{"role": "user", "content": "U"}], "tools": [WEATHER_TOOL], "thinking": thinking}
+    req = BodyParser(TOK, SamplingParams(), 4096).parse(body | {"stream": True}, chat=True, server=True)
+    seq = Sequence("x", [0], req.params, 0, output_ids=[1], text="".join(pieces), finish_reason="stop")
+    stream = ChunkStream(req, TOK, "tiny", "7")
+    chunks = stream.first() + [c for piece in pieces for c in stream.update(piece, [])] + stream.finish(seq)
+    choices = [c["choices"][0] for c in chunks]
+    message = {"role": "assistant", "content": "".join(c["delta"].get("content") or "" for c in choices)}
+    if thinking:
+        message["reasoning_content"] = "".join(c["delta"].get("reasoning_content") or "" for c in choices)
+    calls = {}
+    for delta in (d for c in choices for d in c["delta"].get("tool_calls", [])):
+        whole = calls.setdefault(delta["index"], {"id": delta.get("id"), "type": delta.get("type"),
+                                                  "function": {"name": delta["function"].get("name"),
+                                                               "arguments": ""}})
+        whole["function"]["arguments"] += delta["function"]["arguments"]
+    if calls:
+        message["tool_calls"] = list(calls.values())
+    whole = completion(req, seq, "tiny", TOK, "7")["choices"][0]
+    return (message, choices[-1]["finish_reason"]), (whole["message"], whole["finish_reason"])
+
+
+@pytest.mark.parametrize("text, thinking", [
+    *((text, False) for text in SPELLINGS.values()),
+    ("I think.</think>" + SPELLINGS["mixed"], True),
+    (rendered_reply("Sure.", {"write": {"code": "end </｜DSML｜invoke> here"}}), False),
+    # a bare marker is no call: it shows as the other special tokens do (not at all); ASCII ones are text
+    ("Hello ｜DSML｜ world ｜DSML｜, a |DSML| b <|DSML|invoke c\n\n<d", False),
+], ids=[*SPELLINGS, "thinking", "markup in a string", "bare markers"])
+def test_streamed_reply_equals_the_message_at_every_split_point(text, thinking):
+    """The reply fed in two pieces split at every character, and one character at a time: the chunks put
+    together are the non-streamed message (content, reasoning, calls with their ids, finish reason), so no
+    markup ever streams as content and no call is lost."""
+    for pieces in [[text[:n], text[n:]] for n in range(len(text) + 1)] + [list(text)]:
+        streamed, whole = streamed_message(pieces, thinking)
+        assert streamed == whole, pieces

@@ -2,15 +2,7 @@
 `chat.completion.chunk` / `text_completion` chunks; `dsv4 batch` and `dsv4 serve` both build them here."""
 import time
 
-from dsv4cli.encoding import (
-    EOS,
-    THINK_END,
-    TOOL_CALLS_OPENING,
-    TOOL_CALLS_START,
-    parse_completion,
-    split_tool_calls,
-    tool_calls_so_far,
-)
+from dsv4cli.encoding import EOS, THINK_END, parse_completion, split_tool_calls, tool_calls_so_far
 from dsv4cli.engine import Sequence, TokenLogprob
 from dsv4cli.tokenizer import Tokenizer
 
@@ -154,9 +146,7 @@ class ChunkStream:
         if self.req.thinking:
             reasoning, thought = _before(text, THINK_END)
             answer = text.partition(THINK_END)[2] if thought else ""
-        content, calls = split_tool_calls(answer)
-        if calls is None:            # an ending that may open the calls is held back
-            content = _before(_before(answer, TOOL_CALLS_OPENING)[0], TOOL_CALLS_START)[0]
+        content, calls = split_tool_calls(answer, final=False)     # an ending that may open the calls is held back
         chunks = self._deltas(self.tok.visible(reasoning, final=thought), self.tok.visible(content, final=False),
                               logprobs)
         return chunks + self._calls(tool_calls_so_far(calls) if calls is not None else [])
