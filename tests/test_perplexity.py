@@ -58,9 +58,11 @@ def test_windows_score_every_token_once():
 def test_perplexity_is_the_full_forward_pass_nll(tiny_model_dir, text_file, ctx, stride):
     """Windows crossing the window (16), ratio-4 and ratio-128 blocks and the 160-token prefill budget, batched
     2 at a time, disjoint or overlapping: the NLL of a full forward pass over each window, within 1e-4
-    relative at float32; ppl and its error follow from it."""
-    r = dsv4("perplexity", str(text_file), "--model", str(tiny_model_dir), "--dtype", "float32", "--ctx", str(ctx),
-             "--stride", str(stride), "--max-batch", "2", "--json")
+    relative at float32; ppl and its error follow from it; the text from a file or stdin."""
+    stdin = stride < ctx            # one run reads the text from a file, the other from stdin (`-`)
+    r = dsv4("perplexity", "-" if stdin else str(text_file), "--model", str(tiny_model_dir), "--dtype", "float32",
+             "--ctx", str(ctx), "--stride", str(stride), "--max-batch", "2", "--json",
+             input=TEXT if stdin else None)
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     nll, count = reference_nll(tiny_model_dir, ctx, stride)
