@@ -2,6 +2,7 @@
 the bundled model, a server killed with SIGKILL mid-batch and started again, answers checked against `dsv4 batch`."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,7 +156,8 @@ def test_bad_uploads_and_batches_are_refused_naming_the_problem(served, tmp_path
     uploaded = client.files.create(file=src, purpose="batch")
     bad = "file-nope"
     for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"input_file_id": bad}, "input_file_id"),
-                          ({"extra_body": {"priority": 1}}, "priority")):
+                          ({"extra_body": {"priority": 1}}, "priority"),
+                          ({"metadata": {"k": "v" * 513}}, "metadata"), ({"metadata": {"k" * 65: "v"}}, "metadata")):
         with pytest.raises(openai.BadRequestError) as e:
             client.batches.create(**{"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
                                      "completion_window": "24h", **kwargs})
@@ -184,3 +186,150 @@ def test_without_the_flag_there_is_no_batch_api_and_one_server_per_directory(ser
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     finally:
         small.stop()
+
+
+def test_sigterm_mid_batch_stops_cleanly_and_the_batch_resumes_once(tmp_path):
+    """SIGTERM once some results are written: the server stops with exit 0 (it closes each result file once), and a
+    new server on the same directory finishes the batch, every id once."""
+    rows = [chat(f"t{i}", f"Question {i}: say something.", max_completion_tokens=12, ignore_eos=True)
+            for i in range(24)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    store, args = tmp_path / "store", ("--temperature", "0", "--batch-dir", str(tmp_path / "store"), "--max-batch", "2")
+    (tmp_path / "first").mkdir()
+    server = Server(tmp_path / "first", *args)
+    try:
+        client = server.client(key=None)
+        batch = client.batches.create(input_file_id=client.files.create(file=src, purpose="batch").id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        output = store / "files" / stored(store, batch.id)["dsv4"]["output"]
+        while not output.exists() or output.read_bytes().count(b"\n") < 3:
+            assert server.proc.poll() is None
+            time.sleep(0.05)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log.read_text()
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "internal error" not in log and "Traceback" not in log and "dsv4 serve: stopped" in log, log
+    assert output.read_bytes().count(b"\n") < len(rows) and stored(store, batch.id)["status"] == "in_progress"
+
+    server = Server(tmp_path, *args)
+    try:
+        client = server.client(key=None)
+        batch = wait_for(client, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
+        records = parse_jsonl(client.files.content(batch.output_file_id).text)
+    finally:
+        server.stop()
+    assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in rows)      # each once
+
+
+@pytest.fixture(scope="module")
+def kept_store(tmp_path_factory):
+    """A directory a stopped server left: two completed batches (`batches`) of one uploaded file (`file`)."""
+    tmp = tmp_path_factory.mktemp("kept")
+    server = Server(tmp, "--temperature", "0", "--batch-dir", str(tmp / "store"))
+    try:
+        client = server.client(key=None)
+        file = client.files.create(file=write_jsonl(tmp / "in.jsonl", ROWS[:2]), purpose="batch")
+        batches = [wait_for(client, client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                          completion_window="24h").id) for _ in range(2)]
+    finally:
+        server.stop()
+    return tmp / "store", file.id, [b.id for b in batches]
+
+
+def damage(store, batch_id, kind):
+    """Damage `store` one way (the batch `batch_id` is one of its two); the damaged entry and what it reads."""
+    path = store / "batches" / f"{batch_id}.json"
+    if kind == "cut":
+        path.write_bytes(path.read_bytes()[:40])
+    elif kind == "emptied":
+        path.write_bytes(b"")
+    elif kind == "odd":
+        path.write_text(json.dumps(stored(store, batch_id) | {"created_at": "yesterday"}))
+    elif kind == "stray":
+        path = store / "files" / "notes.json"
+        path.write_text("my notes\n")
+    else:   # an unfinished batch whose input was removed by hand (its file and file object)
+        other = stored(store, batch_id) | {"id": "batch_gone", "input_file_id": "file-gone", "status": "in_progress",
+                                           "dsv4": {"output": "file-out", "errors": "file-err", "seed": 1}}
+        (store / "batches" / "batch_gone.json").write_text(json.dumps(other))
+        return None
+    return f"{path.parent.name}/{path.name}"
+
+
+@pytest.mark.parametrize("kind", ["cut", "emptied", "odd", "stray", "input removed"])
+def test_a_damaged_batch_dir_starts_naming_what_it_skips(kept_store, tmp_path, kind):
+    """One damaged entry is skipped and named in one line, or fails its batch alone; the server starts, the healthy
+    batch and file are served and a new batch runs."""
+    store = tmp_path / "store"
+    shutil.copytree(kept_store[0], store)
+    file_id, (healthy, damaged) = kept_store[1], kept_store[2]
+    skipped = damage(store, damaged, kind)
+    server = Server(tmp_path, "--temperature", "0", "--batch-dir", str(store))
+    try:
+        client = server.client(key=None)
+        assert client.batches.retrieve(healthy).status == "completed"
+        assert client.files.retrieve(file_id).purpose == "batch"
+        batch = wait_for(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                       completion_window="24h").id)
+        assert batch.status == "completed", batch
+        warnings = [line for line in server.log.read_text().splitlines() if line.startswith("warning: ")]
+        if skipped is None:
+            gone = client.batches.retrieve("batch_gone")
+            assert gone.status == "failed" and "file-gone: no such file or directory" in gone.errors.data[0].message
+            assert stored(store, "batch_gone")["status"] == "failed"
+            assert warnings == [f"warning: --batch-dir {store}: batch batch_gone failed: {gone.errors.data[0].message}"]
+        else:
+            assert len(warnings) == 1 and f"--batch-dir {store}: skipped {skipped}: " in warnings[0], warnings
+    finally:
+        server.stop()
+
+
+def test_a_full_disk_is_507_fails_only_the_batch_and_loses_nothing(tmp_path):
+    """The batch directory on a 64 KiB tmpfs. An upload that does not fit is refused with 507 naming the directory; a
+    batch whose results fill the disk fails alone (the server goes on) and a new batch is refused with 507; no
+    temporary is left to keep the disk full. With more room, the next start finishes the batch, every id once. Needs
+    the right to mount (root in a container); skipped without it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    rows = [chat(f"f{i}", f"Item {i}:", max_completion_tokens=8, ignore_eos=True) for i in range(120)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    args = ("--temperature", "0", "--batch-dir", str(disk), "--max-batch", "4")
+
+    def refused(r):
+        assert r.status_code == 507, r.text
+        assert r.json()["error"]["type"] == "server_error" and r.json()["error"]["code"] == "insufficient_storage"
+        assert str(disk) in r.json()["error"]["message"]
+        assert list(disk.rglob(".*")) == []         # no temporary left
+
+    try:
+        server = Server(tmp_path, *args)
+        try:
+            client = server.client(key=None)
+            refused(httpx.post(server.url + "/v1/files", data={"purpose": "batch"},
+                               files={"file": ("big.jsonl", b"{}\n" * 50_000)}, timeout=60))
+            file_id = client.files.create(file=src, purpose="batch").id
+            batch = wait_for(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                                           completion_window="24h").id)
+            assert batch.status == "failed" and "no space left on device" in batch.errors.data[0].message, batch
+            refused(server.post("/v1/batches", {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                "completion_window": "24h"}, key=None))
+            assert server.proc.poll() is None
+        finally:
+            server.stop()
+        subprocess.run(["mount", "-o", "remount,size=1m", str(disk)], check=True)
+        server = Server(tmp_path, *args)
+        try:
+            client = server.client(key=None)
+            batch = wait_for(client, batch.id)
+            assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
+            records = parse_jsonl(client.files.content(batch.output_file_id).text)
+        finally:
+            server.stop()
+        assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in rows)      # each once
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

@@ -63,13 +63,17 @@ class ResultFile:
             raise self.write_failed(e) from None
 
     def close(self) -> None:
+        """Sync and close it; once (closing the number again could close another file that reused it)."""
+        if self.fd < 0:
+            return
+        fd, self.fd = self.fd, -1
         try:
-            os.fsync(self.fd)
+            os.fsync(fd)
         except OSError as e:
             if e.errno != errno.EINVAL:     # EINVAL: a device or pipe, which has nothing to sync
                 raise self.write_failed(e) from None
         finally:
-            os.close(self.fd)
+            os.close(fd)
 
     def write_failed(self, e: OSError) -> RunError:
         """A write that failed (a full disk, most likely): the records before it are whole (a torn last one

@@ -7,8 +7,10 @@ unless --cors-origin allows that origin. It may be up to --max-file-bytes, refus
 a byte is read and cut off as soon as it passes the limit without one; the file part is spooled to disk by
 Starlette's parser (python-multipart), then moved into the batch directory.
 """
+import contextlib
+import errno
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from starlette.concurrency import run_in_threadpool
 from starlette.formparsers import MultiPartException, MultiPartParser
@@ -16,7 +18,8 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser
+from dsv4cli.errors import UsageError
+from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser, check_metadata
 
 from .batches import ACTIVE, ApiBatch, Store, shown
 from .errors import Refusal
@@ -31,6 +34,18 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
                  parsed: Callable, max_file_bytes: int, cors_origins: list[str]) -> list[Route]:
     """`endpoint` wraps a handler (key, errors), `parsed(request, parse)` reads a JSON body: the app's own."""
     running: dict[str, ApiBatch] = {}       # by batch id: the batches this server runs or ran
+
+    @contextlib.contextmanager
+    def storing() -> Iterator[None]:
+        """Around a write into DIR: a full disk is answered with 507, any other failed write with 500, both naming
+        DIR (what the write left there is removed: `Store`)."""
+        try:
+            yield
+        except OSError as e:
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            raise Refusal(507 if full else 500, f"the server's batch directory {store.root}: cannot write: "
+                                                f"{e.strerror.lower()}", "insufficient_storage" if full else None) \
+                from None
 
     async def limited(request: Request) -> AsyncIterator[bytes]:
         size = 0
@@ -68,7 +83,8 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
             file = form.get("file")
             if file is None or isinstance(file, str):
                 raise BadRequest("invalid_request", "file: missing; send the file as the multipart part `file`")
-            obj = await run_in_threadpool(store.upload, file.file, file.filename or "upload.jsonl", "batch")
+            with storing():
+                obj = await run_in_threadpool(store.upload, file.file, file.filename or "upload.jsonl", "batch")
         finally:
             await form.close()
         return JSONResponse(obj)
@@ -98,10 +114,7 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
         if body.get("completion_window") != "24h":
             raise BadRequest("invalid_parameter", f"completion_window: must be 24h, got "
                                                   f"{json.dumps(body.get('completion_window'))}")
-        metadata = body.get("metadata")
-        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-            raise BadRequest("invalid_parameter", "metadata: must be an object of at most 16 string values")
+        check_metadata(body.get("metadata"))
         file = store.files.get(body.get("input_file_id"))
         if file is None or file["purpose"] != "batch":
             raise BadRequest("invalid_parameter", f"input_file_id: no uploaded batch file "
@@ -109,7 +122,8 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
         return ApiBatch.create(store, body, loop.engine, bodies, model)
 
     async def create_batch(request: Request) -> Response:
-        batch = await parsed(request, create)
+        with storing():
+            batch = await parsed(request, create)
         running[batch.batch["id"]] = batch
         loop.start_batch(batch)
         return JSONResponse(batch.object())
@@ -132,7 +146,9 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
         if obj["status"] not in ACTIVE:
             raise BadRequest("invalid_request", f"batch_id: cannot cancel a batch whose status is {obj['status']}")
         batch = running[obj["id"]]
-        if await run_in_threadpool(batch.cancelling):
+        with storing():
+            cancelling = await run_in_threadpool(batch.cancelling)
+        if cancelling:
             loop.cancel_batch(batch)
         return JSONResponse(batch.object())
 
@@ -156,7 +172,11 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
         """Batches a stopped server left unfinished: running again, or cancelled if they were being cancelled."""
         for obj in list(store.batches.values()):
             if obj["status"] in ACTIVE:
-                batch = ApiBatch(store, obj, loop.engine, bodies, model)
+                try:
+                    batch = ApiBatch(store, obj, loop.engine, bodies, model)
+                except UsageError as e:         # it alone fails: the server and the other batches go on
+                    store.fail(obj, f"cannot resume it: {e}")
+                    continue
                 running[obj["id"]] = batch
                 if obj["status"] == "cancelling":
                     batch.end("cancelled")

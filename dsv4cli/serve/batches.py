@@ -1,19 +1,22 @@
 """OpenAI's Files and Batches API behind `--batch-dir DIR`: what is stored there, and a batch running.
 
 DIR/files/ID holds an uploaded file (ID.json: its file object); DIR/batches/ID.json a batch object, rewritten
-whole (a temporary file renamed over it) at every change of status. A batch runs through `dsv4 batch`'s own
-runner (`BatchRun`), fed into the server's engine steps by the engine thread (`loop.py`): its results and
+whole (a temporary file synced and renamed over it) at every change of status. A batch runs through `dsv4 batch`'s
+own runner (`BatchRun`), fed into the server's engine steps by the engine thread (`loop.py`): its results and
 error records are appended to two files whose ids are fixed when the batch is created (and shown once it
 ends) exactly as `dsv4 batch` appends them, so a server killed mid-batch resumes it at its next start the
 way `--resume` does (a torn last line cut off, answered ids skipped): every request once. DIR is locked by
-one server at a time.
+one server at a time. At start an object that cannot be read is skipped (named on stderr), and an unfinished
+batch that cannot resume is stored as failed: one damaged entry never stops the server.
 """
+import contextlib
 import dataclasses
 import fcntl
 import json
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +31,10 @@ from dsv4cli.errors import RunError, UsageError
 from dsv4cli.openai.requests import BodyParser
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# the fields of a stored object the server reads, with their types: one without them is skipped at start
+FILE_FIELDS = {"id": str, "bytes": int, "created_at": int, "filename": str, "purpose": str}
+BATCH_FIELDS = {"id": str, "created_at": int, "status": str, "input_file_id": str, "request_counts": dict}
+RUN_FIELDS = {"output": str, "errors": str, "seed": int}     # an unfinished batch's "dsv4": how it runs
 WINDOW = 24 * 3600      # OpenAI's one completion window; a batch here never expires
 
 
@@ -47,9 +54,33 @@ class Store:
             fcntl.flock(self.held, fcntl.LOCK_EX | fcntl.LOCK_NB)     # held while the process lives
         except BlockingIOError:
             raise UsageError(f"--batch-dir {root}: another dsv4 serve uses it") from None
-        self.files = {p.stem: json.loads(p.read_text()) for p in (root / "files").glob("*.json")}
-        batches = [json.loads(p.read_text()) for p in (root / "batches").glob("*.json")]
+        self.files = self._load("files", FILE_FIELDS)
+        batches = self._load("batches", BATCH_FIELDS).values()
         self.batches = {b["id"]: b for b in sorted(batches, key=lambda b: (b["created_at"], b["id"]))}
+
+    def _load(self, sub: str, fields: dict[str, type]) -> dict[str, dict]:
+        """The objects in DIR/sub by id; one that cannot be used is skipped and named."""
+        objects = {}
+        for path in sorted((self.root / sub).glob("*.json")):
+            try:
+                objects[path.stem] = self._read(path, fields)
+            except ValueError as e:
+                warn(f"--batch-dir {self.root}: skipped {sub}/{path.name}: {e}")
+        return objects
+
+    def _read(self, path: Path, fields: dict[str, type]) -> dict:
+        """A stored object, or a ValueError saying why it cannot be used (cut, emptied, not ours, its file gone)."""
+        try:
+            obj = json.loads(path.read_bytes())
+        except OSError as e:
+            raise ValueError(e.strerror.lower()) from None
+        except (ValueError, RecursionError):
+            raise ValueError("not JSON (cut or emptied)") from None
+        if not _has(obj, fields) or obj["id"] != path.stem:
+            raise ValueError(f"not a {path.parent.name[:-1]} object of dsv4 serve")
+        if fields is FILE_FIELDS and not self.path(obj["id"]).is_file():
+            raise ValueError(f"its file {obj['id']} is gone")
+        return obj
 
     def path(self, file_id: str) -> Path:
         return self.root / "files" / file_id
@@ -68,17 +99,40 @@ class Store:
         """Copy an uploaded file in (beside its place first: no half file ever has an id)."""
         file_id = new_id("file-")
         fd, tmp = tempfile.mkstemp(dir=self.root / "files", prefix=".upload.")
-        with os.fdopen(fd, "wb") as f:
-            shutil.copyfileobj(source, f, 1 << 20)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path(file_id))
-        return self.add_file(file_id, filename, purpose)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                shutil.copyfileobj(source, f, 1 << 20)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(file_id))
+            return self.add_file(file_id, filename, purpose)
+        except BaseException:       # a full disk, most likely: nothing of it is left to keep it full
+            for path in (tmp, self.path(file_id)):
+                Path(path).unlink(missing_ok=True)
+            raise
 
     def save(self, batch: dict) -> None:
         with self.lock:
             _write_json(self.root / "batches" / f"{batch['id']}.json", batch)
             self.batches[batch["id"]] = batch
+
+    def fail(self, batch: dict, error: str) -> None:
+        """Store a batch that cannot run as failed, saying why, and name it on stderr."""
+        warn(f"--batch-dir {self.root}: batch {batch['id']} failed: {error}")
+        failed = ended(batch, "failed", error)
+        try:
+            self.save(failed)
+        except OSError as e:
+            self.keep(failed, e)
+
+    def keep(self, batch: dict, e: OSError) -> None:
+        """Hold a batch that ended in memory only, the disk taking no write (`e`; full, most likely): stored
+        unfinished, it is resumed at the next start, which ends it again (a resumed batch answers every request
+        once)."""
+        with self.lock:
+            self.batches[batch["id"]] = batch
+        warn(f"--batch-dir {self.root}: batch {batch['id']} {batch['status']}, but cannot store that: "
+             f"{e.strerror.lower()}; the next start resumes it")
 
 
 class ApiBatch:
@@ -89,14 +143,20 @@ class ApiBatch:
         self.store, self.batch, self.lock = store, batch, threading.Lock()     # the lock: around changes of status
         run = batch["dsv4"]             # where its results go and its seed: not shown
         self.paths = store.path(run["output"]), store.path(run["errors"])
-        out, errors = ResultFile(self.paths[0]), ResultFile(self.paths[1])
-        done, errored = answered(list(self.paths))           # what a server stopped mid-batch wrote
+        # a UsageError when it cannot run (its input removed, a result file damaged), each file it opened closed again
+        with contextlib.ExitStack() as opened:
+            try:
+                self.input = opened.enter_context(open(store.path(batch["input_file_id"]), "rb"))
+            except OSError as e:
+                raise UsageError(f"its input file {batch['input_file_id']}: {e.strerror.lower()}") from None
+            out, errors = (opened.enter_context(contextlib.closing(ResultFile(path))) for path in self.paths)
+            done, errored = answered(list(self.paths))           # what a server stopped mid-batch wrote
+            opened.pop_all()
         # background requests: a step that prefills an online prompt does not decode them (`engine.scheduler`)
         defaults = dataclasses.replace(bodies.defaults, background=True)
         parser = RequestParser(bodies.tok, defaults, run["seed"], bodies.max_seq_len, bodies.thinking,
                                bodies.reasoning_effort, vocab=bodies.vocab)
         self.run = BatchRun(engine, parser, out, errors, model, done, errored, name=batch["id"])
-        self.input = open(store.path(batch["input_file_id"]), "rb")  # noqa: SIM115 - read until the batch ends
         self.run.start(self.input)
 
     @classmethod
@@ -134,8 +194,9 @@ class ApiBatch:
         with self.lock:
             if self.ended or self.batch["status"] == "cancelling":
                 return False
-            self.batch = self.batch | {"status": "cancelling", "cancelling_at": int(time.time())}
-            self.store.save(self.batch)
+            cancelling = self.batch | {"status": "cancelling", "cancelling_at": int(time.time())}
+            self.store.save(cancelling)         # first: on a full disk it is not cancelling (the request is 507)
+            self.batch = cancelling
             return True
 
     def end(self, status: str, error: str | None = None) -> None:
@@ -152,18 +213,16 @@ class ApiBatch:
                 file.close()
             except RunError as e:
                 status, error = "failed", error or str(e)
-        now = int(time.time())
-        batch = self.batch | {"status": status, "request_counts": self.counts(), f"{status}_at": now}
-        if status == "completed":
-            batch["finalizing_at"] = now
-        if error is not None:
-            batch["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": error, "param": None,
-                                                           "line": None}]}
-        for key, path, kind in (("output_file_id", self.paths[0], "output"), ("error_file_id", self.paths[1], "error")):
-            if path.stat().st_size:
-                batch[key] = self.store.add_file(path.name, f"{batch['id']}_{kind}.jsonl", "batch_output")["id"]
+        batch = ended(self.batch | {"request_counts": self.counts()}, status, error)
+        try:
+            for key, path, kind in (("output_file_id", self.paths[0], "output"),
+                                    ("error_file_id", self.paths[1], "error")):
+                if path.stat().st_size:
+                    batch[key] = self.store.add_file(path.name, f"{batch['id']}_{kind}.jsonl", "batch_output")["id"]
+            self.store.save(batch)
+        except OSError as e:
+            self.store.keep(batch, e)
         self.batch = batch
-        self.store.save(batch)
 
 
 def shown(batch: dict) -> dict:
@@ -175,8 +234,38 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+def ended(batch: dict, status: str, error: str | None = None) -> dict:
+    """The batch object ended as `status` (completed, cancelled or failed) now, with `error` saying why."""
+    now = int(time.time())
+    batch = batch | {"status": status, f"{status}_at": now}
+    if status == "completed":
+        batch["finalizing_at"] = now
+    if error is not None:
+        batch["errors"] = {"object": "list", "data": [{"code": "batch_failed", "message": error, "param": None,
+                                                       "line": None}]}
+    return batch
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _has(obj, fields: dict[str, type]) -> bool:
+    """Whether obj is a JSON object with these fields of these types (and, for a batch that may run, its run's)."""
+    return isinstance(obj, dict) and all(isinstance(obj.get(k), t) for k, t in fields.items()) and (
+        obj.get("status") not in ACTIVE or _has(obj.get("dsv4"), RUN_FIELDS))
+
+
 def _write_json(path: Path, obj: dict) -> None:
+    """Replace path with obj whole: written beside it, synced (a power cut leaves the old one or the new one, never
+    an empty one), renamed over it."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

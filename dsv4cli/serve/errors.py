@@ -4,7 +4,8 @@ from starlette.responses import JSONResponse
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error",
+               507: "server_error"}
 
 
 def error(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:

@@ -96,15 +96,17 @@ class EngineLoop:
         self.thread.start()
 
     def stop(self) -> None:
-        """Stop the engine thread; a running API batch stays in progress (the next start resumes it)."""
+        """Stop the engine thread; a running API batch stays in progress (the next start resumes it). Idempotent:
+        the server's shutdown stops it and so does the exit path around it."""
         with self.wake:
             self.stopping = True
             self.wake.notify()
         self.thread.join()
-        for batch in self.batches + self.batch_inbox:
-            with contextlib.suppress(RunError):
-                batch.run.out.close()
-                batch.run.errors.close()
+        with self.wake:
+            left, self.batches, self.batch_inbox = self.batches + self.batch_inbox, [], []
+        for file in (file for batch in left for file in (batch.run.out, batch.run.errors)):
+            with contextlib.suppress(RunError):     # a full disk: the next start resumes what was written
+                file.close()
 
     def start_batch(self, batch: ApiBatch) -> None:
         with self.wake:
