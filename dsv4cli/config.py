@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import json
 import math
 import os
@@ -325,6 +326,10 @@ class Settings:
         "serve", None, "Most slots API batches hold at once; they take only slots no online request waits for "
         "(unset: a quarter of max_batch, at least 1)", lo=1
     )
+    stored_responses_bytes: int = _key(
+        "serve", 64 << 20, "Memory for stored Responses (previous_response_id, GET /v1/responses/{id}), as their "
+        "JSON's bytes; the least recently used go first (0: none kept)", lo=0
+    )
     max_file_bytes: int = _key("serve", 200 << 20, "Largest file upload (POST /v1/files); a larger one gets HTTP 413",
                                lo=1)
     shutdown_timeout: float = _key(
@@ -454,10 +459,41 @@ def without_unlimited(s: Settings) -> Settings:
     return dataclasses.replace(s, max_tokens=s.max_seq_len) if s.max_tokens == SPEC["max_tokens"].unlimited else s
 
 
+MAX_READ_BYTES = 64 << 20     # the most a file read whole may hold: config, system prompt, tools, chat transcript
+
+
+def read_bounded(path: str | Path) -> bytes:
+    """A file's bytes, read whole; OSError (EFBIG) when it holds more than MAX_READ_BYTES, so a device that never
+    ends (/dev/zero) or a huge file is refused instead of filling memory."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_READ_BYTES + 1)
+    if len(data) > MAX_READ_BYTES:
+        raise OSError(errno.EFBIG, f"larger than {MAX_READ_BYTES >> 20} MiB (the most dsv4 reads of one file)")
+    return data
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file's value (`read_bounded`). ValueError saying why when it is not UTF-8 JSON, is nested too deep
+    to parse, or holds a string that is not text (a lone surrogate: no tokenizer takes it)."""
+    data = read_bounded(path)
+    try:
+        value = json.loads(data.decode("utf-8"))
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ValueError("nested too deep to read") from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except UnicodeEncodeError as e:
+        raise ValueError(f"a string holds a lone surrogate {e.object[e.start:e.end]!a}, which is not text") from None
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    return value
+
+
 def read_text_file(name: str, path: str) -> str:
     """The text of a file a setting names (one trailing newline dropped), or a UsageError naming the flag."""
     try:
-        return Path(path).read_text(encoding="utf-8").removesuffix("\n")
+        return read_bounded(path).decode("utf-8").removesuffix("\n")
     except OSError as e:
         raise UsageError(f"{SPEC[name].flag} {path}: cannot read: {e.strerror}") from None
     except UnicodeDecodeError:
@@ -490,14 +526,15 @@ def _toml_error(e: Exception) -> str:
 def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
     """Read and check a TOML config file: {key: (value, source)}."""
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(read_bounded(path).decode("utf-8"))
     except OSError as e:
         raise UsageError(f"{path}: cannot read config file: {e.strerror}") from None
     except UnicodeDecodeError:
         raise UsageError(f"{path}: not UTF-8 text") from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{path}: {_toml_error(e)}") from None
+    except RecursionError:
+        raise UsageError(f"{path}: invalid TOML: nested too deep") from None
     tables = {"": {k: v for k, v in data.items() if not isinstance(v, dict)}}
     tables |= {k: v for k, v in data.items() if isinstance(v, dict)}
     found = {}

@@ -2,15 +2,13 @@
 memory, whether to compile (and how), model, tokenizer, sampling defaults."""
 import dataclasses
 import functools
-import json
 import os
 import sys
-from pathlib import Path
 
 import torch
 
 from dsv4cli import platforms
-from dsv4cli.config import SAMPLING_KEYS, Settings
+from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, EngineAPI, SamplingParams
 from dsv4cli.engine.runner import drafter_depth
@@ -54,11 +52,11 @@ def sampling_params(s: Settings) -> SamplingParams:
 def load_tools(path: str, place: str) -> list[dict]:
     """A JSON file holding a list of tools in OpenAI form, {"type": "function", "function": {"name": ...}}."""
     try:
-        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+        tools = read_json(path)
     except OSError as e:
         raise UsageError(f"{place} {path}: cannot read: {e.strerror}") from None
     except ValueError as e:
-        raise UsageError(f"{place} {path}: not JSON: {e}") from None
+        raise UsageError(f"{place} {path}: {e}") from None
     if not isinstance(tools, list) or not all(is_tool(t) for t in tools):
         raise UsageError(f'{place} {path}: must hold a list of {{"type": "function", "function": {{"name": ...}}}}')
     return tools

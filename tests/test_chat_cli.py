@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pexpect
+import torch
 
 from dsv4cli.chat.tui import printable
 from dsv4cli.config import BUNDLED_MODEL_DIR as BUNDLED
@@ -254,3 +255,93 @@ def test_a_saved_chat_resumes_from_its_state_without_a_prefill(tiny_model_dir, t
                        timeout=120, env=chat_env(tmp_path))
     assert r.returncode == 2 and r.stderr.strip().endswith("--resume " + str(tmp_path / "missing.json") +
                                                            ": no such file")
+
+
+def test_hostile_transcripts_and_save_paths_are_one_error_each(tiny_model_dir, tmp_path):
+    """A transcript nested 100k deep, one with a lone surrogate, /load /dev/zero and /tools /dev/zero once ended the
+    chat (internal error, or a read without bound) and lost the conversation; a transcript whose format named a file
+    made /load read it into the next reply; /save replaced a pipe or a device it was given. Each is one error line,
+    the chat goes on, and at start-up (--resume, -c) one line and exit 2."""
+    deep, lone, grammar = tmp_path / "deep.json", tmp_path / "lone.json", tmp_path / "grammar.json"
+    deep.write_text('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    lone.write_text('{"messages": [{"role": "user", "content": "a\\ud800b"}]}')       # the escape, as JSON has it
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the secret")
+    grammar.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                   "settings": {"format": f"grammar {secret}"}}))
+    pipe, device, path = tmp_path / "pipe", tmp_path / "null", tmp_path / "chat.json"
+    os.mkfifo(pipe)
+    device.symlink_to("/dev/null")                    # a device's path (replacing /dev/null itself needs root)
+    os.mkfifo(tmp_path / "kept.json.safetensors")     # where /save would put the decode state of kept.json
+    lines = ["Hello", f"/load {deep}", f"/load {lone}", f"/load {grammar}", "/load /dev/zero", "/tools /dev/zero",
+             f"/save {pipe}", f"/save {device}", f"/save {tmp_path / 'kept.json'}", "What is 2 plus 3?",
+             f"/save {path}"]
+    base = [sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "4"]
+    r = subprocess.run(base, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120,
+                       env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: /load {deep}: nested too deep to read",
+        f"error: /load {lone}: a string holds a lone surrogate '\\ud800', which is not text",
+        f"error: /load {grammar}: settings.format 'grammar {secret}': a transcript may not name a file to read "
+        "(/set format after /load)",
+        "error: /load /dev/zero: larger than 64 MiB (the most dsv4 reads of one file)",
+        "error: /tools /dev/zero: cannot read: larger than 64 MiB (the most dsv4 reads of one file)",
+        f"error: /save {pipe}: not a regular file",
+        f"error: /save {device}: not a regular file",
+        f"error: the decode state was not saved: {tmp_path / 'kept.json.safetensors'} is not a regular file",
+    ], r.stderr
+    assert "Traceback" not in r.stderr and "the secret" not in r.stdout
+    assert pipe.is_fifo() and device.is_symlink() and (tmp_path / "kept.json.safetensors").is_fifo()
+    data = json.loads(path.read_text())
+    assert [m["content"] for m in data["messages"] if m["role"] == "user"] == ["Hello", "What is 2 plus 3?"]
+    assert data["settings"]["format"] == "text"
+
+    for args, message in ((["--resume", str(lone)], f"--resume: /load {lone}: a string holds a lone surrogate"),
+                          (["--resume", str(deep)], f"--resume: /load {deep}: nested too deep to read"),
+                          (["-c", "/dev/zero"], "/dev/zero: cannot read config file: larger than 64 MiB")):
+        r = subprocess.run([*base, *args], input="Hi\n", capture_output=True, text=True, timeout=120,
+                           env=chat_env(tmp_path))
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: " + message), r.stderr
+
+
+def test_damaged_decode_states_are_refused_in_one_line(tiny_model_dir, tmp_path):
+    """A state whose tensor has another width or dtype than the model's once ended the chat (internal error); one
+    holding NaN loaded without a word. Each is refused in one line, nothing of it is put into the engine, and the
+    transcript beside it loads."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "chat.json"
+    base = [sys.executable, "-m", "dsv4cli", "chat", "--model", str(tiny_model_dir), "--temperature", "0",
+            "--max-tokens", "4", "--ignore-eos"]
+    r = subprocess.run(base, input=f"Tell me a story.\n/save {path}\n", capture_output=True, text=True, timeout=120,
+                       env=chat_env(tmp_path))
+    assert r.returncode == 0 and "saved the decode state" in r.stderr, r.stderr
+    with safe_open(str(path) + ".safetensors", "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(path) + ".safetensors")
+    win = tensors["layers.0.win"]
+    damaged = {"wide": {"layers.0.win": torch.cat([win, win[:, :1]], 1)},
+               "dtype": {"layers.0.win": win.to(torch.bfloat16)},
+               "nan": {"layers.0.win": win.clone().fill_(float("nan"))}}
+    for name, change in damaged.items():       # written by the real writer, as /save writes it, then altered
+        (tmp_path / f"{name}.json").write_text(path.read_text())
+        save_file(tensors | change, str(tmp_path / f"{name}.json.safetensors"), metadata=meta)
+    lines = ["Hello", *(f"/load {tmp_path / name}.json" for name in damaged), "What next?", f"/save {path}"]
+    r = subprocess.run(base, input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=120,
+                       env=chat_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    refused = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    shape = list(win.shape)
+    assert refused == [f"error: {tmp_path / name}.json.safetensors: state refused: layers.0.win: {why} (a damaged "
+                       "file); the conversation loads without it" for name, why in (
+                           ("wide", f"shape {[shape[0], shape[1] + 1]}, this state needs {shape}"),
+                           ("dtype", "bfloat16, this state holds float32"),
+                           ("nan", "holds NaN or infinity"))], r.stderr
+    assert "resumed the decode state" not in r.stderr and r.stderr.count("loaded 2 messages") == 3
+    users = [m["content"] for m in json.loads(path.read_text())["messages"] if m["role"] == "user"]
+    assert users == ["Tell me a story.", "What next?"]

@@ -143,3 +143,25 @@ def test_split_reply():
     assert split_reply("Paris.<｜end▁of", False, TOK, final=False) == ("", "Paris.")
     assert split_reply("x</thi", True, TOK, final=False) == ("x", "")
 
+
+
+def test_a_transcript_names_no_file_to_read(tmp_path):
+    """A transcript's format once named any local file for /load to read into the next reply: /load refuses a
+    format that names a file, and /save writes none (and says so)."""
+    grammar = tmp_path / "answer.lark"
+    s = ChatSession(Settings())
+    s.command(f"/set format grammar {grammar}")
+    s.add_user("hi")
+    path = tmp_path / "chat.json"
+    assert s.command(f"/save {path}").message == (f"saved 1 messages to {path} (not the format grammar {grammar}: "
+                                                  "/load reads no file a transcript names)")
+    data = json.loads(path.read_text())
+    assert "format" not in data["settings"]
+    t = ChatSession(Settings(format="json"))
+    assert not t.command(f"/load {path}").error and t.settings.format == "json"    # its own format stays
+    data["settings"]["format"] = "json-schema /etc/passwd"
+    path.write_text(json.dumps(data))
+    refused = t.command(f"/load {path}")
+    assert refused.error and refused.message == (f"/load {path}: settings.format 'json-schema /etc/passwd': a "
+                                                 "transcript may not name a file to read (/set format after /load)")
+    assert t.settings.format == "json" and t.messages == [{"role": "user", "content": "hi"}]

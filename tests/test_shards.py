@@ -3,6 +3,7 @@ killed with SIGKILL and resumed, then merged; real files and processes throughou
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,106 @@ def test_merge_reports_failed_and_duplicated_ids_and_retries_only_the_failed(tmp
     shard1.unlink()
     r = dsv4("batch", "merge", str(out), str(shard0))
     assert r.returncode == 2 and "shard 1/2 was not given; nothing was written" in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def two_shards(tmp_path_factory):
+    """A real run in two shards, results and errors apart: 8 requests and a line that is not JSON (line 4)."""
+    d = tmp_path_factory.mktemp("shards")
+    rows = [chat(f"s{i}", f"What is {i} plus 3?", max_completion_tokens=2) for i in range(8)]
+    rows[3:3] = ["{not json"]
+    src = write_jsonl(d / "in.jsonl", rows)
+    for i in range(2):
+        r = dsv4("batch", str(src), "-o", str(d / "out.jsonl"), "--errors", str(d / "errors.jsonl"), *COMMON,
+                 "--shard", f"{i}/2")
+        assert r.returncode == 0, r.stderr
+    return d
+
+
+def edit_record(path, row, change):
+    records = read_jsonl(path)
+    change(records[row])
+    write_jsonl(path, records)
+
+
+def edit_manifest(path, change):
+    manifest = json.loads(manifest_path(path).read_text())
+    change(manifest)
+    manifest_path(path).write_text(json.dumps(manifest))
+
+
+RESULTS, ERRORS = "out.shard-0-of-2.jsonl", "errors.shard-0-of-2.jsonl"
+# what a hostile hand does to a shard set in folder d, and the line merge answers with (src: the input)
+HOSTILE = {
+    "a record without custom_id": (
+        lambda d: edit_record(d / RESULTS, 0, lambda r: r.pop("custom_id")),
+        "{d}/" + RESULTS + ": line 1: not a batch result line (custom_id: must be a string or null)"),
+    "an error record whose line is a list": (
+        lambda d: edit_record(d / ERRORS, 0, lambda r: r["error"].update(line=[4])),
+        "{d}/" + ERRORS + ": line 1: not a batch result line (error.line: must be an input line's number)"),
+    "an error record whose code is a list": (
+        lambda d: edit_record(d / ERRORS, 0, lambda r: r["error"].update(code=["x"])),
+        "{d}/" + ERRORS + ": line 1: not a batch result line (error.code: must be a string)"),
+    "an error record of a line the input does not have": (
+        lambda d: edit_record(d / ERRORS, 0, lambda r: r["error"].update(line=99)),
+        "{d}/" + ERRORS + ": line 1: a record of input line 99, which {src} does not have (blank or past its end)"),
+    "a record nested 100k deep": (
+        lambda d: (d / RESULTS).write_text("[" * 100_000 + "]" * 100_000 + "\n"),
+        "{d}/" + RESULTS + ": line 1: not a batch result line (nested too deep)"),
+    "a manifest whose shard index is a list": (
+        lambda d: edit_manifest(d / RESULTS, lambda m: m["shard"].update(index=[0])),
+        "{d}/" + RESULTS + '.manifest.json: shard: must be {{"index": I, "count": N}} with 0 <= I < N'),
+    "a manifest whose shard is a string": (
+        lambda d: edit_manifest(d / RESULTS, lambda m: m.update(shard="0/2")),
+        "{d}/" + RESULTS + ".manifest.json: shard: must be an object"),
+    "a manifest whose settings are a list": (
+        lambda d: edit_manifest(d / RESULTS, lambda m: m.update(settings=[])),
+        "{d}/" + RESULTS + ".manifest.json: settings: must be an object"),
+    "a manifest whose errors file is a list": (
+        lambda d: edit_manifest(d / RESULTS, lambda m: m.update(errors=[1])),
+        "{d}/" + RESULTS + ".manifest.json: errors: must be a string or null"),
+    "a manifest whose errors file is not there": (
+        lambda d: edit_manifest(d / RESULTS, lambda m: m.update(errors="gone.jsonl")),
+        "{d}/gone.jsonl: no such file (the errors file of {d}/" + RESULTS + ", its manifest says)"),
+}
+
+
+def merge_refused(d, capsys) -> str:
+    """The one error line `dsv4 batch merge` of the shard set in d answers with (exit code 2, nothing written)."""
+    capsys.readouterr()
+    assert main(["batch", "merge", str(d / "out.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: merge: ") or err.startswith("error: " + str(d)), err
+    assert len(err.splitlines()) == 1 and not (d / "out.jsonl").exists(), err
+    return err.strip()
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_merge_refuses_a_hostile_shard_set_in_one_line(two_shards, tmp_path, capsys, case):
+    """Each once ended the merge with an internal error: now one line naming the file and line, exit code 2, and
+    nothing written. The same set untouched merges."""
+    d = tmp_path / "set"
+    shutil.copytree(two_shards, d)
+    assert main(["batch", "merge", str(d / "out.jsonl")]) == 0, capsys.readouterr().err
+    (d / "out.jsonl").unlink()
+    alter, says = HOSTILE[case]
+    alter(d)
+    assert says.format(d=d, src=two_shards / "in.jsonl") in merge_refused(d, capsys)
+
+
+def test_merge_refuses_results_whose_custom_id_is_not_their_lines(two_shards, tmp_path, capsys):
+    """A shard whose results carry each other's custom_ids once merged without a word into output whose ids were
+    not their input lines': each record's custom_id is checked against its input line's."""
+    d = tmp_path / "set"
+    shutil.copytree(two_shards, d)
+    path = max((Shard(i, 2).path(d / "out.jsonl") for i in range(2)), key=lambda p: len(read_jsonl(p)))
+    first, second, *rest = read_jsonl(path)
+    first["custom_id"], second["custom_id"] = second["custom_id"], first["custom_id"]
+    write_jsonl(path, [first, second, *rest])
+    line = first["id"].removeprefix("batch_req_")
+    assert merge_refused(d, capsys) == (
+        f'error: merge: {path}: line 1: custom_id "{first["custom_id"]}" is not that of input line {line} of '
+        f'{two_shards / "in.jsonl"} ("{second["custom_id"]}"); nothing was written')
 
 
 @pytest.mark.parametrize("shard, env, says", [

@@ -4,13 +4,17 @@ Their manifests must agree (input, model, settings, run seed, shard count). Ever
 gets its one record, in input order: its result, or its error record. A line with no record in any shard
 is missing, and nothing is written until none is (the shard that owns it is named, to be resumed); a line
 answered twice (a shard file given twice under another name) is written once and reported. Records are
-found by their line (`batch_req_LINE`) and copied byte for byte; only their offsets are held in memory.
+found by their line (`batch_req_LINE`) and copied byte for byte; only their offsets are held in memory. Nothing
+in a shard is trusted: a manifest or record not as `dsv4 batch` writes it, or a record whose custom_id is not its
+input line's, is refused in one line naming its file and line.
 `--retry-failed` runs the requests the engine failed (`engine_error`) again, with the shards' seed, into
 `OUT.retry` (resumable like any run), and their new records take the old ones' place.
 """
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import sys
 import tempfile
 from collections import Counter
@@ -33,6 +37,7 @@ SHOWN = 5       # ids named per kind in the report
 @dataclass
 class Record:
     file: int           # index into the files read
+    row: int            # its line in that file
     offset: int
     length: int
     ok: bool
@@ -64,6 +69,10 @@ def load_shards(out: Path, paths: list[Path]) -> list[tuple[Path, dict]]:
             raise UsageError(f"merge: shard {index}/{manifest['shard']['count']} is given twice ({seen[index]} and "
                              f"{path})")
         seen[index] = path
+        errors = manifest["errors"] and path.parent / manifest["errors"]
+        if errors and not errors.is_file():
+            raise UsageError(f"merge: {errors}: {'not a regular file' if errors.exists() else 'no such file'} (the "
+                             f"errors file of {path}, its manifest says)")
         shards.append((path, manifest))
     return sorted(shards, key=lambda item: item[1]["shard"]["index"])
 
@@ -78,15 +87,55 @@ def index_records(paths: list[Path]) -> dict[int, list[Record]]:
                 if not raw.endswith(b"\n"):
                     break
                 try:
-                    r = json.loads(raw)
-                    ok = r["response"] is not None
-                    line = int(r["id"].removeprefix("batch_req_")) if ok else r["error"]["line"]
-                    code = None if ok else r["error"]["code"]
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise UsageError(f"merge: {path}: line {n}: not a batch result line") from None
-                found.setdefault(line, []).append(Record(i, offset, len(raw), ok, code, r["custom_id"]))
+                    line, ok, code, custom_id = parse_record(raw)
+                except ValueError as e:
+                    raise UsageError(f"merge: {path}: line {n}: not a batch result line ({e})") from None
+                found.setdefault(line, []).append(Record(i, n, offset, len(raw), ok, code, custom_id))
                 offset += len(raw)
     return found
+
+
+def parse_record(raw: bytes) -> tuple[int, bool, str | None, str | None]:
+    """A result line's input line, whether it is a result (else an error record), its error code and custom_id;
+    ValueError naming what is not as `dsv4 batch` writes it."""
+    try:
+        r = json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(r, dict):
+        raise ValueError("not a JSON object")
+    if not isinstance(r.get("custom_id", 0), str | None):
+        raise ValueError("custom_id: must be a string or null")
+    if r.get("response") is not None:
+        line = re.fullmatch(r"batch_req_([1-9][0-9]*)", r["id"]) if isinstance(r.get("id"), str) else None
+        if line is None:
+            raise ValueError("id: must be batch_req_ and its input line")
+        return int(line[1]), True, None, r["custom_id"]
+    error = r.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("code"), str):
+        raise ValueError("error.code: must be a string")
+    line = error.get("line")
+    if not isinstance(line, int) or isinstance(line, bool) or line < 1:
+        raise ValueError("error.line: must be an input line's number")
+    return line, False, error["code"], r["custom_id"]
+
+
+def check_ids(src: Path, records: dict[int, list[Record]], files: list[Path]) -> None:
+    """A UsageError naming the first record whose input line `src` does not have, or whose custom_id is not that
+    line's: a result must carry its line's, an error record its line's or null (a line with no usable id, a
+    repeated one)."""
+    lines = set()
+    for n, raw in input_lines(src):
+        lines.add(n)
+        custom_id = line_id(raw)
+        for r in records.get(n, ()):
+            if not ((r.custom_id == custom_id and custom_id is not None) if r.ok else r.custom_id in (None, custom_id)):
+                raise UsageError(f"merge: {files[r.file]}: line {r.row}: custom_id {json.dumps(r.custom_id)} is not "
+                                 f"that of input line {n} of {src} ({json.dumps(custom_id)}); nothing was written")
+    if extra := sorted(records.keys() - lines):
+        r = records[extra[0]][0]
+        raise UsageError(f"merge: {files[r.file]}: line {r.row}: a record of input line {extra[0]}, which {src} does "
+                         "not have (blank or past its end); nothing was written")
 
 
 def input_lines(src: Path):
@@ -102,7 +151,7 @@ def line_id(raw: bytes) -> str | None:
     try:
         obj = json.loads(raw)
         cid = obj.get("custom_id") if "body" in obj else obj.get("custom_id", obj.get("id"))
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, TypeError, RecursionError):     # not JSON, or not an object
         return None
     return str(cid) if isinstance(cid, str | int) and not isinstance(cid, bool) else None
 
@@ -165,14 +214,14 @@ def run_merge(s: Settings, out: Path, paths: list[Path], retry_failed: bool) -> 
                          "with -i/--input")
     files = [p for path, m in shards for p in (path, m["errors"] and path.parent / m["errors"]) if p]
     records = index_records(files)
+    check_ids(src, records, files)
     check_complete(src, records, shards)
     failed = {n for n, found in records.items() if choose(found).code == "engine_error"}
     if retry_failed and failed:
         files.append(retry(s, src, first, failed, out))
         retried = index_records(files[-1:])
         for n in failed:                    # the retry's record (file index: the last) replaces the failure
-            records[n] = [Record(len(files) - 1, r.offset, r.length, r.ok, r.code, r.custom_id)
-                          for r in retried.get(n, [])] or records[n]
+            records[n] = [dataclasses.replace(r, file=len(files) - 1) for r in retried.get(n, [])] or records[n]
     write_merged(out, Path(s.errors) if s.errors else None, src, files, records, len(shards))
     if retry_failed and failed:
         files[-1].unlink()

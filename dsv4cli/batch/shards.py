@@ -16,12 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4cli.config import SAMPLING_KEYS, Settings
+from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.errors import UsageError
 
 # the settings that decide a request's answer (the run seed is kept apart): shards and a merge's retries share them
 ANSWER_KEYS = (*(k for k in SAMPLING_KEYS if k != "seed"), "mtp", "max_seq_len", "thinking", "reasoning_effort")
-MANIFEST_KEYS = {"input", "input_sha256", "model", "settings", "shard", "seed", "errors", "complete", "counts"}
+# each manifest field: its JSON type as `new_manifest` writes it, and how an error names that type
+MANIFEST_FIELDS = {"input": (str, "a string"), "input_sha256": (str, "a string"), "model": (str, "a string"),
+                   "settings": (dict, "an object"), "shard": (dict, "an object"), "seed": (int, "an integer"),
+                   "errors": (str | None, "a string or null"), "complete": (bool, "true or false"),
+                   "counts": (dict, "an object")}
 SHAPE = "give I/N (0 <= I < N), auto (Slurm's array task, or with --shard auto/N Kubernetes' completion index)"
 
 
@@ -132,17 +136,40 @@ def write_manifest(out: Path, manifest: dict) -> None:
 
 
 def read_manifest(out: Path) -> dict | None:
-    """The manifest of shard file `out`, None when it has none."""
+    """The manifest of shard file `out`, None when it has none; a UsageError naming what is wrong with one that
+    is not as `new_manifest` writes it."""
     path = manifest_path(out)
     if not path.exists():
         return None
     try:
-        manifest = json.loads(path.read_text())
-        if not isinstance(manifest, dict) or not manifest.keys() >= MANIFEST_KEYS:
-            raise ValueError
-        return manifest
-    except (OSError, ValueError):
-        raise UsageError(f"{path}: not a manifest of dsv4 batch --shard") from None
+        manifest = read_json(path)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read: {e.strerror}") from None
+    except ValueError as e:
+        raise UsageError(f"{path}: {e}; not a manifest of dsv4 batch --shard") from None
+    if why := manifest_problem(manifest):
+        raise UsageError(f"{path}: {why}; not a manifest of dsv4 batch --shard")
+    return manifest
+
+
+def manifest_problem(manifest) -> str | None:
+    """What makes this JSON value no manifest: a field missing or of another type, a shard outside its count."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key, (kind, name) in MANIFEST_FIELDS.items():
+        if key not in manifest:
+            return f"{key}: missing"
+        if not _is(manifest[key], kind):
+            return f"{key}: must be {name}"
+    index, count = manifest["shard"].get("index"), manifest["shard"].get("count")
+    if not (_is(index, int) and _is(count, int) and 0 <= index < count):
+        return 'shard: must be {"index": I, "count": N} with 0 <= I < N'
+    return None
+
+
+def _is(value, kind) -> bool:
+    """isinstance, but a JSON true or false is no integer."""
+    return isinstance(value, kind) and not (isinstance(value, bool) and kind is int)
 
 
 def disagreement(a: dict, b: dict) -> str | None:

@@ -142,6 +142,9 @@ class Chat:
     def save_state(self, transcript: Path) -> None:
         """The engine's state of the conversation beside its transcript (an older one there is removed)."""
         path = state_file(transcript)
+        if path.exists() and not path.is_file():    # a device, a directory, a pipe: neither replaced nor removed
+            self.error(f"the decode state was not saved: {path} is not a regular file")
+            return
         try:
             n = self.engine.save_state(str(path), self.state_header())
         except (ValueError, OSError) as e:

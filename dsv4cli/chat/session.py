@@ -10,11 +10,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4cli.config import SPEC, Settings, check, format_value, parse_value, without_unlimited
+from dsv4cli.config import SPEC, Settings, check, format_value, parse_value, read_json, without_unlimited
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import load_tools
+from dsv4cli.structured import FORMATS
 
 COMMANDS = {  # name: (arguments, what it does)
     "/help": ("", "list the commands"),
@@ -39,6 +40,14 @@ SETTABLE = tuple(name for name, key in SPEC.items()
 # /set also takes the flag spellings: temp, n, max-tokens, stop-token-id, ...
 _ALIASES = {f.split("/")[0].lstrip("-").replace("-", "_"): name for name in SETTABLE for f in SPEC[name].flags}
 _ALIASES |= {name: name for name in SETTABLE}
+# The formats that name a file to read: a transcript may come from anyone, so /load takes none of them (else it
+# could read any local file into the next reply) and /save writes none.
+FILE_FORMATS = tuple(f.removesuffix(" FILE") for f in FORMATS if f.endswith(" FILE"))
+
+
+def names_a_file(value: str) -> bool:
+    """Whether a `format` setting names a file (json-schema FILE, grammar FILE)."""
+    return value.strip().partition(" ")[0] in FILE_FORMATS
 
 
 @dataclass
@@ -236,7 +245,10 @@ class ChatSession:
         if not arg:
             raise UsageError("/save: give a file name")
         path = Path(arg).expanduser()
+        if path.exists() and not path.is_file():    # a device, a directory, a pipe: never replaced
+            raise UsageError(f"/save {arg}: not a regular file")
         settings = {name: getattr(self.settings, name) for name in SETTABLE if name != "system"}
+        unsaved = settings.pop("format") if names_a_file(self.settings.format) else None
         data = json.dumps({"messages": self.transcript, "settings": settings}, ensure_ascii=False, indent=2)
         try:  # write a temporary file next to the target, then rename: a crash never leaves half a file
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -245,17 +257,18 @@ class ChatSession:
             os.replace(tmp, path)
         except OSError as e:
             raise UsageError(f"/save {arg}: {e.strerror}") from None
-        return Outcome(f"saved {len(self.transcript)} messages to {path}", action="saved", path=path)
+        note = f" (not the format {unsaved}: /load reads no file a transcript names)" if unsaved else ""
+        return Outcome(f"saved {len(self.transcript)} messages to {path}{note}", action="saved", path=path)
 
     def _load(self, arg: str) -> Outcome:
         if not arg:
             raise UsageError("/load: give a file name")
         try:
-            data = json.loads(Path(arg).expanduser().read_text(encoding="utf-8"))
+            data = read_json(Path(arg).expanduser())
         except OSError as e:
             raise UsageError(f"/load {arg}: {e.strerror}") from None
         except ValueError as e:
-            raise UsageError(f"/load {arg}: not JSON: {e}") from None
+            raise UsageError(f"/load {arg}: {e}") from None
         data = data if isinstance(data, dict) else {"messages": None}    # a list or a string is no conversation
         messages, settings = data.get("messages"), data.get("settings", {})
         if not isinstance(messages, list) or not isinstance(settings, dict):
@@ -271,6 +284,9 @@ class ChatSession:
                 raise UsageError(f"/load {arg}: settings.{name}: not a chat setting")
             unset = value is None and SPEC[name].default is None
             values[name] = None if unset else check(name, value, f"/load {arg}: settings.{name}", setting=True)
+            if name == "format" and names_a_file(value):
+                raise UsageError(f"/load {arg}: settings.format {value!r}: a transcript may not name a file to read "
+                                 "(/set format after /load)")
         has_system = bool(messages) and messages[0]["role"] == "system"
         values["system"] = messages[0]["content"] if has_system else ""
         self.settings = without_unlimited(dataclasses.replace(self.settings, **values))

@@ -6,7 +6,8 @@ token's position P (at most a ring: enough for the next turn to resume anywhere 
 every block closed before P (`snapshot.py`). Its metadata names the format, the state's identity (model,
 dtype, drafter: `snapshot.state_identity`) and whatever the front end adds (the model's name, the chat
 encoding and settings), P and the tokens' sha256. A file whose identity or chat encoding is not this
-engine's is refused with one line; the transcript does not depend on it.
+engine's, or that is damaged (a tensor of another shape or dtype than the state's, NaN or infinity: checked
+before anything is put in the slot), is refused with one line; the transcript does not depend on it.
 """
 import hashlib
 import json
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 
 from dsv4cli.model import DecodeState
 
-from .snapshot import names, put_blocks, put_rows, take_blocks, take_rows
+from .snapshot import layout, put_blocks, put_rows, take_blocks, take_rows
 
 FORMAT = "dsv4cli chat state 1"
 MATCHED = ("model_id", "dtype", "drafter", "encoding")      # a state is refused unless these equal the engine's
@@ -56,7 +57,8 @@ def save(path: str | Path, state: DecodeState, slot: int, tokens: list[int], tru
 def load(path: str | Path, state: DecodeState, slot: int, header: dict[str, str]) -> tuple[list[int], int]:
     """Put the state in `path` into slot `slot`; returns its tokens and the first position whose ring rows it
     restored. ValueError (one line) when the file is not a chat state, was made for another model, dtype,
-    drafter or encoding (`header`'s values), or is longer than the slot."""
+    drafter or encoding (`header`'s values), is longer than the slot, or is damaged: a tensor missing, of
+    another shape or dtype than this state's, or holding NaN or infinity. Nothing is put before all is checked."""
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
@@ -65,21 +67,42 @@ def load(path: str | Path, state: DecodeState, slot: int, header: dict[str, str]
             for key in MATCHED:
                 if meta.get(key) != header.get(key):
                     raise ValueError(refusal(key, meta, header))
-            names_in_file = f.keys()
-            tensors = {k: f.get_tensor(k) for k in names_in_file}
+            pos = int(meta["position"]) if meta.get("position", "").isdecimal() else 0
+            if pos < 1:
+                raise ValueError("its header has no position (a damaged file)")
+            if pos + 1 >= state.max_len:
+                raise ValueError(f"it holds {pos + 1} tokens; max_seq_len is {state.max_len}")
+            parts = layout(state, pos)
+            if set(f.keys()) != set(parts) | {"tokens"}:
+                raise ValueError("its tensors are not this model's state (a damaged file)")
+            # every ring holds the same rows (those from where the saved state was trusted), at most `pos`
+            rows = (f.get_slice("layers.0.win").get_shape() or [0])[0]
+            if rows > pos:
+                raise ValueError(f"layers.0.win: {rows} rows for {pos} positions (a damaged file)")
+            tokens = _read(f, "tokens", [pos + 1], torch.int64).tolist()
+            tensors = {name: _read(f, name, [rows if kind == "ring" else n, *t.shape[2:]], t.dtype)
+                       for name, (kind, t, n) in parts.items()}
     except (OSError, SafetensorError) as e:
         raise ValueError(f"cannot read it: {e}") from None
-    tokens = tensors.pop("tokens").tolist()
-    pos = int(meta["position"])
-    if tokens_digest(tokens) != meta.get("tokens_sha256") or pos != len(tokens) - 1:
+    if tokens_digest(tokens) != meta.get("tokens_sha256"):
         raise ValueError("its tokens do not match its header (a damaged file)")
-    if len(tokens) >= state.max_len:
-        raise ValueError(f"it holds {len(tokens)} tokens; max_seq_len is {state.max_len}")
-    if set(tensors) != names(state):
-        raise ValueError("its tensors are not this model's state (a damaged file)")
     put_blocks(state, slot, 0, tensors)
     put_rows(state, slot, pos, tensors)
-    return tokens, pos - min(tensors["layers.0.win"].shape[0], state.ring)
+    return tokens, pos - min(rows, state.ring)
+
+
+def _read(f, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Tensor `name` of an open file, refused (ValueError) unless of `shape` (checked before it is read) and
+    `dtype`, and finite."""
+    if (found := f.get_slice(name).get_shape()) != shape:
+        raise ValueError(f"{name}: shape {found}, this state needs {shape} (a damaged file)")
+    t = f.get_tensor(name)
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: {str(t.dtype).removeprefix('torch.')}, this state holds "
+                         f"{str(dtype).removeprefix('torch.')} (a damaged file)")
+    if t.is_floating_point() and not torch.isfinite(t).all():
+        raise ValueError(f"{name}: holds NaN or infinity (a damaged file)")
+    return t
 
 
 def refusal(key: str, meta: dict[str, str], header: dict[str, str]) -> str:

@@ -59,9 +59,10 @@ def put_blocks(state: DecodeState, slot: int, since: int, parts: dict[str, torch
             t[slot, since // r: since // r + parts[name].shape[0]].copy_(parts[name])
 
 
-def names(state: DecodeState) -> set[str]:
-    """Every tensor a snapshot holds: the rings' and the blocks'."""
-    return {name for kind in ("ring", "blocks") for name, *_ in _carried(state, 0, kind)}
+def layout(state: DecodeState, pos: int) -> dict[str, tuple[str, torch.Tensor, int]]:
+    """Every tensor a snapshot at `pos` holds: its kind ("ring" or "blocks"), the state's tensor [B, ...] it goes
+    into, and its rows: a ring's at most (the positions before `pos`), the blocks' exactly (those closed before)."""
+    return {name: (kind, t, hi) for kind in ("ring", "blocks") for name, t, _, _, hi in _carried(state, pos, kind)}
 
 
 def nbytes(parts: dict[str, torch.Tensor]) -> int:
