@@ -4,8 +4,10 @@ answers checked against `dsv4 generate`'s engine and prompt building, tool round
 on the same conversation."""
 import copy
 import json
+import re
 import threading
 import time
+from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -483,7 +485,7 @@ def test_tool_calls_stream_without_markup():
     assert parsed[-2]["delta"]["stop_reason"] == "tool_use"
     assert messages_api.message(req, seq, "tiny", tok, "7")["content"][1]["input"] == {"city": "Paris"}
 
-    turn = responses_api.parse(parser, responses_api.ResponseStore(), {"input": "Weather?", "stream": True,
+    turn = responses_api.parse(parser, responses_api.ResponseStore(1 << 20), {"input": "Weather?", "stream": True,
                                                                        "tools": [FUNCTION]})
     events = responses_api.ResponseEvents(turn, tok, "tiny", "7")
     out = events.first()
@@ -501,8 +503,8 @@ def test_tool_calls_stream_without_markup():
 
 
 def test_the_response_store_is_bounded():
-    """At most `size` responses and `limit` characters of them: the least recently used go first."""
-    store = responses_api.ResponseStore(size=2, limit=10_000)
+    """At most `size` responses and `limit` bytes of them: the least recently used go first."""
+    store = responses_api.ResponseStore(limit=10_000, size=2)
     for rid in ("a", "b"):
         store.put(rid, {"id": rid}, [{"role": "user", "content": "Hi"}])
     store.get("a")
@@ -510,6 +512,42 @@ def test_the_response_store_is_bounded():
     assert (store.get("a") is not None, store.get("b"), store.get("c") is not None) == (True, None, True)
     store.put("d", {"id": "d"}, [{"role": "user", "content": "x" * 10_000}])    # over the limit by itself
     assert [store.get(rid) for rid in "acd"] == [None, None, None] and store.bytes == 0
+
+
+def test_stored_responses_stay_within_their_bytes(tmp_path):
+    """2,000 stored Responses with the largest metadata OpenAI allows (16 pairs, 64-character keys, 512-character
+    values): the store keeps within --stored-responses-bytes (its metrics say so) and the server's memory grows
+    by no more than that and the allocator's slack; larger metadata is a 400 on Responses and chat completions."""
+    import concurrent.futures
+
+    bound = 1 << 20
+    server = Server(tmp_path, "--temperature", "0", "--max-batch", "8", "--stored-responses-bytes", str(bound))
+    try:
+        metadata = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+        body = {"model": "x", "input": "Hi", "max_output_tokens": 1, "metadata": metadata}
+
+        def rss() -> int:
+            status = Path(f"/proc/{server.proc.pid}/status").read_text()
+            return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) << 10
+
+        def send(n: int) -> None:
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                codes = list(pool.map(lambda _: server.post("/v1/responses", body).status_code, range(n)))
+            assert codes == [200] * n
+
+        send(200)                       # the store full, the allocator's pools warm
+        before = rss()
+        send(1800)
+        grown = rss() - before
+        stored = dict(re.findall(r"^dsv4:(responses_stored(?:_bytes)?) (\d+)$", server.get("/metrics"), re.M))
+        assert 0 < int(stored["responses_stored_bytes"]) <= bound and int(stored["responses_stored"]) < 2000
+        assert grown <= bound + (8 << 20), grown
+        chat = {"model": "x", "messages": ASK, "max_tokens": 1}
+        for path, sent in (("/v1/responses", body), ("/v1/chat/completions", chat)):
+            r = server.post(path, {**sent, "metadata": {"k": "v" * 513}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "metadata", r.text
+    finally:
+        server.stop()
 
 
 ASK = [{"role": "user", "content": "Hi"}]
@@ -538,6 +576,10 @@ BAD_RESPONSES = [
     ({"truncation": "auto"}, "truncation"),
     ({"reasoning": {"effort": "high", "x": 1}}, "reasoning.x"),
     ({"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata"),          # OpenAI's limits: keys <= 64, values <= 512, 16 pairs
+    ({"metadata": {"k": "v" * 513}}, "metadata"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": 1}}, "metadata"),
 ]
 
 
@@ -551,5 +593,5 @@ def test_bad_bodies_name_the_field_as_the_api_does(api):
             if api == "messages":
                 messages_api.parse(parser, {"max_tokens": 8, "messages": ASK} | extra)
             else:
-                responses_api.parse(parser, responses_api.ResponseStore(), {"input": "Hi"} | extra)
+                responses_api.parse(parser, responses_api.ResponseStore(1 << 20), {"input": "Hi"} | extra)
         assert e.value.message.startswith(field + ":"), (extra, e.value.message)

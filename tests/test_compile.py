@@ -111,6 +111,21 @@ def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer
         assert max(abs(x - y) for x, y in zip([a.logprob, *a.given], [b.logprob, *b.given])) <= 1e-5
 
 
+def reaped_while_idle(pid: int, timeout: float = 600) -> bool:
+    """Whether a child process, once it ends, is reaped within a few seconds (gone from /proc, not a zombie)."""
+    zombie_since, deadline = None, time.time() + timeout
+    while time.time() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        zombie_since = (zombie_since or time.time()) if state == "Z" else None
+        if zombie_since and time.time() - zombie_since > 5:
+            return False
+        time.sleep(0.1)
+    return False
+
+
 STEP = StepKey((), 2, 2, 512, False, False, True)    # decode rows of batch 2 verifying 2 drafts, context 512, greedy
 CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
 
@@ -145,6 +160,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
     child = engine.compiled.apart[1]
     assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
+    assert reaped_while_idle(child.pid)              # no zombie while the engine takes no step
     engine.compiled.wait()
     step = StepKey((), 2, 0, 512, False, False, True)
     chunk = StepKey((ChunkKey(32, 512, True),), 0, 0, 0, False, False, True)

@@ -898,3 +898,13 @@ def test_tokenizer_info(server):
     eos = server.post("/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
     assert eos == [tok.eos_id]
     assert httpx.get(server.url + "/tokenizer_info").status_code == 401
+
+
+def test_an_open_unkeyed_server_warns_once(tmp_path):
+    """Listening beyond loopback with no key: one warning line at start-up (it answers any Host there); with a
+    key, or on loopback (every other server here), none."""
+    for args, env, warned in ((("--host", "0.0.0.0"), {}, True), (("--host", "0.0.0.0"), {"DSV4_API_KEY": KEY}, False)):
+        s = Server(tmp_path, *args, env=env)
+        s.stop()
+        lines = [line for line in s.log.read_text().splitlines() if line.startswith("warning:")]
+        assert len(lines) == warned and (not warned or "--api-key" in lines[0]), lines

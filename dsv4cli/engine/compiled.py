@@ -155,6 +155,8 @@ class CompiledSteps:
                                 start_new_session=True, env=env)
         proc.stdin.write(pickle.dumps((self.remake, key)))
         proc.stdin.flush()         # left open: the process ends when this one closes it, or ends
+        # reaped as it ends, not at the engine's next step (an idle server would keep a zombie a supervisor sees)
+        threading.Thread(target=proc.wait, name="dsv4-compile-reaper", daemon=True).start()
         self.apart = (key, proc, log, time.perf_counter())
 
     def _poll(self) -> None:

@@ -34,7 +34,7 @@ HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", 
 HARMLESS = {
     "model": "a run serves the one model given by --model",
     "user": "an end-user id for abuse monitoring: nothing to monitor offline",
-    "metadata": "tags for stored completions: nothing is stored",
+    "metadata": "tags for stored completions (OpenAI's limits checked): nothing is stored",
     "store": "nothing is stored",
     "stream_options": "options of streaming, which batch requests do not do (honoured by dsv4 serve)",
 }
@@ -51,6 +51,7 @@ REFUSED = {
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # response_format's json_schema object
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
 MAX_CHOICES = 128                                     # OpenAI's limit on n
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512      # OpenAI's limits on `metadata`
 MAX_PROMPTS = 2048                                    # prompts in one completion (evaluation harnesses batch them)
 TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "add_generation_prompt"}
 # what a JSON text holding a lone surrogate has: a \uD800-\uDFFF escape, or one encoded as (invalid) UTF-8, which
@@ -167,6 +168,7 @@ class BodyParser:
         if not isinstance(body, dict):
             raise BadRequest("invalid_request", f"{place.rstrip('.') or 'the body'}: must be a JSON object")
         _check_fields(body, place, extra)
+        check_metadata(body.get("metadata"), place)
         stream = body.get("stream")
         if server and stream is not None and not isinstance(stream, bool):
             raise BadRequest("invalid_parameter", f"{place}stream: must be true or false")
@@ -393,6 +395,23 @@ def _check(key: str, value, place: str):
         return check(key, value, place)
     except UsageError as e:
         raise BadRequest("invalid_parameter", str(e)) from None
+
+
+def check_metadata(metadata, place: str = "") -> None:
+    """OpenAI's `metadata` (None: none): at most 16 pairs, keys of at most 64 characters, string values of at most
+    512, as its API limits them (a server keeps them with what it stores)."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_PAIRS:
+        raise BadRequest("invalid_parameter", f"{place}metadata: must be an object of at most {METADATA_PAIRS} "
+                                              f"key-value pairs")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY:
+            raise BadRequest("invalid_parameter", f"{place}metadata: key {key[:METADATA_KEY]!r}...: at most "
+                                                  f"{METADATA_KEY} characters")
+        if not isinstance(value, str) or len(value) > METADATA_VALUE:
+            raise BadRequest("invalid_parameter", f"{place}metadata: the value of {key!r} must be a string of at most "
+                                                  f"{METADATA_VALUE} characters")
 
 
 def _check_fields(body: dict, place: str, extra: tuple[str, ...]) -> None:

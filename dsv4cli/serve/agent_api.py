@@ -66,10 +66,10 @@ class NamedEventStream:
 
 
 def agent_routes(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, endpoint: Callable,
-                 parsed: Callable, submit: Callable, number: Callable[[], str]) -> list[Route]:
+                 parsed: Callable, submit: Callable, number: Callable[[], str],
+                 store: responses_api.ResponseStore) -> list[Route]:
     """`endpoint` wraps a handler (key, errors), `parsed(request, parse)` reads a JSON body, `submit(req)` runs
-    a request, `number()` numbers a reply: the app's own."""
-    store = responses_api.ResponseStore()
+    a request, `number()` numbers a reply: the app's own; `store` keeps the Responses stored."""
 
     async def reply(request: Request, req, events, body: Callable[[Sequence], dict],
                     after: Callable[[Sequence], None] | None = None) -> Response | NamedEventStream:

@@ -43,6 +43,7 @@ from dsv4cli.engine import SamplingParams, Sequence
 from dsv4cli.openai import requests as body_requests
 from dsv4cli.openai.requests import BadRequest, BodyParser, load_json
 from dsv4cli.openai.responses import ChunkStream, completion
+from dsv4cli.openai.responses_api import ResponseStore
 from dsv4cli.tokenizer import Tokenizer
 
 from .agent_api import agent_routes
@@ -146,9 +147,10 @@ class EventStream:
 def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, metrics: ServerMetrics,
                api_key: str | None, log_prompts: bool, max_body_bytes: int = 8 << 20,
                hosts: set[str] | None = None, cors_origins: list[str] = (), store: Store | None = None,
-               max_file_bytes: int = 200 << 20) -> ASGIApp:
+               max_file_bytes: int = 200 << 20, stored_responses_bytes: int = 64 << 20) -> ASGIApp:
     """`hosts`: the Host names answered to (None: any); `cors_origins`: browser origins allowed; `store`: the
-    Files and Batches API's directory (None: off)."""
+    Files and Batches API's directory (None: off); `stored_responses_bytes`: what the Responses kept for
+    previous_response_id may take."""
     numbers = itertools.count(1)
     created = int(time.time())
     card = {"id": model, "object": "model", "created": created, "owned_by": "dsv4cli",
@@ -307,7 +309,9 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
               Route("/metrics", endpoint(prometheus, keyed=False), methods=["GET"])]
     # the agent APIs' ids carry a token of this run: a restarted server does not continue another's response
     run = secrets.token_hex(3)
-    routes += agent_routes(loop, parser, tok, model, endpoint, parsed, submit, lambda: f"{run}{next(numbers)}")
+    metrics.responses = ResponseStore(stored_responses_bytes)
+    routes += agent_routes(loop, parser, tok, model, endpoint, parsed, submit, lambda: f"{run}{next(numbers)}",
+                           metrics.responses)
     if store is not None:
         routes += batch_routes(store, loop, parser, model, endpoint, parsed, max_file_bytes, list(cors_origins))
     app = Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})

@@ -56,6 +56,9 @@ def run_serve(s: Settings) -> int:
     from .metrics import ServerMetrics
 
     sock = bind(s.host, s.port)     # before loading: a taken port fails in a second, not after the model
+    if not s.api_key and not ipaddress.ip_address(sock.getsockname()[0].partition("%")[0]).is_loopback:
+        print(f"warning: --host {s.host} listens beyond this machine with no --api-key: anyone who can reach it can "
+              f"use the model", file=sys.stderr)
     store = Store(Path(s.batch_dir)) if s.batch_dir else None      # and a batch directory another server holds
     engine = load_engine(s, "serve")
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
@@ -66,7 +69,7 @@ def run_serve(s: Settings) -> int:
                       batch_slots=min(s.batch_slots or max(1, engine.max_batch // 4), engine.max_batch))
     host, port = sock.getsockname()[:2]
     app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
-                     answered_hosts(s, host), s.cors_origins, store, s.max_file_bytes)
+                     answered_hosts(s, host), s.cors_origins, store, s.max_file_bytes, s.stored_responses_bytes)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
                             http=protocol(s.read_timeout, connection_limit(s.max_connections)))
     server = Server(config, loop, s.shutdown_timeout)
@@ -93,7 +96,7 @@ def run_serve(s: Settings) -> int:
 @model_options("host", "port", "api_key", "max_waiting", "log_prompts", "thinking", "reasoning_effort",
                "served_model_name", "allowed_hosts", "cors_origins", "max_body_bytes", "max_messages",
                "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout", "batch_dir", "batch_slots",
-               "max_file_bytes")
+               "max_file_bytes", "stored_responses_bytes")
 def serve(opts: CliOptions) -> int:
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
     /v1/responses, streaming) and Anthropic's /v1/messages, with continuous batching."""

@@ -4,6 +4,7 @@ import threading
 from collections import Counter
 
 from dsv4cli.engine import Sequence
+from dsv4cli.openai.responses_api import ResponseStore
 
 # seconds; a tiny model's TTFT is milliseconds, a real one's on a busy server seconds
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -40,6 +41,7 @@ class ServerMetrics:
         self.accepted_per_position, self.proposed_per_position = [0] * positions, [0] * positions
         self.ttft, self.tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self.running = self.waiting = 0
+        self.responses: ResponseStore | None = None      # the stored Responses, for their count and bytes
 
     def finish(self, seq: Sequence) -> None:
         """Count a request that ended (finished or cancelled)."""
@@ -115,4 +117,9 @@ class ServerMetrics:
                         f"dsv4:spec_decode_mean_acceptance_length "
                         f"{1 + self.accepted_tokens / self.drafts if self.drafts else 1.0}"),
             ]
+        if self.responses is not None:
+            lines += [*metric("responses_stored", "gauge", "Responses kept for previous_response_id and GET.",
+                              f"dsv4:responses_stored {len(self.responses.items)}"),
+                      *metric("responses_stored_bytes", "gauge", "Their JSON's bytes (at most stored_responses_bytes).",
+                              f"dsv4:responses_stored_bytes {self.responses.bytes}")]
         return "\n".join(lines) + "\n"
