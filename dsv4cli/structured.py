@@ -148,6 +148,9 @@ def _invoke(rule: str, function: dict, tok: Tokenizer) -> list[str]:
     if not isinstance(schema, dict) or schema.get("type", "object") != "object" or \
             not isinstance(schema.get("properties", {}), dict):
         raise ValueError(f"{name}: its parameters must be an object schema with properties")
+    if not all(isinstance(sub, dict) for sub in schema.get("properties", {}).values()) or \
+            not isinstance(schema.get("required", []), list):
+        raise ValueError(f"{name}: its parameters' properties must each be a schema (an object), its required a list")
     if not finite(schema):
         raise ValueError(f"{name}: its parameters: {ENDLESS}")
     shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}     # what the properties' $refs name

@@ -127,9 +127,12 @@ def _tools(tools) -> list[dict]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise BadRequest("invalid_parameter", f'tools[{i}]: must be {{"name": ..., "input_schema": {{...}}}}')
-        if tool.get("type") not in (None, "custom"):
-            raise BadRequest("unsupported_parameter", f"tools[{i}].type: {tool['type']}: server tools are not "
-                                                      f"supported; give client tools (name, input_schema)")
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            if not isinstance(kind, str):
+                raise BadRequest("invalid_parameter", f"tools[{i}].type: must be custom (or left out)")
+            raise BadRequest("unsupported_parameter", f"tools[{i}].type: {kind}: server tools are not supported; "
+                                                      f"give client tools (name, input_schema)")
         refuse_unknown(tool, TOOL_KEYS, f"tools[{i}]")
         if tool.get("strict"):
             raise BadRequest("unsupported_parameter", f"tools[{i}].strict: a call is held to its schema only when "
@@ -145,7 +148,7 @@ def _tools(tools) -> list[dict]:
 def _tool_choice(choice) -> str | dict:
     """auto, any (some call: chat's required), tool (a call of the named one), none."""
     kinds = {"auto": "auto", "any": "required", "none": "none", "tool": None}
-    if not isinstance(choice, dict) or choice.get("type") not in kinds:
+    if not isinstance(choice, dict) or not isinstance(choice.get("type"), str) or choice["type"] not in kinds:
         raise BadRequest("invalid_parameter", 'tool_choice: must be {"type": "auto" | "any" | "tool" | "none"}')
     refuse_unknown(choice, ("type", "name", "disable_parallel_tool_use"), "tool_choice")
     if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
@@ -179,9 +182,10 @@ def _blocks(content, place: str) -> list[dict]:
         raise BadRequest("invalid_messages", f"{place}: must be a string or a list of content blocks")
     for i, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
+        if not isinstance(kind, str):
+            raise BadRequest("invalid_messages", f"{place}[{i}]: must be a content block (an object with a type)")
         if kind not in BLOCK_KEYS:
-            why = "is not supported: DSV4 reads text" if isinstance(kind, str) else "must be a content block"
-            raise BadRequest("invalid_messages", f"{place}[{i}]: {kind if isinstance(kind, str) else 'this'} {why}")
+            raise BadRequest("invalid_messages", f"{place}[{i}]: {kind} is not supported: DSV4 reads text")
         refuse_unknown(block, BLOCK_KEYS[kind] | {"type", "cache_control"}, f"{place}[{i}]")
         if kind in ("text", "thinking") and not isinstance(block.get(kind), str):
             raise BadRequest("invalid_messages", f"{place}[{i}].{kind}: must be a string")

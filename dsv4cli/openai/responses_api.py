@@ -3,6 +3,7 @@ completions: a Responses body (with the conversation of its `previous_response_i
 in-memory store) becomes a chat body that `BodyParser` parses, a finished sequence a `response` of output
 items, and the chat chunks `ChunkStream` writes Responses stream events. Field policy as in requests.py."""
 import json
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -11,13 +12,14 @@ from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import Sequence
 from dsv4cli.tokenizer import Tokenizer
 
-from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, refuse_unknown, renamed
+from .requests import PASSED_SAMPLING, BadRequest, BodyParser, Request, check_metadata, refuse_unknown, renamed
 from .responses import ChunkStream, visible_message
 
 RESPONSES_URL = "/v1/responses"
 # responses kept for previous_response_id and GET, the least recently used dropped first when there are more, or
-# when their JSON (body and conversation: a chain of n turns holds its start n times) passes the characters
-STORED_RESPONSES, STORED_BYTES = 1024, 256 << 20
+# when their JSON's bytes (body and conversation: a chain of n turns holds its start n times) pass the setting
+# `stored_responses_bytes`
+STORED_RESPONSES = 1024
 HONOURED = {"input", "instructions", "max_output_tokens", "stream", "tools", "tool_choice", "reasoning", "text",
             "previous_response_id", "store", "include", "truncation", "parallel_tool_calls"}
 HARMLESS = {
@@ -44,6 +46,9 @@ FIELD_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.forma
 ITEM_KEYS = {"message": {"role", "content"}, "function_call": {"call_id", "name", "arguments"},
              "function_call_output": {"call_id", "output"}, "reasoning": {"summary", "content", "encrypted_content"}}
 TEXT_PARTS = ("input_text", "output_text")
+# how deep a field a response echoes (tools, text) may nest: far deeper than any schema, far shallower than the
+# recursion limit at which the response's JSON is written
+ECHO_DEPTH = 100
 
 
 @dataclass
@@ -58,14 +63,14 @@ class Turn:
 
 class ResponseStore:
     """Finished responses by id: each one's body (GET) and conversation (previous_response_id), at most
-    `size` of them and `limit` characters of their JSON, in memory: a restart forgets them."""
+    `size` of them and `limit` bytes of their JSON (0: none kept), in memory: a restart forgets them."""
 
-    def __init__(self, size: int = STORED_RESPONSES, limit: int = STORED_BYTES):
+    def __init__(self, limit: int, size: int = STORED_RESPONSES):
         self.size, self.limit, self.bytes = size, limit, 0
         self.items: OrderedDict[str, tuple[dict, list[dict], int]] = OrderedDict()
 
     def put(self, rid: str, body: dict, messages: list[dict]) -> None:
-        size = len(json.dumps([body, messages], ensure_ascii=False))
+        size = len(json.dumps([body, messages]))        # ASCII: a character per byte
         self.items[rid] = (body, messages, size)
         self.bytes += size
         while len(self.items) > self.size or self.bytes > self.limit:
@@ -87,10 +92,13 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
             raise BadRequest("unsupported_parameter", f"{name}: {REFUSED[name]}")
         if name not in HONOURED and name not in HARMLESS and name not in PASSED_SAMPLING:
             raise BadRequest("unsupported_parameter", f"{name}: not a supported field of a {RESPONSES_URL} body")
+    check_metadata(body.get("metadata"))
     history = []
     previous = body.get("previous_response_id")
     if previous is not None:
-        stored = store.get(previous) if isinstance(previous, str) else None
+        if not isinstance(previous, str):
+            raise BadRequest("invalid_parameter", "previous_response_id: must be a string")
+        stored = store.get(previous)
         if stored is None:
             raise BadRequest("previous_response_not_found", f"previous_response_id: {previous!r} is not stored here "
                                                             f"(not with store false; a restart forgets, and the least "
@@ -109,6 +117,8 @@ def parse(parser: BodyParser, store: ResponseStore, body) -> Turn:
               "reasoning": {"effort": effort if req.thinking else None, "summary": None},
               "text": body.get("text") or {"format": {"type": "text"}}, "metadata": body.get("metadata") or {},
               "store": body.get("store", True)}
+    for name, value in fields.items():
+        _echoable(value, name)
     return Turn(req, chat["messages"][1:] if body.get("instructions") else chat["messages"], fields, fields["store"])
 
 
@@ -134,10 +144,10 @@ def chat_body(body: dict, history: list[dict]) -> dict:
 def _checked_options(body: dict) -> None:
     if not isinstance(body.get("store", True), bool):
         raise BadRequest("invalid_parameter", "store: must be true or false")
-    include = body.get("include") or []
-    if not isinstance(include, list):
-        raise BadRequest("invalid_parameter", "include: must be a list")
-    if (bad := next((v for v in include if v not in INCLUDED), None)) is not None:
+    include = body.get("include")
+    if include is not None and not (isinstance(include, list) and all(isinstance(v, str) for v in include)):
+        raise BadRequest("invalid_parameter", "include: must be a list of strings")
+    if (bad := next((v for v in include or [] if v not in INCLUDED), None)) is not None:
         raise BadRequest("unsupported_parameter", f"include: {bad!r} is not supported (only "
                                                   f"{', '.join(sorted(INCLUDED))})")
     if body.get("truncation", "disabled") != "disabled":
@@ -187,7 +197,8 @@ def _tools(tools) -> list[dict]:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
             kind = tool.get("type") if isinstance(tool, dict) else None
-            raise BadRequest("unsupported_parameter", f"tools[{i}].type: {kind}: only function tools are supported")
+            named = f"{kind}: " if isinstance(kind, str) else ""
+            raise BadRequest("unsupported_parameter", f"tools[{i}].type: {named}only function tools are supported")
         refuse_unknown(tool, ("type", "name", "description", "parameters", "strict"), f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
@@ -198,8 +209,9 @@ def _tool_choice(choice) -> str | dict:
         return {"type": "function", "function": {"name": choice["name"]}}
     if choice in ("auto", "none", "required"):
         return choice
+    got = f", got {json.dumps(choice)}" if isinstance(choice, str) else ""
     raise BadRequest("invalid_parameter", f'tool_choice: must be auto, none, required or {{"type": "function", '
-                                          f'"name": ...}}, got {json.dumps(choice)}')
+                                          f'"name": ...}}{got}')
 
 
 def _input(value) -> list[dict]:
@@ -213,14 +225,16 @@ def _input(value) -> list[dict]:
     out, reasoning = [], None
     for i, item in enumerate(value):
         place = f"input[{i}]"
-        kind = item.get("type", "message" if "role" in item else None) if isinstance(item, dict) else None
-        if kind not in ITEM_KEYS:
-            raise BadRequest("invalid_messages", f"{place}.type: {kind}: not supported (messages, function_call, "
+        if not isinstance(item, dict):
+            raise BadRequest("invalid_messages", f"{place}: must be an item (an object)")
+        kind = item.get("type", "message" if "role" in item else None)
+        if not isinstance(kind, str) or kind not in ITEM_KEYS:
+            named = f"{kind}: " if isinstance(kind, str) else ""
+            raise BadRequest("invalid_messages", f"{place}.type: {named}not supported (message, function_call, "
                                                  f"function_call_output and reasoning are)")
         refuse_unknown(item, ITEM_KEYS[kind] | {"type", "id", "status"}, place)
         if kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            reasoning = _reasoning_text(item, place)
             continue
         if kind == "message":
             if item.get("role") not in ("user", "assistant", "system", "developer"):
@@ -241,6 +255,20 @@ def _input(value) -> list[dict]:
     return out
 
 
+def _reasoning_text(item: dict, place: str) -> str:
+    """A reasoning item's text: its content's parts (reasoning_text), else its summary's (summary_text)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is None:
+            continue
+        if not isinstance(parts, list):
+            raise BadRequest("invalid_messages", f"{place}.{key}: must be a list of parts")
+        for j, part in enumerate(parts):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise BadRequest("invalid_messages", f"{place}.{key}[{j}].text: must be a string")
+    return "".join(p["text"] for p in item.get("content") or item.get("summary") or [])
+
+
 def _string(item: dict, key: str, place: str) -> str:
     if not isinstance(item.get(key), str):
         raise BadRequest("invalid_messages", f"{place}.{key}: must be a string")
@@ -256,9 +284,27 @@ def _text(content, place: str) -> str:
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
-            raise BadRequest("invalid_messages", f"{place}[{j}]: {kind}: only text parts ({', '.join(TEXT_PARTS)}) "
+            named = f"{kind}: " if isinstance(kind, str) else ""
+            raise BadRequest("invalid_messages", f"{place}[{j}]: {named}only text parts ({', '.join(TEXT_PARTS)}) "
                                                  f"are supported: DSV4 reads text")
     return "".join(p["text"] for p in content)
+
+
+def _echoable(value, place: str) -> None:
+    """A field a response echoes must encode as JSON again, deeper in the server's stack than it was decoded:
+    finite numbers (Python's JSON reader takes NaN, Infinity and 1e999, which no JSON writer writes), nested at
+    most ECHO_DEPTH levels."""
+    todo = [(value, place, 0)]
+    while todo:
+        value, place, depth = todo.pop()
+        if depth > ECHO_DEPTH:
+            raise BadRequest("invalid_parameter", f"{place}: nested deeper than {ECHO_DEPTH} levels")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest("invalid_parameter", f"{place}: must be a finite number")
+        if isinstance(value, dict):
+            todo += [(v, f"{place}.{k}", depth + 1) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(v, f"{place}[{i}]", depth + 1) for i, v in enumerate(value)]
 
 
 def reasoning_tokens(seq: Sequence, tok: Tokenizer, thinking: bool) -> int:
