@@ -168,21 +168,23 @@ def encode_messages(
     return prompt
 
 
-def parse_completion(text: str, thinking: bool) -> dict:
+def parse_completion(text: str, thinking: bool, ignore_eos: bool = False, cut: bool = False) -> dict:
     """Split generated text back into an assistant message (the inverse of an assistant turn).
 
     Gives what the official parser gives for a well-formed turn, and is lenient on truncation: a
     thinking completion cut off before `</think>` is all reasoning, a missing EOS is fine.
-    `tool_calls` holds the DSML tool calls in OpenAI form (empty when there are none).
+    `tool_calls` holds the DSML tool calls in OpenAI form (empty when there are none); a reply `cut` by its
+    length keeps the call it was writing, its arguments so far (as they streamed). With `ignore_eos` the reply
+    goes on past an EOS, which it then reads as no end.
     """
-    text = text.partition(EOS)[0]
+    text = text if ignore_eos else text.partition(EOS)[0]
     reasoning = ""
     if thinking:
         reasoning, found, rest = text.partition(THINK_END)
         text = rest if found else ""
     content, calls = split_tool_calls(text)
     tool_calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                  for c in tool_calls_so_far(calls) if c["done"]] if calls is not None else []
+                  for c in tool_calls_so_far(calls) if c["done"] or cut] if calls is not None else []
     return {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": tool_calls}
 
 

@@ -157,7 +157,8 @@ def test_bad_uploads_and_batches_are_refused_naming_the_problem(served, tmp_path
     bad = "file-nope"
     for kwargs, param in (({"endpoint": "/v1/embeddings"}, "endpoint"), ({"input_file_id": bad}, "input_file_id"),
                           ({"extra_body": {"priority": 1}}, "priority"),
-                          ({"metadata": {"k": "v" * 513}}, "metadata"), ({"metadata": {"k" * 65: "v"}}, "metadata")):
+                          ({"metadata": {"k": "v" * 513}}, "metadata"), ({"metadata": {"k" * 65: "v"}}, "metadata"),
+                          ({"input_file_id": [uploaded.id]}, "input_file_id"), ({"endpoint": [[[]]]}, "endpoint")):
         with pytest.raises(openai.BadRequestError) as e:
             client.batches.create(**{"input_file_id": uploaded.id, "endpoint": "/v1/chat/completions",
                                      "completion_window": "24h", **kwargs})

@@ -24,8 +24,9 @@ from dsv4cli.engine import Engine, SamplingParams, Sequence
 from dsv4cli.engine.grammar import Grammar, new_matcher
 from dsv4cli.kernels import cpu
 from dsv4cli.model import load_model
+from dsv4cli.openai import anthropic
 from dsv4cli.openai.requests import BodyParser
-from dsv4cli.openai.responses import ChunkStream
+from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.structured import json_grammar, text_grammar, tool_grammar
 from dsv4cli.tokenizer import Tokenizer
 
@@ -387,6 +388,40 @@ def test_a_cut_off_or_untidy_call_never_shows_markup(tok):
     chunks = streamed(tok, text[: text.index("left")], finish="length")
     args = "".join(t["function"]["arguments"] for c in chunks for t in c["choices"][0]["delta"].get("tool_calls", []))
     assert args == '{"city": "He said \\"hi\\"\\nthen </b> ' and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_and_whole_replies_agree_at_the_edges(tok):
+    """A call cut by max_tokens: the body has it with the arguments so far, as they streamed, finish reason
+    length; with ignore_eos the reply goes on past an EOS in both forms; a reasoning effort alone turns thinking
+    on (an effort means "reason") but for Anthropic's, which shapes a reply without turning thinking on."""
+    def both(text: str, finish: str, **fields) -> tuple[list[dict], dict]:
+        body = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER], **fields}
+        req = BodyParser(tok, SamplingParams(), 4096).parse(body | {"stream": True}, chat=True, server=True)
+        seq = Sequence("x", [0], req.params, 0, [1], text, finish_reason=finish)
+        stream = ChunkStream(req, tok, "tiny", "7")
+        chunks = stream.first() + stream.update(text, []) + stream.finish(seq)
+        whole = BodyParser(tok, SamplingParams(), 4096).parse(body, True, server=True)
+        return chunks, completion(whole, seq, "tiny", tok, "7")["choices"][0]
+
+    text = dsml([("get_weather", ARGUMENTS[0])])
+    chunks, whole = both(text[: text.index("left")], "length")
+    args = "".join(t["function"]["arguments"] for c in chunks for t in c["choices"][0]["delta"].get("tool_calls", []))
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == args
+    assert args == '{"city": "He said \\"hi\\"\\nthen </b> '
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] == "I will look."
+    eos = tok.decode([tok.eos_id])
+    for ignore_eos, want in ((True, "Hi there. And more."), (False, "Hi there.")):
+        chunks, whole = both(f"Hi there.{eos} And more.", "length", ignore_eos=ignore_eos)
+        streamed_text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        assert whole["message"]["content"] == streamed_text == want
+    parser = BodyParser(tok, SamplingParams(), 4096)
+    ask = {"messages": [{"role": "user", "content": "Hi"}]}
+    assert parser.parse(ask | {"reasoning_effort": "high"}, True).thinking
+    assert not parser.parse(ask | {"reasoning_effort": "high", "thinking": False}, True).thinking
+    assert not parser.parse(ask, True).thinking
+    effort = {"max_tokens": 8, "messages": ask["messages"], "output_config": {"effort": "high"}}
+    assert not anthropic.parse(parser, effort).thinking
+    assert anthropic.parse(parser, effort | {"thinking": {"type": "enabled", "budget_tokens": 1024}}).thinking
 
 
 # ---- the front ends --------------------------------------------------------------------------------

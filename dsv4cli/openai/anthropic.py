@@ -47,6 +47,8 @@ def parse(parser: BodyParser, body, counting: bool = False) -> Request:
     """A Messages body -> the Request its chat body parses into; `counting`: a count_tokens body (no
     max_tokens, no stream)."""
     chat = chat_body(body, counting)
+    if "reasoning_effort" in chat:          # Anthropic's effort shapes a reply, thinking or not: it turns none on
+        chat.setdefault("thinking", parser.thinking)
     try:
         req = parser.parse(chat, chat=True, server=True)
     except BadRequest as e:
@@ -287,7 +289,7 @@ def stop(seq: Sequence, called: bool) -> tuple[str, str | None]:
 
 def message(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str) -> dict:
     """The reply as a `message`: thinking, text and tool_use blocks (each only when it has something)."""
-    parsed = visible_message(tok, seq.text, req.thinking)
+    parsed = visible_message(tok, seq.text, req.thinking, req.params.ignore_eos)
     content = [{"type": "thinking", "thinking": parsed["reasoning_content"], "signature": ""}] \
         if req.thinking and parsed["reasoning_content"] else []
     if parsed["content"]:
@@ -323,7 +325,8 @@ class MessageEvents:
 
     def finish(self, seq: Sequence) -> list[tuple[str, dict]]:
         events = self._translate(self.chunks.finish(seq)) + self._close()
-        reason, sequence = stop(seq, bool(visible_message(self.tok, seq.text, self.req.thinking)["tool_calls"]))
+        called = visible_message(self.tok, seq.text, self.req.thinking, self.req.params.ignore_eos)["tool_calls"]
+        reason, sequence = stop(seq, bool(called))
         return events + [("message_delta", {"type": "message_delta", "usage": usage(seq),
                                             "delta": {"stop_reason": reason, "stop_sequence": sequence}}),
                          ("message_stop", {"type": "message_stop"})]

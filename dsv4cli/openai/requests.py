@@ -287,7 +287,9 @@ class BodyParser:
         return dataclasses.replace(self.defaults, **given)
 
     def _thinking(self, body: dict, place: str) -> tuple[bool, str | None]:
-        thinking = body.get("thinking", self.thinking)
+        """Whether the reply reasons, and how hard: `thinking`, else a `reasoning_effort` asks for it (an effort
+        means "reason", as in OpenAI's API), else the run's setting."""
+        thinking = body.get("thinking", self.thinking if body.get("reasoning_effort") is None else True)
         if isinstance(thinking, dict):    # the DeepSeek API spelling: {"type": "enabled"}
             thinking = thinking.get("type") == "enabled"
         effort = body.get("reasoning_effort")

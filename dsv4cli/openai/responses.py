@@ -61,10 +61,10 @@ def usage(seq: Sequence) -> dict:
             "prompt_tokens_details": {"cached_tokens": seq.metrics.cached_tokens}}
 
 
-def visible_message(tok: Tokenizer, text: str, thinking: bool) -> dict:
+def visible_message(tok: Tokenizer, text: str, thinking: bool, ignore_eos: bool = False, cut: bool = False) -> dict:
     """A reply's assistant message (parse_completion, which reads the special tokens), its content and
     reasoning as readers see them: without special tokens."""
-    parsed = parse_completion(text, thinking)
+    parsed = parse_completion(text, thinking, ignore_eos, cut)
     return parsed | {field: tok.visible(parsed[field]) for field in ("content", "reasoning_content")}
 
 
@@ -74,7 +74,7 @@ def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: 
     with the prompt, and its logprobs with the prompt's."""
     finish_reason = seq.finish_reason
     if req.chat:
-        parsed = visible_message(tok, seq.text, req.thinking)
+        parsed = visible_message(tok, seq.text, req.thinking, req.params.ignore_eos, finish_reason == "length")
         message = {"role": "assistant", "content": parsed["content"]}
         if req.thinking:
             message["reasoning_content"] = parsed["reasoning_content"]
@@ -141,7 +141,8 @@ class ChunkStream:
         self.text += text
         if not self.req.chat:
             return self._text(self.tok.visible(self.text, final=False), logprobs)
-        text = _before(self.text, EOS)[0]       # what parse_completion reads (ignore_eos writes past EOS)
+        # what parse_completion reads: up to an EOS, but with ignore_eos, which writes past it
+        text = self.text if self.req.params.ignore_eos else _before(self.text, EOS)[0]
         reasoning, answer, thought = "", text, True
         if self.req.thinking:
             reasoning, thought = _before(text, THINK_END)
@@ -156,9 +157,10 @@ class ChunkStream:
         and, when asked for, the usage."""
         finish_reason, chunks = seq.finish_reason, []
         if self.req.chat:
-            parsed = visible_message(self.tok, seq.text, self.req.thinking)
+            ignore_eos = self.req.params.ignore_eos
+            parsed = visible_message(self.tok, seq.text, self.req.thinking, ignore_eos, finish_reason == "length")
             chunks = self._deltas(parsed["reasoning_content"], parsed["content"], [])
-            text = seq.text.partition(EOS)[0]           # the answer as parse_completion reads it
+            text = seq.text if ignore_eos else seq.text.partition(EOS)[0]    # the answer as parse_completion reads it
             calls = split_tool_calls(text.partition(THINK_END)[2] if self.req.thinking else text)[1]
             chunks += self._calls(tool_calls_so_far(calls) if calls is not None else [])
             if parsed["tool_calls"]:

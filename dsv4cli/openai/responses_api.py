@@ -349,7 +349,7 @@ def envelope(turn: Turn, model: str, number: str, created: int, status: str) -> 
 def response(turn: Turn, seq: Sequence, model: str, tok: Tokenizer, number: str, created: int) -> dict:
     """The finished `response`: completed, or incomplete when max_output_tokens cut it."""
     status = "incomplete" if seq.finish_reason == "length" else "completed"
-    parsed = visible_message(tok, seq.text, turn.req.thinking)
+    parsed = visible_message(tok, seq.text, turn.req.thinking, turn.req.params.ignore_eos)
     body = envelope(turn, model, number, created, status) | {
         "output": output_items(parsed, turn.req.thinking, number, status),
         "usage": usage(seq, tok, turn.req.thinking)}
@@ -360,7 +360,7 @@ def response(turn: Turn, seq: Sequence, model: str, tok: Tokenizer, number: str,
 
 def conversation(turn: Turn, seq: Sequence, tok: Tokenizer, number: str) -> list[dict]:
     """The conversation a later response continues: this one's, then its reply as an assistant message."""
-    parsed = visible_message(tok, seq.text, turn.req.thinking)
+    parsed = visible_message(tok, seq.text, turn.req.thinking, turn.req.params.ignore_eos)
     reply = {"role": "assistant", "content": parsed["content"]}
     if turn.req.thinking:
         reply["reasoning_content"] = parsed["reasoning_content"]

@@ -29,6 +29,11 @@ BATCH_FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "o
 UPLOAD_FIELDS = {"file", "purpose"}     # and OpenAI's expires_after[...]: accepted, no effect (files are kept)
 
 
+def given(value) -> str:
+    """A value an error quotes: a string as JSON, anything else by its type (it may nest as deep as JSON goes)."""
+    return json.dumps(value) if isinstance(value, str) else f"a {type(value).__name__}"
+
+
 def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
                  endpoint: Callable[[Callable[[Request], Awaitable[Response]]], Callable],
                  parsed: Callable, max_file_bytes: int, cors_origins: list[str]) -> list[Route]:
@@ -110,15 +115,15 @@ def batch_routes(store: Store, loop: EngineLoop, bodies: BodyParser, model: str,
                              f"{extra}: not a field of a batch ({', '.join(sorted(BATCH_FIELDS))})")
         if body.get("endpoint") not in (CHAT_URL, COMPLETIONS_URL):
             raise BadRequest("invalid_parameter", f"endpoint: must be {CHAT_URL} or {COMPLETIONS_URL}, got "
-                                                  f"{json.dumps(body.get('endpoint'))}")
+                                                  f"{given(body.get('endpoint'))}")
         if body.get("completion_window") != "24h":
             raise BadRequest("invalid_parameter", f"completion_window: must be 24h, got "
-                                                  f"{json.dumps(body.get('completion_window'))}")
+                                                  f"{given(body.get('completion_window'))}")
         check_metadata(body.get("metadata"))
-        file = store.files.get(body.get("input_file_id"))
+        file_id = body.get("input_file_id")
+        file = store.files.get(file_id) if isinstance(file_id, str) else None
         if file is None or file["purpose"] != "batch":
-            raise BadRequest("invalid_parameter", f"input_file_id: no uploaded batch file "
-                                                  f"{json.dumps(body.get('input_file_id'))}")
+            raise BadRequest("invalid_parameter", f"input_file_id: no uploaded batch file {given(file_id)}")
         return ApiBatch.create(store, body, loop.engine, bodies, model)
 
     async def create_batch(request: Request) -> Response:
