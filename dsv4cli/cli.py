@@ -165,6 +165,9 @@ def run(
     opts: CliOptions, file: Path = typer.Argument(..., help="TOML config file with a mode", dir_okay=False)
 ) -> int:
     """Run what a config file describes (its `mode`); flags override the file."""
+    if not file.exists():
+        raise UsageError(f"{file}: no such config file; `dsv4 run` takes a TOML file whose mode says what to run "
+                         f"(configs/*.toml); to use a model, e.g. `dsv4 chat --model {file}`")
     settings, _ = resolve(file, opts.flags)
     if settings.mode is None:
         raise UsageError(f'{file}: mode: missing; set it to "chat", "generate", "batch" or "serve" at the top')

@@ -143,7 +143,8 @@ class Settings:
     device: str = _key("model", "auto", "Device to run on", choices=("auto", *platforms.names()))
     dtype: str = _key("model", "auto", "Compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
     tp: int = _key("model", 1, "Tensor-parallel degree (devices per model)", lo=1)
-    max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64)
+    max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64,
+                            flags=("--max-seq-len", "--ctx-size", "--max-model-len"))   # llama.cpp's and vLLM's names
     max_batch: int = _key("model", 8, "Most sequences decoded together", lo=1)
     prefill_budget: int = _key(
         "model", 160, "Prompt tokens prefilled per engine step (in the running streams' decode pass when eager)",
@@ -626,6 +627,10 @@ def resolve(
     chosen |= _from_env(os.environ if env is None else env)
     chosen |= _from_flags(flags or {})
     model = chosen["model"][0] if "model" in chosen else None
+    bundled = BUNDLED_MODEL_DIR.parent / str(model)
+    if model and not Path(model).exists() and "/" not in model and bundled.is_dir():
+        model = str(bundled)                   # a bundled model by the name it is shown under (dsv4-tiny)
+        chosen["model"] = (model, chosen["model"][1])
     if model and (resolved := resolve_model(model)) != model:
         chosen.setdefault("served_model_name", (model, chosen["model"][1]))   # the id, not the snapshot's hash
         model = resolved

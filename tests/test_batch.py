@@ -485,6 +485,7 @@ def test_a_completion_prompt_of_token_ids(tmp_path):
     assert records["bad"]["error"]["code"] == "invalid_prompt" and f"{tok.vocab_size} is not a token id" in \
         records["bad"]["error"]["message"]
     assert "drafter DSpark auto (block 5)" in r.stderr and "mean length" in r.stderr
+    assert r.stderr.count("accept ") == 1           # the summary says the acceptance once
 
 
 def test_echo_with_logprobs_scores_the_prompt_in_a_batch(tmp_path):

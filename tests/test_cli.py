@@ -94,6 +94,21 @@ def test_run_needs_a_mode(tmp_path):
     (tmp_path / "x.toml").write_text("[sampling]\ntop_k = 1\n")
     out = dsv4("run", "x.toml", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("error: x.toml: mode: missing")
+    out = dsv4("run", "dsv4-tiny", cwd=tmp_path)        # a model where a config file goes: what run takes
+    assert out.returncode == 2 and "takes a TOML file" in out.stderr and "dsv4 chat --model dsv4-tiny" in out.stderr
+
+
+def test_the_names_users_type_from_other_tools(tmp_path):
+    """The bundled model by its name (`--model dsv4-tiny`, as every banner calls it), llama.cpp's --ctx-size and
+    vLLM's --max-model-len for --max-seq-len."""
+    for flags in (["--model", "dsv4-tiny", "--ctx-size", "300"],
+                  ["--model", "dsv4-tiny-mtp", "--max-model-len", "300"]):
+        out = dsv4("config", "show", "--json", *flags, cwd=tmp_path)
+        shown = json.loads(out.stdout)
+        assert out.returncode == 0 and shown["max_seq_len"] == {"value": 300, "source": "flag"}
+        assert shown["model"]["value"].endswith(f"assets/{flags[1]}")
+    out = dsv4("generate", "--model", "dsv4-tiny", "-p", "Hello!", "-n", "4", "--temperature", "0", cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip()
 
 
 def test_usage_errors_exit_2():

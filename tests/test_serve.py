@@ -372,6 +372,7 @@ def test_a_full_queue_is_429(tiny_queue):
     with pytest.raises(openai.RateLimitError) as e:
         ask(client, "Hi")
     assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    assert e.value.response.headers["retry-after"] == "1"          # when to try again, as clients read it
     running.close()
     waiting.close()
     deadline = time.monotonic() + 20

@@ -135,10 +135,11 @@ class BatchRun:
         if self.bar is not None:
             self.bar.update(self.bar.task_ids[0], advance=1, stats=self.rates())
 
-    def rates(self) -> str:
+    def rates(self, accept: bool = True) -> str:
+        """Requests and tokens per second so far, and (`accept`) the drafts' acceptance rate."""
         dt = max(time.perf_counter() - self.t0, 1e-9)
         totals = self.engine.totals
-        accept = f" · accept {totals.acceptance_rate:.0%}" if totals.draft_tokens else ""
+        accept = f" · accept {totals.acceptance_rate:.0%}" if accept and totals.draft_tokens else ""
         return f"{self.ok / dt:.1f} req/s · {self.tokens / dt:.1f} tok/s{accept}"
 
     def summary(self, state: str, label: str = "batch") -> str:
@@ -150,7 +151,7 @@ class BatchRun:
         cached = (f" · prefix cache {totals.prefix_hit_rate:.0%} of prompt tokens ({totals.cached_tokens} of "
                   f"{totals.prompt_tokens})")
         return (f"{label} {state}: {self.ok} ok, {self.failed} errors{skipped} · {self.tokens} tokens in {dt:.1f} s"
-                f" · {self.rates()}{cached} · drafter {drafting}{accept}")
+                f" · {self.rates(accept=False)}{cached} · drafter {drafting}{accept}")
 
 
 def count_lines(path: Path) -> int:

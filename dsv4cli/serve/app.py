@@ -178,7 +178,10 @@ def create_app(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str,
                                        "`x-api-key: KEY`)", "invalid_api_key")
                 return await handler(request)
             except Refusal as e:
-                return answer(e.status, e.message, e.code, e.param)
+                response = answer(e.status, e.message, e.code, e.param)
+                if e.status == 429:         # a full queue drains within seconds: when to try again
+                    response.headers["retry-after"] = "1"
+                return response
             except BadRequest as e:
                 return bad_request(e, answer)
             except ClientDisconnect:            # gone while sending its body: nobody reads an answer
