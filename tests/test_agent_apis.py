@@ -540,6 +540,7 @@ def test_stored_responses_stay_within_their_bytes(tmp_path):
         send(1800)
         grown = rss() - before
         stored = dict(re.findall(r"^dsv4:(responses_stored(?:_bytes)?) (\d+)$", server.get("/metrics"), re.M))
+        print(f"2,000 stored Responses: {stored}, RSS grew {grown / 2**20:.1f} MiB over the last 1,800")
         assert 0 < int(stored["responses_stored_bytes"]) <= bound and int(stored["responses_stored"]) < 2000
         assert grown <= bound + (8 << 20), grown
         chat = {"model": "x", "messages": ASK, "max_tokens": 1}
