@@ -114,6 +114,17 @@ def text_grammar(text: str, tok: Tokenizer, vocab: int, thinking: bool) -> Gramm
     return checked(grammar, tok, vocab)
 
 
+def regex_grammar(pattern: str, tok: Tokenizer, vocab: int, thinking: bool) -> Grammar:
+    """A regular expression the whole reply matches."""
+    return checked(Grammar.regex(pattern, free_until(tok, thinking)), tok, vocab)
+
+
+def choice_grammar(choices: list[str], tok: Tokenizer, vocab: int, thinking: bool) -> Grammar:
+    """Exactly one of `choices` (vLLM's guided_choice): an alternation of the literal texts."""
+    start = " | ".join(_text(choice, tok) for choice in choices)
+    return checked(Grammar.lark(f"start: {start}", free_until(tok, thinking)), tok, vocab)
+
+
 def tool_grammar(tools: list[dict], choice, tok: Tokenizer, vocab: int, thinking: bool,
                  answer: dict | None = None, parallel: bool = True) -> Grammar:
     """Tool calls in DSML: with `choice` "required" one or more calls of the offered tools (one without

@@ -404,19 +404,26 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
             {"custom_id": "outer", "method": "POST", "url": "/v1/chat/completions", "extra": 1,
              "body": {"messages": [{"role": "user", "content": "Hi"}]}},
             {"id": "simple-unknown", "prompt": "x", "temprature": 0.5},
-            chat("ok2", "Hi", max_completion_tokens=2, stop=["a", "b", "c", "d"])]
+            chat("ok2", "Hi", max_completion_tokens=2, stop=["a", "b", "c", "d"]),
+            chat("choice", "Hi", max_completion_tokens=8, guided_choice=["yes", "no"]),
+            chat("twice", "Hi", guided_json={"type": "object"}, structured_outputs={"regex": "a+"}),
+            chat("min", "Hi", min_tokens=4)]
     records, _, _ = in_process_run(tiny_model_dir, tmp_path, rows)
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
-    assert sorted(r["custom_id"] for r in records if r["response"]) == ["ok", "ok2"]
+    assert sorted(r["custom_id"] for r in records if r["response"]) == ["choice", "ok", "ok2"]
+    choice = next(r for r in records if r["custom_id"] == "choice")["response"]["body"]["choices"][0]
+    assert choice["message"]["content"] in ("yes", "no")
     names = {"schema": "body.response_format.json_schema.schema", "n2": "body.n", "audio": "body.audio",
              "unknown": "body.frobnicate",
              "required": "body.tool_choice", "named": "body.tool_choice", "top21": "body.top_logprobs",
              "toponly": "body.top_logprobs", "stops": "body.stop", "bias": "body.logit_bias", "badtool": "body.tools",
-             "outer": "extra", "simple-unknown": "temprature"}
+             "outer": "extra", "simple-unknown": "temprature", "twice": "body.structured_outputs.regex",
+             "min": "body.min_tokens"}
     assert set(errors) == set(names)
     for cid, name in names.items():
         assert errors[cid].startswith(name + ":") and "\n" not in errors[cid], errors[cid]
     assert "needs tools" in errors["required"] and "not one of the offered tools" in errors["named"]
+    assert errors["simple-unknown"].endswith("did you mean temperature?") and "not supported yet" in errors["min"]
 
 
 def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_dir):

@@ -342,6 +342,12 @@ def test_bad_field_is_400_naming_it(server):
             ask(client, "Hi", extra_body=extra)
         error = e.value.body
         assert e.value.status_code == 400 and error["param"] == field and error["message"].startswith(field + ":")
+    with pytest.raises(openai.BadRequestError) as e:        # a typo gets the closest field named
+        ask(client, "Hi", extra_body={"temprature": 0.5})
+    assert e.value.body["message"] == "temprature: not a supported request field; did you mean temperature?"
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "Hi", extra_body={"min_tokens": 4})
+    assert e.value.body["message"] == "min_tokens: not supported yet"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="dsv4-tiny", prompt="Hi", stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"
@@ -909,3 +915,117 @@ def test_an_open_unkeyed_server_warns_once(tmp_path):
         s.stop()
         lines = [line for line in s.log.read_text().splitlines() if line.startswith("warning:")]
         assert len(lines) == warned and (not warned or "--api-key" in lines[0]), lines
+
+
+def test_vllm_guided_fields_constrain_the_reply(server):
+    """vLLM's guided_choice / guided_regex / guided_json / guided_grammar and structured_outputs hold the reply to
+    what they give, streamed as not, chat and completions; two ways of constraining is a 400 naming the second."""
+    client = server.client()
+    choices = ["yes", "no", "maybe later"]
+    cases = [({"guided_choice": choices}, lambda text: text in choices),
+             ({"structured_outputs": {"choice": choices}}, lambda text: text in choices),
+             ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda text: re.fullmatch("[0-9]{3}-[a-z]{2}", text)),
+             ({"guided_grammar": 'start: colour " " colour\ncolour: "red" | "blue"'},
+              lambda text: re.fullmatch("(red|blue) (red|blue)", text)),
+             ({"guided_json": json.dumps({"type": "object", "properties": {"n": {"type": "boolean"}},
+                                          "required": ["n"], "additionalProperties": False})},
+              lambda text: isinstance(json.loads(text)["n"], bool))]
+    for extra, holds in cases:
+        r = ask(client, PROMPTS[0], max_tokens=60, extra_body=extra)
+        content = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and holds(content), (extra, content)
+        streamed = ask(client, PROMPTS[0], max_tokens=60, stream=True, extra_body=extra)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == content
+    r = client.completions.create(model="dsv4-tiny", prompt="Once upon a time", max_tokens=60,
+                                  extra_body={"guided_choice": choices})
+    assert r.choices[0].text in choices
+    json_twice = {"response_format": {"type": "json_object"}, "guided_json": {"type": "object"}}
+    for extra, param in ((json_twice, "guided_json"),
+                         ({"guided_regex": "a+", "structured_outputs": {"regex": "b+"}}, "structured_outputs.regex"),
+                         ({"tools": [WEATHER], "tool_choice": "required", "guided_choice": choices}, "guided_choice"),
+                         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                         ({"guided_choice": []}, "guided_choice")):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, PROMPTS[0], extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)
+
+
+def test_vllm_chat_template_kwargs_switch_thinking(server):
+    """`chat_template_kwargs: {"thinking": true}` (vLLM's DeepSeek switch) is `thinking: true`, its
+    reasoning_effort the body's; a top-level field wins; another key is a 400 naming it."""
+    client = server.client()
+    kw = {"max_tokens": 30, "extra_body": {"ignore_eos": True}}
+    want = ask(client, PROMPTS[2], **kw | {"extra_body": {"ignore_eos": True, "thinking": True}}).choices[0].message
+    switched = {"ignore_eos": True, "chat_template_kwargs": {"thinking": True}}
+    got = ask(client, PROMPTS[2], **kw | {"extra_body": switched}).choices[0].message
+    assert got.reasoning_content == want.reasoning_content and got.content == want.content
+    assert want.reasoning_content is not None
+    overridden = ask(client, PROMPTS[2], **kw | {"extra_body": {
+        "ignore_eos": True, "thinking": False, "chat_template_kwargs": {"thinking": True}}}).choices[0].message
+    assert getattr(overridden, "reasoning_content", None) is None
+    effort = {"ignore_eos": True, "thinking": True, "reasoning_effort": "max"}
+    want = ask(client, PROMPTS[2], **kw | {"extra_body": effort}).usage.prompt_tokens
+    got = ask(client, PROMPTS[2], **kw | {"extra_body": {"ignore_eos": True, "chat_template_kwargs": {
+        "thinking": True, "reasoning_effort": "max"}}}).usage.prompt_tokens
+    assert got == want != ask(client, PROMPTS[2], **kw | {"extra_body": {"ignore_eos": True, "thinking": True}}
+                              ).usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, "Hi", extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert e.value.body["param"] == "chat_template_kwargs.enable_thinking"
+
+
+def test_vllm_skip_special_tokens_false_keeps_them(server):
+    """A reply forced (logit_bias) to write `</think>`: the default hides it, `skip_special_tokens: false` shows
+    it, streamed as not, chat and completions."""
+    client = server.client()
+    think_end = Tokenizer.from_dir(BUNDLED_MODEL_DIR).special_ids["</think>"]
+    body = {"logit_bias": {str(think_end): 100}, "max_tokens": 3}
+    assert ask(client, "Hi", **body).choices[0].message.content == ""
+    kept = {"extra_body": {"skip_special_tokens": False}}
+    assert ask(client, "Hi", **body, **kept).choices[0].message.content == "</think>" * 3
+    streamed = ask(client, "Hi", **body, **kept, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "</think>" * 3
+    r = client.completions.create(model="dsv4-tiny", prompt="Hi", **body, **kept, logprobs=1)
+    assert r.choices[0].text == "</think>" * 3 and r.choices[0].logprobs.text_offset == [0, 8, 16]
+    assert client.completions.create(model="dsv4-tiny", prompt="Hi", **body).choices[0].text == ""
+
+
+def test_vllm_include_stop_str_in_output(server):
+    """A reply a stop string ended keeps it at its end with include_stop_str_in_output, streamed as not."""
+    client = server.client()
+    full = ask(client, PROMPTS[0], max_tokens=MAX_TOKENS).choices[0].message.content
+    stop = full[3:6]
+    kept = full[:full.index(stop) + len(stop)]
+    assert ask(client, PROMPTS[0], stop=stop).choices[0].message.content == kept.removesuffix(stop)
+    extra = {"extra_body": {"include_stop_str_in_output": True}}
+    r = ask(client, PROMPTS[0], stop=stop, **extra)
+    assert r.choices[0].message.content == kept and r.choices[0].finish_reason == "stop"
+    streamed = ask(client, PROMPTS[0], stop=stop, stream=True, **extra)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == kept
+    text = client.completions.create(model="dsv4-tiny", prompt="Once upon a time", max_tokens=10).choices[0].text
+    stop = text[2:5]
+    r = client.completions.create(model="dsv4-tiny", prompt="Once upon a time", max_tokens=10, stop=stop, **extra)
+    assert r.choices[0].text == text[:text.index(stop) + len(stop)]
+
+
+def test_vllm_continue_final_message(server):
+    """`continue_final_message: true` with `add_generation_prompt: false` continues the last assistant message:
+    the reply is what a completion of the conversation's prompt followed by that message's text gives; other
+    combinations, or no assistant message last, are 400s naming the field."""
+    client = server.client()
+    tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+    opened = server.post("/tokenize", {"messages": [{"role": "user", "content": PROMPTS[0]}]}).json()["tokens"]
+    ids = opened + tok.encode("The capital")
+    want = client.completions.create(model="dsv4-tiny", prompt=ids, max_tokens=MAX_TOKENS).choices[0].text
+    messages = [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": "The capital"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model="dsv4-tiny", messages=messages, max_tokens=MAX_TOKENS, extra_body=flags)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    assert server.post("/tokenize", {"messages": messages, **flags}).json()["tokens"] == ids
+    for extra, msgs, param in (({"continue_final_message": True}, messages, "continue_final_message"),
+                               ({"add_generation_prompt": False}, messages, "add_generation_prompt"),
+                               (flags, messages[:1], "continue_final_message"),
+                               (flags | {"thinking": True}, messages, "continue_final_message")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="dsv4-tiny", messages=msgs, extra_body=extra)
+        assert e.value.body["param"] == param, (extra, e.value.body)

@@ -5,6 +5,7 @@ follow one field policy: every body field is honoured, accepted as harmless (HAR
 or refused with an error naming it; no field is silently dropped (README, "Request fields").
 """
 import dataclasses
+import difflib
 import functools
 import json
 import re
@@ -14,7 +15,15 @@ from dsv4cli.config import SAMPLING_KEYS, check
 from dsv4cli.encoding import encode_messages, is_tool
 from dsv4cli.engine import TOP_LOGPROBS, SamplingParams
 from dsv4cli.errors import UsageError
-from dsv4cli.structured import ANY_OBJECT, json_grammar, tool_grammar
+from dsv4cli.structured import (
+    ANY_OBJECT,
+    LARK_START,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
+    text_grammar,
+    tool_grammar,
+)
 from dsv4cli.tokenizer import Tokenizer
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
@@ -29,7 +38,16 @@ SAMPLING_FIELDS = {name: name for name in SAMPLING_KEYS if name != "logprobs"} |
 PASSED_SAMPLING = {name for name in SAMPLING_FIELDS if name not in ("max_tokens", "max_completion_tokens", "stop")}
 HONOURED = {"messages", "prompt", "stream", "n", "best_of", "echo", "thinking", "reasoning_effort", "logprobs",
             "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "logit_bias", "response_format",
-            "prompt_logprobs"}
+            "prompt_logprobs", "chat_template_kwargs", "skip_special_tokens", "include_stop_str_in_output",
+            "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+            "continue_final_message", "add_generation_prompt"}
+# fields only a chat body has (they shape the rendered conversation or the tool calls)
+CHAT_ONLY = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "continue_final_message",
+             "add_generation_prompt")
+# vLLM's ways of constraining a reply (besides response_format), by the kind of constraint each gives
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")       # vLLM's structured_outputs object: one of them
+TEMPLATE_KWARGS = ("thinking", "reasoning_effort")              # what chat_template_kwargs may set (DeepSeek's)
 # accepted and without effect, for this reason
 HARMLESS = {
     "model": "a run serves the one model given by --model",
@@ -47,13 +65,15 @@ REFUSED = {
     "function_call": "deprecated; use tool_choice",
     "web_search_options": "web search is not supported",
     "suffix": "insertion (suffix) is not supported",
+    "min_tokens": "not supported yet",
 }
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # response_format's json_schema object
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
 MAX_CHOICES = 128                                     # OpenAI's limit on n
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512      # OpenAI's limits on `metadata`
 MAX_PROMPTS = 2048                                    # prompts in one completion (evaluation harnesses batch them)
-TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "add_generation_prompt"}
+TOKENIZE_CHAT_FIELDS = {"messages", "tools", "tool_choice", "thinking", "reasoning_effort", "chat_template_kwargs",
+                        "add_generation_prompt", "continue_final_message"}
 # what a JSON text holding a lone surrogate has: a \uD800-\uDFFF escape, or one encoded as (invalid) UTF-8, which
 # json.loads passes through too (its lead byte 0xED also starts Hangul; looking for these is memchr-fast)
 SURROGATE_SIGNS = (b"\\ud", b"\\uD", b"\xed")
@@ -72,6 +92,8 @@ class Request:
     echo: list[str] | None = None   # completions with echo: each prompt's text, which its choices' texts start with
     parallel_tool_calls: bool = True    # false: one tool call at most (a forced call's grammar; else the first)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: each choice lists its prompt's, N alternatives
+    skip_special_tokens: bool = True    # vLLM's: the reply text without special tokens; false: with them
+    include_stop_str: bool = False      # vLLM's include_stop_str_in_output: a reply a stop string ended keeps it
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -177,6 +199,7 @@ class BodyParser:
         include_usage = _stream_options(body, place) if server else False
         n, best_of = _choices(body, place, chat, server)
         fmt = _response_format(body, place)
+        constraint = _constraint(body, place, fmt)
         echo = _echo(body, place, chat)
         prompt_logprobs = _prompt_logprobs(body, place)
         if prompt_logprobs is not None and stream:
@@ -190,24 +213,26 @@ class BodyParser:
         params.prompt_logprobs = max(scored, default=None)
         thinking, tools, choice = False, [], "auto"
         if chat:
-            thinking, effort = self._thinking(body, place)
+            thinking, effort = self._thinking(_with_template_kwargs(body, place), place)
             tools, choice = _tools(body, place)
             prompts = [(self._chat_ids(body, place, thinking, effort, tools, fmt), None)]
         else:
-            for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            for name in CHAT_ONLY:
                 if name in body:
                     raise BadRequest("unsupported_parameter", f"{place}{name}: only for {CHAT_URL}")
             prompts = self._completion_prompts(body, place, server)
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):
             raise BadRequest("invalid_parameter", f"{place}parallel_tool_calls: must be true or false")
-        params.grammar = self._grammar(fmt, tools, choice, thinking, place, parallel)
+        params.grammar = self._grammar(constraint, tools, choice, thinking, place, parallel)
         if params.grammar is not None and params.ignore_eos:
-            raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format or a forced tool "
-                                                  f"call (the grammar says where the reply ends)")
+            raise BadRequest("invalid_parameter", f"{place}ignore_eos: not with response_format, guided_*, "
+                                                  f"structured_outputs or a forced tool call (the grammar says where "
+                                                  f"the reply ends)")
         echoed = [text if text is not None else self.tok.decode(ids) for ids, text in prompts] if echo else None
         return Request(chat, [ids for ids, _ in prompts], params, thinking, bool(stream), include_usage, n, best_of,
-                       echoed, parallel, prompt_logprobs)
+                       echoed, parallel, prompt_logprobs, _flag(body, "skip_special_tokens", True, place),
+                       _flag(body, "include_stop_str_in_output", False, place))
 
     def tokenize(self, body) -> tuple[list[int], bool]:
         """A `/tokenize` body (vLLM's) -> the prompt's token ids, and whether each token's text is wanted
@@ -225,16 +250,10 @@ class BodyParser:
             if name not in fields:
                 raise BadRequest("unsupported_parameter", f"{name}: not a field of a /tokenize body with "
                                                           f"{'messages' if chat else 'prompt'}")
-        defaults = {"add_special_tokens": True, "add_generation_prompt": True, "return_token_strs": False}
-        flags = {name: body.get(name, default) for name, default in defaults.items()}
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise BadRequest("invalid_parameter", f"{name}: must be true or false")
-        if not flags["add_generation_prompt"]:
-            raise BadRequest("unsupported_parameter", "add_generation_prompt: only true (the template opens the "
-                                                      "reply after a user turn)")
+        flags = {name: _flag(body, name, default, "") for name, default in (("add_special_tokens", True),
+                                                                             ("return_token_strs", False))}
         if chat:
-            thinking, effort = self._thinking(body, "")
+            thinking, effort = self._thinking(_with_template_kwargs(body, ""), "")
             return self._chat_ids(body, "", thinking, effort, _tools(body, "")[0]), flags["return_token_strs"]
         prompt = body.get("prompt")
         if isinstance(prompt, str) and not flags["add_special_tokens"]:
@@ -256,19 +275,26 @@ class BodyParser:
                 raise BadRequest("invalid_parameter", f"tokens[{i}]: must be a token id (0..{self.tok.vocab_size - 1})")
         return tokens
 
-    def _grammar(self, fmt: dict | None, tools: list, choice, thinking: bool, place: str, parallel: bool):
+    def _grammar(self, constraint: tuple[str, str, object] | None, tools: list, choice, thinking: bool, place: str,
+                 parallel: bool):
         """What the reply must match: the forced tool calls (tool_choice required or named), else the
-        response format's JSON (or, with tools offered, that JSON or tool calls), one call at most without
-        `parallel`; None: free text."""
-        schema = None if fmt is None else fmt.get("json_schema", {}).get("schema", ANY_OBJECT)
+        constraint (`_constraint`): JSON (or, with tools offered, that JSON or tool calls), a regex, one of
+        some choices or a Lark grammar; one call at most without `parallel`; None: free text."""
+        name, kind, value = constraint or (None, None, None)
         forced = choice == "required" or isinstance(choice, dict)
+        if forced and name is not None and name != "response_format":
+            raise BadRequest("invalid_parameter", f"{place}{name}: not with tool_choice {json.dumps(choice)}: only "
+                                                  f"one way of constraining a reply")
+        schema = value if kind == "json" else None
+        calls = forced or (schema is not None and tools)
         try:
-            if forced or (schema is not None and tools):
+            if calls:
                 return tool_grammar(tools, choice, self.tok, self.vocab, thinking, schema, parallel)
-            return None if schema is None else json_grammar(schema, self.tok, self.vocab, thinking)
+            grammars = {"json": json_grammar, "regex": regex_grammar, "choice": choice_grammar,
+                        "grammar": text_grammar}
+            return None if kind is None else grammars[kind](value, self.tok, self.vocab, thinking)
         except ValueError as e:
-            name = "tools" if forced or tools else "response_format"
-            raise BadRequest("invalid_parameter", f"{place}{name}: {e}") from None
+            raise BadRequest("invalid_parameter", f"{place}{'tools' if calls else name}: {e}") from None
 
     def _params(self, body: dict, place: str, seed: int | None, scoring: bool) -> SamplingParams:
         """The run's sampling defaults with the body's values on top; `scoring` (echo or prompt_logprobs):
@@ -322,6 +348,8 @@ class BodyParser:
             raise BadRequest("too_many_messages", f"{place}messages: {len(messages)} messages; at most "
                                                   f"{self.max_messages} (max_messages)")
         messages = [_plain(m) for m in messages]
+        if _continues(body, place, messages, thinking):
+            messages[-1] = {**messages[-1], "wo_eos": True}     # rendered open: the reply goes on from its end
         self._refuse_long(sum(len(m["content"]) for m in messages if isinstance(m, dict)
                               and isinstance(m.get("content"), str)), 0)
         # DSV4 renders tools and the response format on a system message: the first one, or a new empty one
@@ -417,13 +445,96 @@ def check_metadata(metadata, place: str = "") -> None:
 
 
 def _check_fields(body: dict, place: str, extra: tuple[str, ...]) -> None:
-    """The field policy: a field that is neither honoured nor harmless is an error naming it."""
+    """The field policy: a field that is neither honoured nor harmless is an error naming it (and the closest
+    known field, where a typo is likely)."""
+    known = [*SAMPLING_FIELDS, *HONOURED, *HARMLESS, *extra]
     for name in body:
         if name in REFUSED:
             raise BadRequest("unsupported_parameter", f"{place}{name}: {REFUSED[name]}")
-        known = name in SAMPLING_FIELDS or name in HONOURED or name in HARMLESS or name in extra
-        if not known:
-            raise BadRequest("unsupported_parameter", f"{place}{name}: not a supported request field")
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise BadRequest("unsupported_parameter", f"{place}{name}: not a supported request field{hint}")
+
+
+def _flag(body: dict, name: str, default: bool, place: str) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise BadRequest("invalid_parameter", f"{place}{name}: must be true or false")
+    return value
+
+
+def _with_template_kwargs(body: dict, place: str) -> dict:
+    """The body with vLLM's chat_template_kwargs under it: DeepSeek's template switches, `thinking` and
+    `reasoning_effort`, which the body's own fields override."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return body
+    if not isinstance(kwargs, dict):
+        raise BadRequest("invalid_parameter", f'{place}chat_template_kwargs: must be an object such as '
+                                              f'{{"thinking": true}}')
+    refuse_unknown(kwargs, TEMPLATE_KWARGS, f"{place}chat_template_kwargs")
+    return kwargs | body
+
+
+def _continues(body: dict, place: str, messages: list, thinking: bool) -> bool:
+    """Whether the reply continues the last (assistant) message, vLLM's `continue_final_message` (with
+    `add_generation_prompt: false`), rather than opening a reply of its own (the defaults)."""
+    opens, continues = (_flag(body, "add_generation_prompt", True, place),
+                        _flag(body, "continue_final_message", False, place))
+    if opens == continues:
+        name = "continue_final_message" if continues else "add_generation_prompt"
+        raise BadRequest("invalid_parameter", f"{place}{name}: exactly one of add_generation_prompt (a new reply, the "
+                                              f"default) and continue_final_message (the last message continued) "
+                                              f"must be true")
+    if not continues:
+        return False
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant" or last.get("tool_calls"):
+        raise BadRequest("invalid_parameter", f"{place}continue_final_message: the last message must be an "
+                                              f"assistant's, without tool_calls")
+    if thinking:
+        raise BadRequest("invalid_parameter", f"{place}continue_final_message: only without thinking (the "
+                                              f"message continued is the answer, after the reasoning)")
+    return True
+
+
+def _constraint(body: dict, place: str, fmt: dict | None) -> tuple[str, str, object] | None:
+    """What the reply must match besides tool calls: (the field asking, its kind: json, regex, choice or grammar,
+    the schema or text), from response_format, vLLM's guided_* fields or its structured_outputs; None: nothing.
+    One way of constraining a request: a second is an error naming it."""
+    given = []
+    for name, value in body.items():
+        if name == "response_format" and fmt is not None:
+            given.append((name, "json", fmt.get("json_schema", {}).get("schema", ANY_OBJECT)))
+        elif name in GUIDED and value is not None:
+            given.append((name, GUIDED[name], value))
+        elif name == "structured_outputs" and value is not None:
+            if not isinstance(value, dict) or len(value) != 1:
+                raise BadRequest("invalid_parameter", f"{place}{name}: must be an object of one of "
+                                                      f"{', '.join(STRUCTURED_KINDS)}")
+            refuse_unknown(value, STRUCTURED_KINDS, f"{place}{name}")
+            kind, value = next(iter(value.items()))
+            given.append((f"{name}.{kind}", kind, value))
+    if len(given) > 1:
+        raise BadRequest("invalid_parameter", f"{place}{given[1][0]}: not with {given[0][0]}: only one way of "
+                                              f"constraining a reply")
+    if not given:
+        return None
+    name, kind, value = given[0]
+    if kind == "json" and isinstance(value, str):       # a schema given as its JSON text
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise BadRequest("invalid_parameter", f"{place}{name}: not JSON: {e}") from None
+    wanted = {"json": "a JSON schema (an object, or its JSON text)", "regex": "a regular expression (a string)",
+              "choice": "a non-empty list of strings", "grammar": "a Lark grammar (a string defining start)"}[kind]
+    right = {"json": isinstance(value, dict), "regex": isinstance(value, str),
+             "choice": isinstance(value, list) and value and all(isinstance(c, str) for c in value),
+             "grammar": isinstance(value, str) and LARK_START.search(value)}[kind]
+    if not right:
+        raise BadRequest("invalid_parameter", f"{place}{name}: must be {wanted}")
+    return name, kind, value
 
 
 def _choices(body: dict, place: str, chat: bool, server: bool) -> tuple[int, int]:

@@ -19,12 +19,14 @@ def chat_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob]) -> dict:
                         for e in logprobs], "refusal": None}
 
 
-def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], n_top: int, offset: int = 0) -> dict:
+def completion_logprobs(tok: Tokenizer, logprobs: list[TokenLogprob], n_top: int, offset: int = 0,
+                        skip_special: bool = True) -> dict:
     """OpenAI completions `choices[].logprobs`: parallel lists, the `n_top` alternatives keyed by their text
     (null for an echoed prompt's first token, which nothing predicts); `offset` is where the first token's text
-    starts in the reply (a streamed chunk's tokens start mid-reply), which shows no special tokens."""
+    starts in the reply (a streamed chunk's tokens start mid-reply), which shows no special tokens
+    (`skip_special`) or shows them."""
     tokens = [tok.decode([e.token]) for e in logprobs]
-    offsets = [offset + sum(len(tok.visible(t)) for t in tokens[:i]) for i in range(len(tokens))]
+    offsets = [offset + sum(len(shown(tok, t, skip_special)) for t in tokens[:i]) for i in range(len(tokens))]
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in logprobs],
             "top_logprobs": [None if e.logprob is None else {tok.decode([t]): v for t, v in e.top[:n_top]}
                              for e in logprobs], "text_offset": offsets}
@@ -61,20 +63,33 @@ def usage(seq: Sequence) -> dict:
             "prompt_tokens_details": {"cached_tokens": seq.metrics.cached_tokens}}
 
 
-def visible_message(tok: Tokenizer, text: str, thinking: bool, ignore_eos: bool = False, cut: bool = False) -> dict:
+def shown(tok: Tokenizer, text: str, skip_special: bool, final: bool = True) -> str:
+    """Reply text as a reader sees it: without special tokens (`tok.visible`, vLLM's skip_special_tokens), or
+    as the model wrote it."""
+    return tok.visible(text, final) if skip_special else text
+
+
+def reply_text(req: Request, seq: Sequence) -> str:
+    """A finished reply's text, with the stop string that ended it where the request asks for it
+    (include_stop_str_in_output)."""
+    return seq.text + (seq.stopped_by or "") if req.include_stop_str else seq.text
+
+
+def visible_message(tok: Tokenizer, text: str, thinking: bool, ignore_eos: bool = False, cut: bool = False,
+                    skip_special: bool = True) -> dict:
     """A reply's assistant message (parse_completion, which reads the special tokens), its content and
-    reasoning as readers see them: without special tokens."""
+    reasoning as readers see them: without special tokens (unless not `skip_special`)."""
     parsed = parse_completion(text, thinking, ignore_eos, cut)
-    return parsed | {field: tok.visible(parsed[field]) for field in ("content", "reasoning_content")}
+    return parsed | {field: shown(tok, parsed[field], skip_special) for field in ("content", "reasoning_content")}
 
 
 def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: str, prompt: int = 0) -> dict:
     """The response body of a finished request (of its `prompt`-th prompt): ids `chatcmpl-<number>` /
-    `cmpl-<number>`, tool call ids `call_<number>_<n>`. The text shows no special tokens; with echo it starts
-    with the prompt, and its logprobs with the prompt's."""
-    finish_reason = seq.finish_reason
+    `cmpl-<number>`, tool call ids `call_<number>_<n>`. The text shows no special tokens (unless the request
+    keeps them); with echo it starts with the prompt, and its logprobs with the prompt's."""
+    finish_reason, text, skip = seq.finish_reason, reply_text(req, seq), req.skip_special_tokens
     if req.chat:
-        parsed = visible_message(tok, seq.text, req.thinking, req.params.ignore_eos, finish_reason == "length")
+        parsed = visible_message(tok, text, req.thinking, req.params.ignore_eos, finish_reason == "length", skip)
         message = {"role": "assistant", "content": parsed["content"]}
         if req.thinking:
             message["reasoning_content"] = parsed["reasoning_content"]
@@ -88,8 +103,8 @@ def completion(req: Request, seq: Sequence, model: str, tok: Tokenizer, number: 
     else:
         echo = req.echo is not None
         logprobs = None if req.params.logprobs is None else completion_logprobs(
-            tok, (seq.prompt_logprobs if echo else []) + scored_reply(seq), req.params.logprobs)
-        text = (req.echo[prompt] if echo else "") + tok.visible(seq.text)
+            tok, (seq.prompt_logprobs if echo else []) + scored_reply(seq), req.params.logprobs, 0, skip)
+        text = (req.echo[prompt] if echo else "") + shown(tok, text, skip)
         choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}
         if req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(tok, seq.prompt_logprobs, req.prompt_logprobs)
@@ -115,8 +130,9 @@ class ChunkStream:
     `finish` the last ones. Reasoning streams as `delta.reasoning_content`, the answer as `delta.content`,
     tool calls as `delta.tool_calls` as they are written (a call's id and name once its opening tag is whole,
     then its arguments as they grow: `encoding.tool_calls_so_far`, which holds back markup); the concatenated
-    deltas equal the non-streamed message (special tokens held back until they are whole, and left out), but
-    for a call cut off by max_tokens, whose arguments so far streamed and which the message leaves out."""
+    deltas equal the non-streamed message (special tokens held back until they are whole, and left out unless
+    the request keeps them; a stop string it keeps comes last), but for a call cut off by max_tokens, whose
+    arguments so far streamed and which the message leaves out."""
 
     def __init__(self, req: Request, tok: Tokenizer, model: str, number: str):
         self.req, self.tok = req, tok
@@ -140,7 +156,7 @@ class ChunkStream:
     def update(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
         self.text += text
         if not self.req.chat:
-            return self._text(self.tok.visible(self.text, final=False), logprobs)
+            return self._text(self._shown(self.text, final=False), logprobs)
         # what parse_completion reads: up to an EOS, but with ignore_eos, which writes past it
         text = self.text if self.req.params.ignore_eos else _before(self.text, EOS)[0]
         reasoning, answer, thought = "", text, True
@@ -148,25 +164,25 @@ class ChunkStream:
             reasoning, thought = _before(text, THINK_END)
             answer = text.partition(THINK_END)[2] if thought else ""
         content, calls = split_tool_calls(answer, final=False)     # an ending that may open the calls is held back
-        chunks = self._deltas(self.tok.visible(reasoning, final=thought), self.tok.visible(content, final=False),
-                              logprobs)
+        chunks = self._deltas(self._shown(reasoning, final=thought), self._shown(content, final=False), logprobs)
         return chunks + self._calls(tool_calls_so_far(calls) if calls is not None else [])
 
     def finish(self, seq: Sequence) -> list[dict]:
         """The rest of the reply (parsed whole, as the non-streamed body is), tool calls, the finish reason
         and, when asked for, the usage."""
-        finish_reason, chunks = seq.finish_reason, []
+        finish_reason, chunks, whole = seq.finish_reason, [], reply_text(self.req, seq)
         if self.req.chat:
             ignore_eos = self.req.params.ignore_eos
-            parsed = visible_message(self.tok, seq.text, self.req.thinking, ignore_eos, finish_reason == "length")
+            parsed = visible_message(self.tok, whole, self.req.thinking, ignore_eos, finish_reason == "length",
+                                     self.req.skip_special_tokens)
             chunks = self._deltas(parsed["reasoning_content"], parsed["content"], [])
-            text = seq.text if ignore_eos else seq.text.partition(EOS)[0]    # the answer as parse_completion reads it
+            text = whole if ignore_eos else whole.partition(EOS)[0]    # the answer as parse_completion reads it
             calls = split_tool_calls(text.partition(THINK_END)[2] if self.req.thinking else text)[1]
             chunks += self._calls(tool_calls_so_far(calls) if calls is not None else [])
             if parsed["tool_calls"]:
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
         else:
-            chunks = self._text(self.tok.visible(seq.text), scored_reply(seq)[len(seq.logprobs):])
+            chunks = self._text(self._shown(whole), scored_reply(seq)[len(seq.logprobs):])
         chunks.append(self._chunk({} if self.req.chat else "", finish_reason=finish_reason))
         if self.req.include_usage:
             chunks.append(self.base | {"choices": [], "usage": usage(seq)})
@@ -185,6 +201,9 @@ class ChunkStream:
                 deltas.append({"index": i, "function": {"arguments": call["arguments"][self.arguments[i]:]}})
                 self.arguments[i] = len(call["arguments"])
         return [self._chunk({"tool_calls": deltas})] if deltas else []
+
+    def _shown(self, text: str, final: bool = True) -> str:
+        return shown(self.tok, text, self.req.skip_special_tokens, final)
 
     def _text(self, text: str, logprobs: list[TokenLogprob]) -> list[dict]:
         """A completion's chunk with the text beyond what was sent."""
@@ -209,6 +228,6 @@ class ChunkStream:
             choice = {"index": 0, "text": delta, "logprobs": None}
             if wanted:
                 choice["logprobs"] = completion_logprobs(self.tok, logprobs or [], self.req.params.logprobs,
-                                                         self.offset)
-                self.offset += sum(len(self.tok.visible(t)) for t in choice["logprobs"]["tokens"])
+                                                         self.offset, self.req.skip_special_tokens)
+                self.offset += sum(len(self._shown(t)) for t in choice["logprobs"]["tokens"])
         return self.base | {"choices": [choice | {"finish_reason": finish_reason}]}
