@@ -174,7 +174,7 @@ def kl_stats(base: LogitsFile, runs: dict[int, list], plan: list[Window]) -> dic
 def run_perplexity(s: Settings, file: str, ctx: int, stride: int | None, save: Path | None, kl: Path | None,
                    top_k: int) -> int:
     from dsv4cli.engine import SamplingParams
-    from dsv4cli.loading import load_engine
+    from dsv4cli.loading import load_engine, model_config
 
     stride = stride or ctx
     if ctx < 2:
@@ -183,6 +183,8 @@ def run_perplexity(s: Settings, file: str, ctx: int, stride: int | None, save: P
         raise UsageError(f"--stride {stride}: must be 1..{ctx} (--ctx)")
     if save is not None and kl is not None:
         raise UsageError("--save-logits: not with --kl-divergence; save the reference run's logits first")
+    if ctx + 1 > (limit := model_config(s).max_position_embeddings):    # a window, and its first reply's position
+        raise UsageError(f"--ctx {ctx}: at most {limit - 1} (the model's max_position_embeddings - 1)")
     base = LogitsFile.read(kl, "--kl-divergence") if kl is not None else None
     text = read_text(file)
     # the windows are the requests: no drafting, each window's prompt held whole

@@ -134,14 +134,19 @@ def test_empty_and_duplicate_custom_ids_leave_each_id_once(tiny_model_dir, tmp_p
 
 
 def test_same_answers_one_at_a_time_and_as_generate(tiny_model_dir, tmp_path, long_run):
+    """Greedy answers do not depend on the batch: one slot gives the 4-slot run's. (The sampled ones are compared
+    across runs of the same batch size, in the resume tests: with --ignore-eos all 32 tokens show, and the random
+    model's float GEMMs of 1 and 4 rows differ in their last bits, which can move a draw that sits on a boundary
+    of the inverse CDF.)"""
     _, reference, seed = long_run
     src = write_jsonl(tmp_path / "in.jsonl", LONG[:6])
     out = tmp_path / "out.jsonl"
     r = dsv4("batch", str(src), "-o", str(out), "--model", str(tiny_model_dir), "--max-batch", "1",
              "--temperature", "0", "--seed", str(seed))
     assert r.returncode == 0, r.stderr
-    first6 = {f"q{i}" for i in range(6)}
-    assert answers(read_jsonl(out)) == {k: v for k, v in answers(reference).items() if k in first6}
+    greedy = {f"q{i}" for i in range(0, 6, 2)}
+    assert {k: v for k, v in answers(read_jsonl(out)).items() if k in greedy} == \
+        {k: v for k, v in answers(reference).items() if k in greedy}
     r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Question 2: say something.", "-n", "32",
              "--ignore-eos", "--temperature", "0", "--json")
     assert r.returncode == 0, r.stderr

@@ -115,6 +115,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_model_dir, text_file, tmp_path):
     not_logits.write_text("hello\n")
     cases = [(("nope.txt",), "nope.txt"), ((str(text_file), "--ctx", "1"), "--ctx"),
              ((str(text_file), "--ctx", "64", "--stride", "65"), "--stride"),
+             ((str(text_file), "--ctx", "4096"), "--ctx 4096: at most 4095"),
              ((str(text_file), "--kl-divergence", str(not_logits)), "not a logits file"),
              ((str(text_file), "--ctx", "64", "--kl-divergence", str(saved)), "another text"),
              ((str(text_file), "--ctx", "64", "--save-logits", str(saved)), "another run"),
