@@ -57,6 +57,32 @@ ROWS += ["{not json", {"custom_id": "p", "method": "POST", "url": "/v1/completio
                        "body": {"prompt": "Once upon a time", "max_tokens": 8}}]
 
 
+def batch_under_way(server, src, store):
+    """A batch of `src` on `server` and its result file, once 3 results are written there (the server still
+    running)."""
+    client = server.client(key=None)
+    batch = client.batches.create(input_file_id=client.files.create(file=src, purpose="batch").id,
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    output = store / "files" / stored(store, batch.id)["dsv4"]["output"]
+    while not output.exists() or output.read_bytes().count(b"\n") < 3:
+        assert server.proc.poll() is None
+        time.sleep(0.05)
+    return batch, output
+
+
+def resumed(server, batch_id, rows):
+    """The records of a batch a restarted `server` finished: completed, each of `rows` answered once."""
+    try:
+        client = server.client(key=None)
+        batch = wait_for(client, batch_id)
+        assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
+        records = parse_jsonl(client.files.content(batch.output_file_id).text)
+    finally:
+        server.stop()
+    assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in rows)      # each once
+    return records
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("batches")
@@ -101,13 +127,7 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart(tmp_path):
     store, args = tmp_path / "store", ("--temperature", "0", "--batch-dir", str(tmp_path / "store"), "--max-batch", "2")
     server = Server(tmp_path, *args)
     try:
-        client = server.client(key=None)
-        batch = client.batches.create(input_file_id=client.files.create(file=src, purpose="batch").id,
-                                      endpoint="/v1/chat/completions", completion_window="24h")
-        output = store / "files" / stored(store, batch.id)["dsv4"]["output"]
-        while not output.exists() or output.read_bytes().count(b"\n") < 3:
-            assert server.proc.poll() is None
-            time.sleep(0.05)
+        batch, output = batch_under_way(server, src, store)
         server.proc.send_signal(signal.SIGKILL)
         server.proc.wait()
     finally:
@@ -115,15 +135,7 @@ def test_a_server_killed_mid_batch_finishes_it_after_a_restart(tmp_path):
     written = output.read_bytes().count(b"\n")
     assert 3 <= written < len(rows) and stored(store, batch.id)["status"] == "in_progress"
 
-    server = Server(tmp_path, *args)
-    try:
-        client = server.client(key=None)
-        batch = wait_for(client, batch.id)
-        assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
-        records = parse_jsonl(client.files.content(batch.output_file_id).text)
-    finally:
-        server.stop()
-    assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in rows)      # each once
+    records = resumed(Server(tmp_path, *args), batch.id, rows)
     assert answers(records) == batch_reference(tmp_path, src, stored(store, batch.id)["dsv4"]["seed"],
                                                "--max-batch", "2")
 
@@ -199,13 +211,7 @@ def test_sigterm_mid_batch_stops_cleanly_and_the_batch_resumes_once(tmp_path):
     (tmp_path / "first").mkdir()
     server = Server(tmp_path / "first", *args)
     try:
-        client = server.client(key=None)
-        batch = client.batches.create(input_file_id=client.files.create(file=src, purpose="batch").id,
-                                      endpoint="/v1/chat/completions", completion_window="24h")
-        output = store / "files" / stored(store, batch.id)["dsv4"]["output"]
-        while not output.exists() or output.read_bytes().count(b"\n") < 3:
-            assert server.proc.poll() is None
-            time.sleep(0.05)
+        batch, output = batch_under_way(server, src, store)
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(60) == 0, server.log.read_text()
     finally:
@@ -214,15 +220,7 @@ def test_sigterm_mid_batch_stops_cleanly_and_the_batch_resumes_once(tmp_path):
     assert "internal error" not in log and "Traceback" not in log and "dsv4 serve: stopped" in log, log
     assert output.read_bytes().count(b"\n") < len(rows) and stored(store, batch.id)["status"] == "in_progress"
 
-    server = Server(tmp_path, *args)
-    try:
-        client = server.client(key=None)
-        batch = wait_for(client, batch.id)
-        assert batch.status == "completed" and batch.request_counts.completed == len(rows), batch
-        records = parse_jsonl(client.files.content(batch.output_file_id).text)
-    finally:
-        server.stop()
-    assert sorted(r["custom_id"] for r in records) == sorted(r["custom_id"] for r in rows)      # each once
+    resumed(Server(tmp_path, *args), batch.id, rows)
 
 
 @pytest.fixture(scope="module")

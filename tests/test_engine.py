@@ -182,7 +182,8 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
 @torch.no_grad()
 def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
     """A step running prefill chunks in the decode step's passes reads the host once too, the step whose
-    chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor); on the CPU,
+    chunk ends a prompt included (its first token, and logprobs, ride in the packed tensor), a scored chunk's
+    rows in the same read (`prompt_logprobs`); on the CPU,
     once more per MoE call that reads its routing on the host (not on a paired or widened stack)."""
     moe_calls, static = [], []
     monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
@@ -191,7 +192,8 @@ def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
     running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
     eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
     eng.step()                                              # its prefill alone
-    new = eng.submit(prompt, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=2))
+    new = eng.submit(prompt, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=2,
+                                            prompt_logprobs=1))
     syncs = []
     with monkeypatch.context() as m:
         for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
@@ -202,7 +204,7 @@ def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
             static.clear()
             eng.step()
             assert syncs == ["tolist"] * (1 + len(moe_calls) - len(static)), syncs
-    assert len(new.output_ids) == 1 and len(new.logprobs) == 1
+    assert len(new.output_ids) == 1 and len(new.logprobs) == 1 and len(new.prompt_logprobs) == 40
 
 
 def spy(fn, log, name=None):

@@ -1,7 +1,6 @@
 """Prompt logprobs (`SamplingParams.prompt_logprobs`): every prompt token scored by the model's own
 log-softmax, whatever the chunking, the drafter, the prefix store or the rest of the batch."""
 import torch
-from test_engine import spy
 from tiny import prompts
 
 from dsv4cli.engine import Engine, SamplingParams
@@ -74,33 +73,6 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing(model, tok):
         assert seq.output_ids == [] and seq.finish_reason == "length"
         assert worst_error(model, seq, 0) <= 1e-4
     assert SamplingParams(max_tokens=-1).problem(300) is not None
-
-
-@torch.no_grad()
-def test_scored_chunks_read_the_host_once(model, tok, monkeypatch):
-    """A step whose chunk is scored (ending its prompt or not) still reads the host once (its rows ride in the
-    same read as the packed tensor): 0 MoE reads with stacked experts counted apart."""
-    from dsv4cli.kernels import cpu
-
-    moe_calls, static = [], []
-    monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
-    monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
-    eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16)
-    running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
-    eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
-    eng.step()
-    new = eng.submit(prompt, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, prompt_logprobs=1))
-    syncs = []
-    with monkeypatch.context() as m:
-        for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"):
-            m.setattr(torch.Tensor, name, spy(getattr(torch.Tensor, name), syncs, name))
-        for _ in range(3):                                  # chunks of 16, 16 and 8, with decode rows
-            syncs.clear()
-            moe_calls.clear()
-            static.clear()
-            eng.step()
-            assert syncs == ["tolist"] * (1 + len(moe_calls) - len(static)), syncs
-    assert len(new.output_ids) == 1 and len(new.prompt_logprobs) == 40
 
 
 @torch.no_grad()
