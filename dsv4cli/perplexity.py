@@ -210,7 +210,7 @@ def run_perplexity(s: Settings, file: str, ctx: int, stride: int | None, save: P
             scores.add(list(out.records[w][0]))
         todo = [w for w in range(len(plan)) if w not in done]
         n_top = top_k if save else 1 if base else 0      # the KL run: its top-1, for the agreement
-        with progress(len(plan), len(done)) as bar:
+        with WindowBar(len(plan), len(done)) as bar:
             pending, in_flight = iter(todo), {}
             while True:
                 while len(in_flight) < 2 * engine.max_batch and (w := next(pending, None)) is not None:
@@ -298,7 +298,7 @@ def open_logits(path: Path, header: dict) -> AppendFile:
     return AppendFile(path, {}, len(json.dumps(header)) + 1)
 
 
-class progress:
+class WindowBar:
     """A progress bar over the windows on stderr when it is a terminal (else nothing)."""
 
     def __init__(self, total: int, done: int):
@@ -310,7 +310,7 @@ class progress:
                                 TextColumn("{task.fields[stats]}"), transient=True)
             self.task = self.bar.add_task("windows", total=total, completed=done, stats="")
 
-    def __enter__(self) -> "progress":
+    def __enter__(self) -> "WindowBar":
         if self.bar is not None:
             self.bar.start()
         return self
