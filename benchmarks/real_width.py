@@ -66,6 +66,11 @@ except ImportError:
     DSparkDrafter = MTPDrafter = DSparkAttention = None
 from dsv4cli.model.quant import FP32_TENSORS, is_w8a8_linear
 
+try:            # an older checkout holds no release formats
+    from dsv4cli.model.quant import is_release_fp8
+except ImportError:
+    is_release_fp8 = None
+
 V4_FLASH = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
     "hidden_size": 4096, "num_nextn_predict_layers": 1, "num_attention_heads": 64, "num_key_value_heads": 1,
@@ -114,9 +119,25 @@ def clock() -> float:
     return time.perf_counter()
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """V4-shaped model with random weights: the W8A8 recipe's linears int8 + per-channel scales,
-    the rest float (fp32 where the checkpoints keep fp32), materialised tensor by tensor."""
+def release_weight(name: str, shape, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights in the official release's format for the linear `name`: routed experts packed FP4 with an
+    E8M0 scale per 32 inputs, other linears FP8 with an fp32 scale per 128 x 128 tile (as the loader holds them);
+    values of ~1/sqrt(in)."""
+    rows, cols = shape
+    if ".experts." in name:
+        packed = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8, device=DEVICE)
+        exponent = round(math.log2(1 / (2.2 * math.sqrt(cols))))        # E2M1 codes uniform: std ~2.2
+        scale = torch.full((rows, cols // 32), exponent + 127, dtype=torch.uint8, device=DEVICE)
+        return packed.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e8m0fnu)
+    w = torch.empty(rows, cols, device=DEVICE).normal_(0, 64, generator=g).to(torch.float8_e4m3fn)
+    scale = torch.full((-(-rows // 128), -(-cols // 128)), 1 / (64 * math.sqrt(cols)), device=DEVICE)
+    return w, scale
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "w8a8") -> Transformer:
+    """V4-shaped model with random weights: the W8A8 recipe's linears int8 + per-channel scales (`weights`
+    w8a8), or the release's FP8 linears and FP4 routed experts (native), the rest float (fp32 where the
+    checkpoints keep fp32), materialised tensor by tensor."""
     dspark = getattr(cfg, "drafter", None) == "dspark"
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -126,7 +147,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
             if p is None:
                 continue
             full = f"{name}.{attr}"
-            int8 = is_w8a8_linear(name, dspark) if dspark else is_w8a8_linear(name)
+            if (weights == "native" and isinstance(module, Linear) and attr == "weight" and is_release_fp8(name)
+                    and (".experts." in name or module.holds_fp8)):
+                w, scale = release_weight(name, p.shape, g)
+                module.weight = nn.Parameter(w, requires_grad=False)
+                module.scale = nn.Parameter(scale, requires_grad=False)
+                continue
+            int8 = weights == "w8a8" and (is_w8a8_linear(name, dspark) if dspark else is_w8a8_linear(name))
             if isinstance(module, Linear) and attr == "weight" and int8 and not getattr(module, "float_only", False):
                 module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8,
                                                            device=DEVICE),
@@ -154,8 +181,11 @@ def held_bytes(t: torch.Tensor) -> int:
 
 
 def stored_bytes(name: str, t: torch.Tensor) -> int:
-    """Bytes in the W8A8 checkpoint: int8 weights, fp32 scales and FP32_TENSORS, other floats bf16."""
-    if t.dtype == torch.int8 or name.endswith("weight_scale") or any(k in name for k in FP32_TENSORS):
+    """Bytes in the checkpoint: int8, FP8 and FP4 weights and E8M0 scales as held, W8A8's fp32 scales and
+    FP32_TENSORS, FP8's tile scales one byte (E8M0), other floats bf16."""
+    if name.endswith(".scale") and t.dtype == torch.float32:
+        return t.numel()
+    if t.element_size() == 1 or name.endswith("weight_scale") or any(k in name for k in FP32_TENSORS):
         return held_bytes(t)
     return t.numel() * 2
 
@@ -361,8 +391,10 @@ class StepProfile:
         for name in ("indexer_scores", "topk_blocks", "sparse_attention", "attention"):
             if hasattr(kernel_module(self.model), name):     # "attention": the dense op of older checkouts
                 self._wrap_kernel(name)
-        for name in ("linear_fp32", "linear", "grouped_projection"):     # wo_a's groups: one call, one weight
-            self._count_gemm(name, self.flops)
+        for name in ("linear_fp32", "linear", "grouped_projection",     # wo_a's groups: one call, one weight
+                     "fp8_linear", "fp4_linear"):                        # the release's bytes, fp32 math
+            if hasattr(kernel_module(self.model), name):
+                self._count_gemm(name, self.flops)
         self._count_gemm("w8a8_linear", self.int8_ops)
         return self
 
@@ -601,6 +633,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--compile", action="store_true", help="also time the compiled step (torch.compile)")
+    ap.add_argument("--weights", default="w8a8", choices=["w8a8", "native"],
+                    help="the W8A8 recipe's int8 linears, or the official release's FP8 linears and FP4 experts")
     ap.add_argument("--drafter", default="mtp", choices=["mtp", "dspark"],
                     help="the preview's MTP layer, or 0731's DSpark stages (depths: the drafts verified, 0-5)")
     a = ap.parse_args()
@@ -616,7 +650,7 @@ def main():
                    dspark_target_layer_ids=list(range(len(ratios)))[-3:])
     cfg = ModelConfig.from_dict(cfg)
     t = clock()
-    model = build_model(cfg, getattr(torch, a.dtype))
+    model = build_model(cfg, getattr(torch, a.dtype), a.weights)
     built = clock() - t
     stream = StreamRead()
     first_bw, peak, int8_peak = stream(), matmul_peak(), int8_gemm_peak()
@@ -656,7 +690,7 @@ def main():
                                                      "cores": os.cpu_count(), "threads": a.threads},
               "stream_read_gb_s": round(first_bw / 1e9, 3), "fp32_matmul_gflop_s": round(peak / 1e9, 1),
               "int8_gemm_gop_s": round(int8_peak / 1e9, 1) if int8_peak else None,
-              "dtype": a.dtype, "layers": ratios,
+              "dtype": a.dtype, "weights": a.weights, "layers": ratios,
               "experts": a.experts, "vocab": a.vocab, "drafter": a.drafter, "results": results}
     if auto:
         report["auto"] = auto

@@ -142,6 +142,16 @@ class Settings:
     model: str | None = _key("model", None, "Model directory (unset: the bundled dsv4-tiny)", path=True)
     device: str = _key("model", "auto", "Device to run on", choices=("auto", *platforms.names()))
     dtype: str = _key("model", "auto", "Compute dtype", choices=("auto", "float32", "bfloat16", "float16"))
+    weights: str = _key(
+        "model", "auto", "How quantised weights are held: native (as the files store them: the official release's "
+        "FP8 linears and FP4 experts, W8A8's int8), w8a8 (the release re-quantised to int8 per channel at load), "
+        "float (decoded to the compute dtype); auto: native, w8a8 on NPUs", choices=("auto", "native", "w8a8", "float")
+    )
+    mmap: bool = _key(
+        "model", True, "Map weights held as stored from the checkpoint's files instead of copying them: processes "
+        "share the page cache, and a machine with less memory than the weights still runs (pages read as used)"
+    )
+    mlock: bool = _key("model", False, "Lock the mapped weights in memory (read once, never paged out)")
     tp: int = _key("model", 1, "Tensor-parallel degree (devices per model)", lo=1)
     max_seq_len: int = _key("model", 4096, "Most tokens (prompt + reply) one sequence may hold", lo=64,
                             flags=("--max-seq-len", "--ctx-size", "--max-model-len"))   # llama.cpp's and vLLM's names
@@ -557,7 +567,8 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
 
 # DSV4_* variables that are not settings, read where they act
 OTHER_ENV = {"DSV4_DEBUG": "1 shows tracebacks (cli.py)",
-             "DSV4_NATIVE_KERNELS": "0 runs torch's CPU kernels instead of the project's (kernels/native.py)"}
+             "DSV4_NATIVE_KERNELS": "0 runs torch's CPU kernels instead of the project's (kernels/native.py)",
+             "DSV4_LOWBIT_ISA": "avx2 or avx512: the build of the release-format CPU kernels (cpu_lowbit.c) to use"}
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:

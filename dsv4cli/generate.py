@@ -1,14 +1,14 @@
-"""`dsv4 generate`: one prompt, streamed to stdout (or one JSON object)."""
+"""`dsv4 generate`: one prompt, streamed to stdout (or one JSON object).
+
+What needs torch (the engine, grammars, OpenAI-shaped results) is imported once the prompt, files and model
+directory are checked, so a mistake there is said without waiting for torch."""
 import json
 import sys
 
 from dsv4cli.config import Settings, read_text_file
 from dsv4cli.encoding import THINK_END, encode_messages
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.loading import load_engine, load_tools, sampling_params
-from dsv4cli.openai.responses import chat_logprobs, tool_calls, visible_message
-from dsv4cli.options import CliOptions, model_options
-from dsv4cli.structured import json_grammar, text_grammar, tool_grammar
+from dsv4cli.options import CliOptions, check_model_dir, model_options
 from dsv4cli.tokenizer import Tokenizer
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
@@ -119,6 +119,8 @@ def constraint(s: Settings, given: tuple[str, object] | None, engine, thinking: 
     UsageError naming the flag and the problem."""
     if given is None:
         return None
+    from dsv4cli.structured import json_grammar, text_grammar, tool_grammar
+
     name, value = given
     tok, vocab = engine.tok, engine.model_info.vocab_size
     try:
@@ -136,8 +138,11 @@ def run_generate(s: Settings) -> int:
     prompt = read_prompt(s) if ids is None else None
     if s.tools and s.raw:
         raise UsageError("--tools: a --raw prompt has no chat template to render tools into")
-    tools = load_tools(s.tools, "--tools") if s.tools else []
     given = read_constraint(s)
+    check_model_dir(s)
+    from dsv4cli.loading import load_engine, load_tools, sampling_params
+
+    tools = load_tools(s.tools, "--tools") if s.tools else []
     engine = load_engine(s, "generate")
     if ids is None:
         ids = prompt_ids(engine, s, prompt, tools)
@@ -166,6 +171,8 @@ def run_generate(s: Settings) -> int:
         raise RunError(seq.error)
     reasoning, answer = split_reasoning(seq.text, final=True) if thinking else ("", seq.text)
     if s.json:
+        from dsv4cli.openai.responses import chat_logprobs, tool_calls, visible_message
+
         # the text without special tokens; token_ids keep every token
         result = {"text": engine.tok.visible(answer),
                   **({"reasoning_content": engine.tok.visible(reasoning)} if thinking else {}),

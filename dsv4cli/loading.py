@@ -11,12 +11,12 @@ from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, EngineAPI, SamplingParams
+from dsv4cli.engine.prefix import SPARE_RING_ROWS
 from dsv4cli.engine.runner import drafter_depth
-from dsv4cli.engine.slots import SlotState
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
 from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
-from dsv4cli.model.footprint import footprint, tp_problem
+from dsv4cli.model.footprint import footprint, state_bytes, tp_problem
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_bytes
 
@@ -75,12 +75,9 @@ def pick_threads(s: Settings, parameters: int) -> int:
 
 
 def decode_state_bytes(cfg: ModelConfig, s: Settings, dtype: torch.dtype) -> int:
-    """What the engine's DecodeState will take, measured on the meta device (nothing is allocated)."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    state = SlotState.decode_state(model, s.max_batch, s.max_seq_len, drafter_depth(cfg, s.mtp),
-                                   reuse_prefix=s.mode == "chat", device="meta", dtype=dtype)
-    return state.nbytes()
+    """What the engine's DecodeState will take (`SlotState.decode_state`'s), from the config alone."""
+    return state_bytes(cfg, s.max_batch, s.max_seq_len, max_draft=max(drafter_depth(cfg, s.mtp), 1) + 1,
+                       spare=SPARE_RING_ROWS if s.mode == "chat" else 0, float_bytes=dtype.itemsize)
 
 
 def model_config(s: Settings) -> ModelConfig:
@@ -105,17 +102,27 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
             raise UsageError(f"--stop-token-id {token}: not a token id; the vocabulary has {cfg.vocab_size}")
     dtype = pick_dtype(s.dtype, device)
     try:
-        parameters, weights = footprint(s.model_dir, s.tp, float_bytes=dtype.itemsize)
+        parameters, held = footprint(s.model_dir, s.tp, float_bytes=dtype.itemsize, weights=s.weights, device=device)
     except LoadError as e:
         raise UsageError(str(e)) from None
+    weights = sum(held.values())
+    platform = platforms.for_device(device)
+    # the release's bytes, mapped on the host: the page cache holds them, and pages the OS drops are read again
+    mapped = held["fp4"] + held["fp8"] if s.mmap and platform.on_host_cores else 0
     state = decode_state_bytes(cfg, s, dtype)
-    free, store = platforms.for_device(device).free_memory(device), s.prefix_cache_bytes
-    if weights + state + store > free:
+    free, store = platform.free_memory(device), s.prefix_cache_bytes
+    need = weights - mapped + state + store
+    if need > free:
         card = " per card" if s.tp > 1 else ""
         cache = f", prefix cache {human_bytes(store)} (--prefix-cache-bytes)" if store else ""
-        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(weights + state + store)}"
-                         f"{card} (weights {human_bytes(weights)}, decode state {human_bytes(state)} for --max-batch "
+        held_part = f"weights {human_bytes(weights - mapped)}" + (" besides the mapped ones" if mapped else "")
+        raise UsageError(f"not enough memory on {device}: the model needs about {human_bytes(need)}"
+                         f"{card} ({held_part}, decode state {human_bytes(state)} for --max-batch "
                          f"{s.max_batch} x --max-seq-len {s.max_seq_len}{cache}); {human_bytes(free)} is free")
+    if mapped and need + mapped > free:
+        print(f"dsv4: {human_bytes(mapped)} of weights are mapped from {s.model_dir} with {human_bytes(free - need)} "
+              "of memory left for them: the OS reads pages from disk as the experts are used (slower than "
+              "holding them; --mlock pins them where they fit)", file=sys.stderr)
     return parameters, weights
 
 
@@ -131,7 +138,8 @@ def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokeni
         torch.set_num_threads(s.threads)
     try:
         tokenizer = Tokenizer.from_dir(s.model_dir)
-        model = load_model(s.model_dir, device=device, dtype=pick_dtype(s.dtype, device))
+        model = load_model(s.model_dir, device=device, dtype=pick_dtype(s.dtype, device), weights=s.weights,
+                           mmap_weights=s.mmap, mlock=s.mlock)
     except (LoadError, ValueError) as e:
         raise UsageError(str(e)) from None
     return model, tokenizer

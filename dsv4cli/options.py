@@ -21,6 +21,7 @@ from typing import Any
 import typer
 
 from dsv4cli.config import SPEC, Settings, format_value, resolve
+from dsv4cli.hub import missing_model
 
 # The options of every model verb: model, sampling and speculative keys.
 SHARED_KEYS = tuple(k.name for k in SPEC.values() if k.section in ("model", "sampling", "speculative"))
@@ -95,3 +96,10 @@ def model_options(*keys: str) -> Callable[[Callable], Callable]:
     """Decorator for a model verb: adds the shared options, the options for the settings `keys` it also
     takes (e.g. "prompt"), -c/--config and --debug; the verb gets them as its `opts: CliOptions` parameter."""
     return with_options(SHARED_KEYS + keys, config=True)
+
+
+def check_model_dir(s: Settings) -> None:
+    """A model verb's missing model directory, said before the verb imports torch to load the model (the line
+    `loading.model_config` says)."""
+    if not s.model_dir.is_dir():
+        raise missing_model(s.model or str(s.model_dir))

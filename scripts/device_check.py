@@ -2,7 +2,8 @@
 
     python scripts/device_check.py [--device cuda]
 
-On a tiny random model in the official layout (float and W8A8): logits on the device (fp32) equal the
+On a tiny random model in the official layout (float, W8A8, and the release's FP8 linears and FP4 experts held
+as stored): logits on the device (fp32) equal the
 CPU's, routed experts run as grouped GEMMs over stacked experts with the routing on the device,
 greedy speculative output equals plain greedy (K = 0..3, batch 1 and 3, captured step graphs), a
 decode step reads the host once, and (CUDA) the indexer's Triton scan gives torch's scores at V4
@@ -20,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+from test_fp8 import write_official  # noqa: E402
 from tiny import tiny_config, write_checkpoint  # noqa: E402
 
 from dsv4cli.engine import Engine, SamplingParams  # noqa: E402
@@ -89,12 +91,13 @@ def main() -> int:
         tok_dir = Path(tmp) / "tok"
         train_tokenizer(build_corpus(0, 200, 50), tok_dir, vocab_size=300)
         tok = Tokenizer.from_dir(tok_dir)
-        float_dir, w8a8_dir = Path(tmp) / "float", Path(tmp) / "w8a8"
+        float_dir, w8a8_dir, release_dir = Path(tmp) / "float", Path(tmp) / "w8a8", Path(tmp) / "release"
         cfg = tiny_config(vocab_size=tok.vocab_size, index_n_heads=16)
         reference = write_checkpoint(float_dir, cfg, seed=3)
         save_w8a8(reference, cfg, w8a8_dir)
+        write_official(release_dir, cfg, seed=3)        # held as stored: the Triton FP8 / FP4 kernels
         ids = torch.randint(0, tok.vocab_size, (2, 300), generator=torch.Generator().manual_seed(7))
-        for name, path in (("float", float_dir), ("w8a8", w8a8_dir)):
+        for name, path in (("float", float_dir), ("w8a8", w8a8_dir), ("release", release_dir)):
             cpu = load_model(path, device="cpu", dtype=torch.float32)
             dev = load_model(path, device=device, dtype=torch.float32)
             stacked = all(layer.ffn.stack is not None for layer in dev.layers) or device.type == "cpu"

@@ -21,7 +21,7 @@ from dsv4cli.engine.runner import ChunkKey, StepKey
 from dsv4cli.kernels import native
 from dsv4cli.loading import BATCH_COMPILE_TOKENS, LONG_RUNNING, choose_compile, load_engine
 from dsv4cli.model.model import PackedWeight
-from dsv4cli.model.quant import quantize_model
+from dsv4cli.model.quant import quantize_model, release_model
 from dsv4cli.tokenizer import Tokenizer
 
 COMPILER = pytest.mark.skipif(platforms.get("cpu").compile_unavailable_reason() is not None,
@@ -30,7 +30,8 @@ COMPILER = pytest.mark.skipif(platforms.get("cpu").compile_unavailable_reason() 
 
 @COMPILER
 def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, monkeypatch):
-    """Both expert paths in one graph: the first layer's experts stacked (what `prepare` does with small
+    """Every weight form in one graph: the MTP layer in the release's FP8/FP4 (their ops, its experts routed on the
+    host), the first layer's experts stacked (what `prepare` does with small
     unpacked experts: grouped GEMMs in the graph), the second layer's linears packed for the native GEMMs
     (their custom ops) and its experts routed on the host from a fused-kernel table (one opaque op), as
     `prepare` leaves big ones; without the native kernels, its linears packed for the AVX2 ops. The compiled
@@ -40,8 +41,11 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
     # small enough to compile in about a minute on one core: a CSA and an HCA layer, a short Sinkhorn
     cfg = tiny_config(num_hidden_layers=2, compress_ratios=[4, 128, 0], hc_sinkhorn_iters=3,
                       vocab_size=Tokenizer.from_dir(small_tokenizer_dir).vocab_size)
-    model = quantize_model(random_model(cfg, seed=3)).prepare()      # W8A8: the int8 GEMMs compile too
-    assert all(layer.ffn.stack is not None for layer in [*model.layers, *model.mtp])
+    model = random_model(cfg, seed=3)
+    release_model(model.mtp)      # the MTP layer as the official release holds it: FP8 and FP4 read as stored
+    model = quantize_model(model).prepare()      # the trunk W8A8: the int8 GEMMs compile too
+    assert all(layer.ffn.stack is not None for layer in model.layers)
+    assert model.mtp[0].ffn.stack is None and model.mtp[0].attn.wq_a.format == "fp8"   # experts read in place
     unpacked = []      # `state_dict()` unpacks: a full extra copy of every packed weight
     if native.available() or native.avx2_available():
         # the second layer's linears in the native GEMMs' layouts, or the AVX2 ops': their ops in the graph

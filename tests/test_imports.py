@@ -134,7 +134,7 @@ def test_help_and_config_show_start_without_torch():
     assert not imports_torch("--help")
     assert not imports_torch("config", "show")
     assert not imports_torch("config", "show", "--config", "configs/chat.toml")
-    assert imports_torch("generate", "--help")          # a verb's own help loads its module
+    assert imports_torch("chat", "--help")              # a verb's own help loads its module
 
 
 def test_the_verb_and_mode_tables_name_what_runs():

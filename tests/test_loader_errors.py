@@ -158,3 +158,37 @@ def test_several_problems_are_counted(float_ckpt):
 
 def test_not_a_directory(tmp_path):
     assert f"{tmp_path / 'nope'}: model directory not found" in load_error(tmp_path / "nope")
+
+
+# ---- the official release's FP8 / FP4 tensors, held as stored -------------------------------------
+
+@pytest.fixture
+def release_ckpt(tmp_path):
+    from test_fp8 import write_official
+    write_official(tmp_path, CFG, seed=2)
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["layers.1.attn.wq_b.scale", "layers.2.ffn.experts.4.w3.scale"])
+def test_release_missing_scale(release_ckpt, name):
+    edit(release_ckpt / "model.safetensors", lambda t: t.pop(name))
+    assert load_error(release_ckpt).endswith(f"missing tensor '{name}'")
+
+
+def test_release_scale_of_the_wrong_shape(release_ckpt):
+    name = "layers.2.ffn.experts.4.w3.scale"             # one E8M0 per 32 inputs: [32, 2] here
+    edit(release_ckpt / "model.safetensors", lambda t: t.update({name: t[name][:, :1].contiguous()}))
+    assert load_error(release_ckpt).endswith(f"tensor '{name}': shape [32, 1], expected [32, 2]")
+
+
+def test_release_fp4_tensor_of_the_wrong_width(release_ckpt):
+    name = "layers.2.ffn.experts.4.w1.weight"             # 64 inputs packed two a byte: [32, 32]
+    edit(release_ckpt / "model.safetensors", lambda t: t.update({name: t[name][:, :31].contiguous()}))
+    assert load_error(release_ckpt).endswith(f"tensor '{name}': shape [32, 31], expected [32, 32]")
+
+
+def test_release_truncated_shard(release_ckpt):
+    shard = release_ckpt / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    message = load_error(release_ckpt)
+    assert str(shard) in message and "truncated" in message

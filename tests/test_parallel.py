@@ -9,8 +9,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
+from test_fp8 import write_official
 from tiny import tiny_config, write_checkpoint
 
 from dsv4cli import parallel
@@ -32,8 +34,11 @@ def _rank(rank, world, port, path, out):
     parallel.leave()
 
 
-def test_tp2_logits_match_tp1(tmp_path):
-    write_checkpoint(tmp_path / "m", CFG, seed=2)
+@pytest.mark.parametrize("layout", ["float", "release"])
+def test_tp2_logits_match_tp1(tmp_path, layout):
+    """Float weights, and the official release's held as stored: each rank its rows or columns of every FP8
+    weight with the tiles covering them (wq_b's half starts inside a 128-row tile), and its FP4 experts."""
+    (write_checkpoint if layout == "float" else write_official)(tmp_path / "m", CFG, seed=2)
     store = parallel.rendezvous()
     mp.start_processes(_rank, args=(2, store.port, tmp_path / "m", tmp_path / "tp2.pt"), nprocs=2,
                        start_method="spawn")

@@ -1,14 +1,15 @@
 """`dsv4 batch IN.jsonl -o OUT.jsonl` and `dsv4 batch merge OUT.jsonl [SHARDS...]`: the verb and its merge
-(`mode = "batch"` of `dsv4 run` is `runner.run_batch`)."""
+(`mode = "batch"` of `dsv4 run` is `runner.run_batch`). The runner (and torch) is imported when a verb runs, so
+the command line's mistakes are said without waiting for it, and a merge without retries never imports it."""
+import os
 from pathlib import Path
 
 import typer
 
 from dsv4cli.errors import UsageError
-from dsv4cli.options import CliOptions, model_options
+from dsv4cli.options import CliOptions, check_model_dir, model_options
 
-from .merge import run_merge
-from .runner import run_batch
+from .shards import check_paths, parse_shard
 
 
 @model_options("input", "output", "errors", "resume", "shard", "thinking", "reasoning_effort")
@@ -23,6 +24,10 @@ def batch(
             raise UsageError("the input is given twice: as IN.jsonl and as -i/--input")
         opts.flags["input"] = str(in_file)
     settings, _ = opts.resolve()
+    check_model_dir(settings)
+    check_paths(settings, parse_shard(settings.shard, os.environ) if settings.shard else None)   # before torch
+    from .runner import run_batch
+
     return run_batch(settings)
 
 
@@ -37,5 +42,7 @@ def merge(
 ) -> int:
     """Merge the shards of one input (`dsv4 batch --shard I/N`) into OUT.jsonl: every request once, in input
     order; refuses shards of different inputs or settings, and names requests no shard answered."""
+    from .merge import run_merge
+
     settings, _ = opts.resolve()
     return run_merge(settings, out, shards or [], retry_failed)

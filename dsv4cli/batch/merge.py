@@ -22,13 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4cli.config import Settings
-from dsv4cli.engine import EngineFailed
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.loading import load_engine, sampling_params
 
-from .output import ResultFile, answered
-from .requests import RequestParser
-from .runner import BatchRun
 from .shards import Shard, disagreement, input_digest, new_manifest, read_manifest, shard_files
 
 SHOWN = 5       # ids named per kind in the report
@@ -164,6 +159,14 @@ def named(ids: list[str]) -> str:
 def retry(s: Settings, src: Path, manifest: dict, failed: set[int], out: Path) -> Path:
     """Run the failed lines again into OUT.retry (what an interrupted retry wrote is kept) with the shards' seed
     and settings; returns that file."""
+    # the engine (and torch) only here: a merge without retries copies lines
+    from dsv4cli.engine import EngineFailed
+    from dsv4cli.loading import load_engine, sampling_params
+
+    from .output import ResultFile, answered
+    from .requests import RequestParser
+    from .runner import BatchRun
+
     mine = new_manifest(s, src, manifest["input_sha256"], Shard(0, manifest["shard"]["count"]), manifest["seed"], out,
                         None)
     if why := disagreement(manifest, json.loads(json.dumps(mine))):

@@ -188,3 +188,30 @@ def disagreement(a: dict, b: dict) -> str | None:
     if a["shard"]["count"] != b["shard"]["count"]:
         return f"another shard count ({b['shard']['count']} against {a['shard']['count']})"
     return None
+
+
+def check_paths(s: Settings, shard: Shard | None = None) -> tuple[Path, Path, Path | None]:
+    """The input, output and errors paths (with `shard`, that shard's files), or a UsageError for any that
+    cannot work."""
+    if not s.input:
+        raise UsageError("missing input: give IN.jsonl (or -i/--input)")
+    if not s.output:
+        raise UsageError("-o/--output: missing; give the file to write results to")
+    src, out = Path(s.input), Path(s.output)
+    err = Path(s.errors) if s.errors else None
+    if shard is not None:
+        out, err = shard.path(out), err and shard.path(err)
+    if not src.is_file():
+        raise UsageError(f"{src}: {'is a directory' if src.is_dir() else 'no such file'}")
+    for flag, path in (("-o/--output", out), ("--errors", err)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise UsageError(f"{flag} {path}: is a directory; give a file path")
+        if path.exists() and path.resolve() == src.resolve():
+            raise UsageError(f"{flag} {path}: is the input file")
+        if not s.resume and path.exists() and path.stat().st_size:
+            raise UsageError(f"{flag} {path}: already has results; add --resume to continue that run (or remove it)")
+    if err is not None and err.absolute() == out.absolute():
+        raise UsageError("--errors: must be another file than -o/--output")
+    return src, out, err

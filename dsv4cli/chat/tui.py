@@ -206,7 +206,8 @@ class _NoEcho:
 def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
     info = engine.model_info
     return [("model", str(settings.model_dir)),
-            ("format", "w8a8 (int8 linears)" if info.w8a8 else "float"),
+            ("format", {"w8a8": "w8a8 (int8 linears)", "fp8+fp4": "fp8+fp4 (the release's bytes)"}.get(info.weights,
+                                                                                                   info.weights)),
             ("device", str(engine.device)),
             ("dtype", info.dtype),
             ("tensor parallel", str(settings.tp)),

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from dsv4cli.model.footprint import count_parameters
+from dsv4cli.model.model import RELEASE_FORMATS
 
 if TYPE_CHECKING:
     from dsv4cli.model import Transformer
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class ModelInfo:
     """What the loaded model is, as a front end shows it."""
     parameters: int     # those this process holds (a rank's slice under --tp), weight scales not counted
-    w8a8: bool          # int8 linears (the W8A8 layout), else float throughout
+    weights: str        # how the linears are held: "fp8+fp4" (the release's bytes), "w8a8" (int8) or "float"
     dtype: str          # the float weights' dtype, e.g. "float32"
     device: str
     layers: int
@@ -34,10 +34,18 @@ class ModelInfo:
     @classmethod
     def of(cls, model: Transformer) -> ModelInfo:
         cfg, weight = model.cfg, model.embed.weight
-        return cls(parameters=count_parameters(model)[0], w8a8=any(p.dtype == torch.int8 for p in model.parameters()),
+        held = {p.dtype for p in model.parameters()}
+        weights = "fp8+fp4" if held & set(RELEASE_FORMATS) else "w8a8" if torch.int8 in held else "float"
+        return cls(parameters=held_parameters(model), weights=weights,
                    dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), layers=cfg.n_layers,
                    mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size, drafter=cfg.drafter,
                    block_size=cfg.dspark_block_size)
+
+
+def held_parameters(model: Transformer) -> int:
+    """The parameters a model holds, as its checkpoint's config counts them: no scales, packed FP4 two a byte."""
+    return sum(p.numel() * (2 if p.dtype == torch.float4_e2m1fn_x2 else 1) for name, p in model.named_parameters()
+               if not name.endswith(("weight_scale", ".scale")))
 
 
 @runtime_checkable

@@ -21,6 +21,8 @@ import torch
 from . import native
 from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
 from .reference import AMAX_FLOOR, ExpertStack, indexer_scan_op, sort_pairs, sum_pairs, swiglu
+from .reference import fp4_linear as reference_fp4_linear
+from .reference import fp8_linear as reference_fp8_linear
 from .reference import grouped_experts as reference_grouped_experts
 from .reference import indexer_scores as indexer_scores_bmm
 from .reference import mhc_post as reference_mhc_post
@@ -94,16 +96,18 @@ def unpack_w8a8(packed) -> torch.Tensor:
 
 
 def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
-    """An fp32 weight [out, in] packed for the few-row GEMM (the native one, or the AVX2 op), or None (neither
+    """A float weight [out, in] packed for the few-row GEMM (the native one, or the AVX2 op), or None (neither
     here, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight at
     0.9 of the memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16 (0.1-0.2 with 6-48 on an AVX2 CPU); the
-    native one at 0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`)."""
-    if (weight.dtype != torch.float32 or weight.numel() * 4 < PACK_MIN_BYTES
+    native one at 0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`). A bf16 weight (a bf16 run's) is
+    packed as bf16: unpacked, each call widened all of it (a V4 Flash head: 1 s a step)."""
+    if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() * 4 < PACK_MIN_BYTES
             or not native.float_packable(weight, groups)):
         return None
     # a weight the checkpoint stored in bf16 (the W8A8 layout's floats) is held in bf16: half the bytes
     # to read, and the kernel widens it exactly, so the sums are the fp32 copy's, bit for bit
-    exact_bf16 = all(torch.equal(rows.bfloat16().float(), rows) for rows in weight.split(CHECK_ROWS))
+    exact_bf16 = weight.dtype == torch.bfloat16 or all(torch.equal(rows.bfloat16().float(), rows)
+                                                       for rows in weight.split(CHECK_ROWS))
     return native.pack_float(weight, torch.bfloat16 if exact_bf16 else torch.float32)
 
 
@@ -224,6 +228,66 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return y.to(x.dtype).view(*shape[:-1], -1)
 
 
+# ---- the release's FP8 linears and FP4 experts, read as stored -------------------------------------
+
+# An fp32 run reads the release's bytes in exact fp32 sums (`native.fp8_mm`, `fp4_mm`: multiply-add bound on a CPU
+# core, ~0.4-0.55 of the memory bandwidth at one row); a bf16 run, whose activations are bf16 already, takes the fast
+# kernels where the CPU has AVX-512 VNNI and BF16: FP8 in bf16 pair products (`fp8_mm_bf16`: the same products,
+# E4M3 subnormals read as 0), FP4 against activations quantised per token to int8 as W8A8's are (`fp4_mm_q8`).
+# Both keep each row's result independent of the other rows: verification gives plain decoding's numbers.
+
+def _fast(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and native.lowbit_fast_available()
+
+
+@torch.library.custom_op("dsv4::lowbit_fp8_mm", mutates_args=())
+def lowbit_fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, row0: int, col0: int,
+                  fast: bool) -> torch.Tensor:
+    """`native.fp8_mm` (or `fp8_mm_bf16`) as an op of a compiled graph (inductor can't lower the release's
+    formats)."""
+    return (native.fp8_mm_bf16 if fast else native.fp8_mm)(x, weight, scale, (row0, col0))
+
+
+@lowbit_fp8_mm.register_fake
+def _(x, weight, scale, row0, col0, fast):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("dsv4::lowbit_fp4_mm", mutates_args=())
+def lowbit_fp4_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fast: bool) -> torch.Tensor:
+    """`native.fp4_mm` (or `fp4_mm_q8`) as an op of a compiled graph."""
+    return (native.fp4_mm_q8 if fast else native.fp4_mm)(x, weight, scale)
+
+
+@lowbit_fp4_mm.register_fake
+def _(x, weight, scale, fast):
+    return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0)):
+    """The reference's FP8 linear on the native kernels (the weight read once for all rows)."""
+    if not native.lowbit_available():
+        return reference_fp8_linear(x, weight, scale, offset)
+    rows, fast = x.reshape(-1, x.shape[-1]), _fast(x)
+    if torch.compiler.is_compiling():
+        y = lowbit_fp8_mm(rows, weight, scale, *offset, fast)
+    else:
+        y = (native.fp8_mm_bf16 if fast else native.fp8_mm)(rows, weight, scale, offset)
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The reference's FP4 linear on the native kernels (in a bf16 run, int8 activations)."""
+    if not native.lowbit_available():
+        return reference_fp4_linear(x, weight, scale)
+    rows, fast = x.reshape(-1, x.shape[-1]), _fast(x)
+    if torch.compiler.is_compiling():
+        y = lowbit_fp4_mm(rows, weight, scale, fast)
+    else:
+        y = (native.fp4_mm_q8 if fast else native.fp4_mm)(rows, weight, scale)
+    return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 # ---- the indexer's scan ------------------------------------------------------------------------
 
 native_indexer_scores = indexer_scan_op("native_indexer_scores", native.indexer_scores)
@@ -281,7 +345,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- routed experts on the host ----------------------------------------------------------------
 
 def projection(x, weight, scale, xq=None):
-    """A float linear (scale None), or W8A8; the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
+    """A float linear (scale None), W8A8, or the release's FP4 / FP8 (a shared expert's, whole: no tile offset);
+    the weight plain or packed (`pack_w8a8`, `pack_linear_fp32`)."""
+    if weight.dtype == torch.float4_e2m1fn_x2:
+        return fp4_linear(x, weight, scale)
+    if weight.dtype == torch.float8_e4m3fn:
+        return fp8_linear(x, weight, scale)
     packed = weight if weight.is_mkldnn or weight.dim() > 2 or (scale is not None and weight.dtype != torch.int8) \
         else None
     if scale is None:
@@ -291,7 +360,7 @@ def projection(x, weight, scale, xq=None):
 
 
 class TensorExpert:
-    """An expert made of its tensors: weights [w1, w3, w2] (float, int8 or packed) and their scales."""
+    """An expert made of its tensors: weights [w1, w3, w2] (float, int8, packed, FP4 or FP8) and their scales."""
 
     def __init__(self, weights, scales, limit: float):
         self.tensors = (list(weights), list(scales))

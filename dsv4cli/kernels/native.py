@@ -17,10 +17,15 @@ call releases the GIL; inside a compiled graph the calls are custom ops). Where 
 compiler, a CPU without AVX-512 VNNI, not x86-64 Linux, or `DSV4_NATIVE_KERNELS=0`), `available()` is
 False and the CPU kernel module (`cpu.py`) keeps torch's kernels; `avx2_available()` likewise for the
 AVX2 ops (no C++ compiler, no AVX2 and FMA).
+
+The official release's FP8 and FP4 weights are multiplied as stored, read in place (`cpu_lowbit.c`, its own
+library: `lowbit_library()`, `fp8_mm`, `fp4_mm`), built for AVX-512 or, on CPUs without it, AVX2; for a bf16
+run's activations, on CPUs with AVX-512 VNNI and BF16, faster kernels beside them (`fp4_mm_q8`, `fp8_mm_bf16`).
 """
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -49,6 +54,13 @@ BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
 # faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
 AMX_MIN_ROWS = 8
+
+
+def constant_when_traced(fn):
+    """`torch.compiler.assume_constant_result`'s mark, set without it: the public call imports torch._dynamo
+    (~1 s of every start-up, compiled or not); the mark is the attribute dynamo reads while tracing."""
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def _cpu_flags() -> set[str]:
@@ -118,7 +130,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@torch.compiler.assume_constant_result      # a graph asks it while tracing (`scannable`): a constant there
+@constant_when_traced      # a graph asks it while tracing (`scannable`): a constant there
 def available() -> bool:
     return library() is not None
 
@@ -153,7 +165,7 @@ def avx2_library() -> Path | None:
     return path
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def avx2_available() -> bool:
     return avx2_library() is not None
 
@@ -440,3 +452,181 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
 def unpack_pairs(packed: torch.Tensor) -> torch.Tensor:
     e, nb, k2 = packed.shape[:3]
     return packed.transpose(2, 3).reshape(e, nb * PAIRS_COLS, k2 * 2)
+
+
+# ---- the release's FP8 / FP4 weights, read as stored (cpu_lowbit.c) --------------------------------------
+
+LOWBIT_SOURCE = Path(__file__).with_name("cpu_lowbit.c")
+# one source, two builds: AVX-512 where the CPU has it, else AVX2 (DSV4_LOWBIT_ISA=avx2 forces it, for tests)
+LOWBIT_FLAGS = {"avx512": ["-O3", "-mavx512f", "-mavx512bw", "-mf16c", "-mfma", "-fopenmp", "-shared", "-fPIC"],
+                "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]}
+LOWBIT_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "f16c", "fma"), "avx2": ("avx2", "fma", "f16c")}
+# the AVX-512 build's fast kernels, where the CPU has these too; they quantise x with cpu_quant.c's quantiser
+LOWBIT_FAST_FLAGS = ["-mavx512vl", "-mavx512vnni", "-mavx512bf16"]
+LOWBIT_FAST_CPU_FLAGS = ("avx512_vnni", "avx512_bf16", "avx512vl")     # VL: every CPU with the other two has it
+QUANT_SOURCE = Path(__file__).with_name("cpu_quant.c")
+
+
+@functools.cache
+def lowbit_library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The FP8 and FP4 GEMMs built for `isa` ("avx512" or "avx2"; by default DSV4_LOWBIT_ISA, else the widest this
+    CPU runs), or None where they can't be built or run here (`DSV4_NATIVE_KERNELS=0`, no C compiler, a CPU
+    without the ISA, not x86-64 Linux). `lowbit_library().isa` says which build it is; `.fast` whether it has
+    the fast kernels (the AVX-512 build on a CPU with AVX-512 VNNI and BF16)."""
+    cpu, cc = _cpu_flags(), _compiler()
+    if os.environ.get("DSV4_NATIVE_KERNELS", "1") == "0" or not cc:
+        return None
+    isa = isa or os.environ.get("DSV4_LOWBIT_ISA") or next(
+        (name for name, flags in LOWBIT_CPU_FLAGS.items() if cpu.issuperset(flags)), None)
+    if isa not in LOWBIT_FLAGS or not cpu.issuperset(LOWBIT_CPU_FLAGS[isa]):
+        return None
+    fast = isa == "avx512" and cpu.issuperset(LOWBIT_FAST_CPU_FLAGS)
+    path = (_build(cc, LOWBIT_FLAGS[isa] + LOWBIT_FAST_FLAGS, [LOWBIT_SOURCE, QUANT_SOURCE]) if fast
+            else _build(cc, LOWBIT_FLAGS[isa], [LOWBIT_SOURCE]))
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    p, i64, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dsv4_fp8_mm.argtypes = [p, i64, i64, p, i64, i64, p, i64, c_int, c_int, p, c_int]
+    lib.dsv4_fp4_mm.argtypes = [p, i64, i64, p, i64, i64, p, i64, p, c_int]
+    lib.dsv4_fp8_mm.restype = lib.dsv4_fp4_mm.restype = c_int
+    if fast:
+        lib.dsv4_fp8_mm_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, c_int, c_int, p, c_int]
+        lib.dsv4_fp4_mm_q8.argtypes = [p, c_int, i64, i64, p, i64, i64, p, i64, ctypes.c_float, p, c_int]
+        lib.dsv4_fp8_mm_bf16.restype = lib.dsv4_fp4_mm_q8.restype = c_int
+    lib.isa, lib.fast = isa, fast
+    return lib
+
+
+@constant_when_traced
+def lowbit_available() -> bool:
+    return lowbit_library() is not None
+
+
+@constant_when_traced
+def lowbit_fast_available() -> bool:
+    """Whether `fp4_mm_q8` and `fp8_mm_bf16` run here."""
+    return lowbit_library() is not None and lowbit_library().fast
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} inputs where the weight has {k}")
+    return x.reshape(math.prod(x.shape[:-1]), k).float().contiguous()
+
+
+def _check_rows(t: torch.Tensor, name: str) -> None:
+    if t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"{name} must be 2-D with contiguous rows, not {tuple(t.shape)} with strides {t.stride()}")
+
+
+def _fp8_checked(weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int]) -> torch.Tensor:
+    """The scale grid as fp32, once the weight, its grid and the offset are what the FP8 kernels read."""
+    _check_rows(weight, "weight")
+    (n, k), (row0, col0) = weight.shape, offset
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn, not {weight.dtype}")
+    if not (0 <= row0 < 128 and 0 <= col0 < 128):
+        raise ValueError(f"offset {offset} must lie in [0, 128)")
+    grid = (-(-(row0 + n) // 128), -(-(col0 + k) // 128))
+    if scale.dim() != 2 or scale.shape[0] < grid[0] or scale.shape[1] < grid[1]:
+        raise ValueError(f"scale {tuple(scale.shape)} must cover a grid of {grid} tiles")
+    scale = scale.float()
+    _check_rows(scale, "scale")
+    return scale
+
+
+def _fp4_checked(weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The weight's inputs K, once it and its scales are what the FP4 kernels read."""
+    _check_rows(weight, "weight")
+    _check_rows(scale, "scale")
+    n, k = weight.shape[0], 2 * weight.shape[1]
+    if weight.dtype not in (torch.float4_e2m1fn_x2, torch.uint8) or scale.dtype not in (torch.float8_e8m0fnu,
+                                                                                        torch.uint8):
+        raise ValueError(f"weight must be float4_e2m1fn_x2 and scale float8_e8m0fnu (or their bytes), not "
+                         f"{weight.dtype} and {scale.dtype}")
+    if k % 32 or tuple(scale.shape) != (n, k // 32):
+        raise ValueError(f"a weight of {k} inputs (a multiple of 32) needs scales [{n}, {k // 32}], not "
+                         f"{tuple(scale.shape)}")
+    return k
+
+
+def fp8_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0),
+           lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`reference.fp8_linear` in fp32 sums, the weight read in place: x [..., K] (as fp32) times the E4M3 weight
+    [N, K] (rows contiguous, any row stride: a column slice too) with its grid of fp32 (or E8M0) tile scales,
+    tile (0, 0) starting `offset` = (rows, columns), both in [0, 128), before the weight's first element. Returns
+    fp32 [..., N]. lib: a `lowbit_library` build (default: this CPU's)."""
+    scale = _fp8_checked(weight, scale, offset)
+    (n, k), (row0, col0) = weight.shape, offset
+    rows = _rows(x, k)
+    y = torch.zeros(rows.shape[0], n) if k == 0 else torch.empty(rows.shape[0], n)
+    if y.numel() and k:
+        lib = lib or lowbit_library()
+        if lib.dsv4_fp8_mm(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, weight.stride(0),
+                           scale.data_ptr(), scale.stride(0), row0, col0, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the FP8 GEMM's scratch ({rows.shape[0]} x {k})")
+    return y.view(*x.shape[:-1], n)
+
+
+def fp4_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`reference.fp4_linear` in fp32 sums, the weight read in place: x [..., K] (as fp32) times the packed E2M1
+    weight [N, K/2] (float4_e2m1fn_x2 or uint8: low nibble input 2j, high nibble 2j+1; rows contiguous, any row
+    stride) with its E8M0 scales [N, K/32] (float8_e8m0fnu or uint8), K a multiple of 32. E8M0's 2^-127 (e = 0)
+    is read as 0. Returns fp32 [..., N]. lib: a `lowbit_library` build (default: this CPU's)."""
+    n, k = weight.shape[0], _fp4_checked(weight, scale)
+    rows = _rows(x, k)
+    y = torch.zeros(rows.shape[0], n) if k == 0 else torch.empty(rows.shape[0], n)
+    if y.numel() and k:
+        lib = lib or lowbit_library()
+        if lib.dsv4_fp4_mm(rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, weight.stride(0),
+                           scale.data_ptr(), scale.stride(0), y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"no memory for the FP4 GEMM's scratch ({rows.shape[0]} x {k})")
+    return y.view(*x.shape[:-1], n)
+
+
+def _fast(lib: ctypes.CDLL | None) -> ctypes.CDLL:
+    lib = lib or lowbit_library()
+    if lib is None or not lib.fast:
+        raise RuntimeError("the fast FP8/FP4 kernels need the AVX-512 build on a CPU with AVX-512 VNNI and BF16")
+    return lib
+
+
+def fp4_mm_q8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`fp4_mm` for a bf16 run: x [..., K] (any float dtype) quantised per row to int8 as W8A8 quantises it (the
+    bits of `reference.quantize_per_token`: q, sx), times the FP4 weight in exact int32 sums per group of 32, each
+    times its scale into fp32 sums: y = sx * sum_g 2^(e_g - 127) * sum_{k in g} q[k] e2m1[k]. Returns fp32
+    [..., N]. lib: a `lowbit_library` build with the fast kernels (default: this CPU's)."""
+    from .reference import AMAX_FLOOR
+    n, k = weight.shape[0], _fp4_checked(weight, scale)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} inputs where the weight has {k}")
+    rows = x.reshape(math.prod(x.shape[:-1]), k)
+    rows = (rows if rows.dtype == torch.bfloat16 else rows.float()).contiguous()     # bf16 read as it is
+    y = torch.zeros(rows.shape[0], n) if k == 0 else torch.empty(rows.shape[0], n)
+    if y.numel() and k and _fast(lib).dsv4_fp4_mm_q8(
+            rows.data_ptr(), rows.dtype == torch.bfloat16, rows.shape[0], k, weight.data_ptr(), n, weight.stride(0),
+            scale.data_ptr(), scale.stride(0), AMAX_FLOOR, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the FP4 GEMM's scratch ({rows.shape[0]} x {k})")
+    return y.view(*x.shape[:-1], n)
+
+
+def fp8_mm_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0),
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """`fp8_mm` for a bf16 run: x [..., K] as bf16 times the FP8 weight, pairs of products summed in fp32
+    (vdpbf16ps) per 128-input tile, times the tile's scale: `reference.fp8_linear(x.bfloat16(), ...)` in fp32 sums,
+    but for the weight's E4M3 subnormals (|e4m3| < 2^-6), which count as 0 (vdpbf16ps reads subnormals as 0). x
+    below 2^64, and products |x e4m3| from 2^-70 up: smaller ones are lost as fp32 subnormals. Returns fp32
+    [..., N]. lib: a `lowbit_library` build with the fast kernels (default: this CPU's)."""
+    scale = _fp8_checked(weight, scale, offset)
+    (n, k), (row0, col0) = weight.shape, offset
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} inputs where the weight has {k}")
+    rows = x.reshape(math.prod(x.shape[:-1]), k).bfloat16().contiguous()
+    y = torch.zeros(rows.shape[0], n) if k == 0 else torch.empty(rows.shape[0], n)
+    if y.numel() and k and _fast(lib).dsv4_fp8_mm_bf16(
+            rows.data_ptr(), rows.shape[0], k, weight.data_ptr(), n, weight.stride(0), scale.data_ptr(),
+            scale.stride(0), row0, col0, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the FP8 GEMM's scratch ({rows.shape[0]} x {k})")
+    return y.view(*x.shape[:-1], n)

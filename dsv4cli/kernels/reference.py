@@ -14,7 +14,8 @@ import torch.nn.functional as F
 __all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token", "linear", "linear_fp32",
            "pack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "w8a8_linear", "sparse_attention",
            "indexer_scores", "topk_blocks", "moe_gate", "swiglu", "routed_experts", "grouped_linear",
-           "grouped_experts", "widen_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head"]
+           "grouped_experts", "widen_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head",
+           "FP8_BLOCK", "FP4_BLOCK", "fp8_to_float", "fp4_to_float", "fp8_linear", "fp4_linear", "fp4_grouped_linear"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
 AMAX_FLOOR = 1e-4
@@ -25,7 +26,8 @@ class ExpertStack:
     """A rank's routed experts stacked for grouped GEMMs, read in place.
 
     w13 [E, 2*inter, dim] (each expert's w1 rows, then its w3 rows), w2 [E, dim, inter]: int8 with
-    fp32 per-channel scales s13 [E, 2*inter, 1] and s2 [E, dim, 1], or float with scales None.
+    fp32 per-channel scales s13 [E, 2*inter, 1] and s2 [E, dim, 1], float with scales None, or the release's
+    packed FP4 ([E, ., in/2] float4_e2m1fn_x2) with E8M0 scales per 32 inputs ([E, ., in/32]).
     limit: the SwiGLU clamp (0 = none). wide: (w13, w2) also held in a layout of the platform's own (as
     fp32 of the same values, or repacked), where its kernels read them so (`widen_experts`)."""
     w13: torch.Tensor
@@ -110,6 +112,60 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     q, sx = xq if xq is not None else quantize_per_token(x.reshape(-1, shape[-1]))
     y = torch._int_mm(q, weight.t()).float() * sx * weight_scale.view(1, -1).float()
     return y.to(x.dtype).view(*shape[:-1], -1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The official release's own formats, read as stored: FP8 E4M3 linears with an E8M0 (or fp32) scale per
+# 128 x 128 tile, routed experts as packed FP4 E2M1 (two per byte) with an E8M0 scale per 32 inputs.
+# --------------------------------------------------------------------------------------------------
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+FP4_VALUES = (0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6)
+
+
+def fp8_to_float(w: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0),
+                 block: int = FP8_BLOCK) -> torch.Tensor:
+    """W[i,j] = e4m3(w[i,j]) * scale[(r+i)//block, (c+j)//block], in fp32, (r, c) = `offset`.
+
+    `scale` is a grid of tiles (E8M0 = 2^(e-127), or fp32) whose tile (0, 0) starts `offset` rows and
+    columns before w's first element: the whole tensor's grid with w a slice starting at (r, c), or the
+    grid's tiles that cover the slice with the offset taken modulo `block`."""
+    (r, c), (rows, cols) = offset, w.shape
+    s = scale[r // block: -(-(r + rows) // block), c // block: -(-(c + cols) // block)].float()
+    s = s.repeat_interleave(block, 0)[r % block: r % block + rows]
+    s = s.repeat_interleave(block, 1)[:, c % block: c % block + cols]
+    return w.float() * s
+
+
+def fp4_to_float(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """Packed E2M1 [..., out, in/2] (low nibble = element 2k, high nibble = 2k+1; any 1-byte dtype) -> fp32
+    [..., out, in], each group of `block` inputs times its E8M0 (or fp32) scale [..., out, in/block]."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()
+    values = torch.tensor(FP4_VALUES, device=b.device)[codes]
+    return (values.unflatten(-1, (-1, block)) * scale.float()[..., None]).flatten(-2)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0)):
+    """x W^T with W the FP8 weight [out, in] decoded with its tile scales (`fp8_to_float`), in fp32; x's dtype
+    out."""
+    return F.linear(x.float(), fp8_to_float(weight, scale, offset)).to(x.dtype)
+
+
+def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x W^T with W the packed FP4 weight [out, in/2] decoded with its group scales [out, in/32], in fp32; x's
+    dtype out."""
+    return F.linear(x.float(), fp4_to_float(weight, scale)).to(x.dtype)
+
+
+def fp4_grouped_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Row a of x [A, in] times expert group[a]'s packed FP4 weight (weight [G, out, in/2], scale [G, out, in/32]),
+    in fp32; a row whose group is G (another rank's expert) comes out undefined. Returns fp32 [A, out]. The
+    reference decodes each row's weight (a copy per row): the oracle, and the fallback."""
+    g = group.clamp(max=weight.shape[0] - 1)
+    rows = fp4_to_float(weight.view(torch.uint8)[g], scale.view(torch.uint8)[g].view(scale.dtype))
+    return torch.bmm(rows, x.float()[:, :, None]).squeeze(-1)
 
 
 def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -271,7 +327,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: to
 
     bf16 weights use torch's grouped GEMM, which reads each group's weight in place (it takes bf16 only).
     torch has no grouped int8 GEMM, so int8 rows (and other float dtypes) gather their weights: a copy
-    per row, the fallback, exact while int8 sums stay below 2^24."""
+    per row, the fallback, exact while int8 sums stay below 2^24. The release's FP4 experts take
+    `fp4_grouped_linear`."""
+    if weight.dtype == torch.float4_e2m1fn_x2:
+        return fp4_grouped_linear(x, weight, weight_scale, group).to(x.dtype)
     if weight_scale is None and x.dtype == torch.bfloat16:
         return torch._grouped_mm(x, weight.transpose(1, 2).to(x.dtype), offs=offs)
     g = group.clamp(max=weight.shape[0] - 1)
@@ -287,13 +346,16 @@ def widen_experts(stack: ExpertStack) -> ExpertStack:
     return stack
 
 
-def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, experts, xq=None) -> torch.Tensor:
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, experts, xq=None,
+                    linear=None) -> torch.Tensor:
     """Routed experts with the routing on the device and static shapes, for graph capture.
 
     x [T, dim]; weights, local [T, k]: routing weights and expert indices relative to this rank's
     first expert; experts: an ExpertStack. The T*k (token, expert) pairs are sorted by expert, each
     projection is one grouped GEMM over the stacked weights, and the weighted rows are summed back
-    per token. Pairs routed to another rank's experts sort last and add nothing. Returns fp32 [T, dim]."""
+    per token. Pairs routed to another rank's experts sort last and add nothing. Returns fp32 [T, dim].
+    `linear`: a platform's `grouped_linear` (default the reference's)."""
+    grouped = linear or grouped_linear
     T, k = local.shape
     E = experts.w13.shape[0]
     key, order = sort_pairs(local, E)
@@ -301,9 +363,9 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor,
     offs = counts[:E].cumsum(0).to(torch.int32)
     group, token = key[order], order // k
     rows_q = None if xq is None else (xq[0][token], xq[1][token])
-    h = grouped_linear(x[token], experts.w13, experts.s13, offs, group, rows_q)
+    h = grouped(x[token], experts.w13, experts.s13, offs, group, rows_q)
     h = swiglu(*h.chunk(2, dim=-1), experts.limit) * weights.flatten()[order, None]   # weight before w2
-    return sum_pairs(grouped_linear(h.to(x.dtype), experts.w2, experts.s2, offs, group).float(), group, token, T, E)
+    return sum_pairs(grouped(h.to(x.dtype), experts.w2, experts.s2, offs, group).float(), group, token, T, E)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from .quant import (
     W8A8_PREFIX,
     fp4_to_float,
     fp8_to_float,
+    is_w8a8_linear,
+    quantize_weight,
     vocab_copies,
 )
 
@@ -321,49 +323,126 @@ def plan(ckpt: Checkpoint, model: Transformer) -> tuple[list[Item], list[str]]:
         else:
             item = Item(name, meta.shape, "float", (name,))
             check(name, meta.shape, FLOATS)
+        used.update(item.sources)            # a scale is not also 'unexpected' where its weight is wrong
         items.append(item)
     extra = [n for n in ckpt.tensors if n not in used and not is_other_rank_expert(n, ckpt.config)]
     problems += [f"unexpected tensor '{n}'" for n in extra]
     return items, problems
 
 
-def read_item(ckpt: Checkpoint, item: Item, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's part of one model tensor on `device` (float in `dtype` unless kept fp32), plus the
-    int8 weight's per-channel scale for a W8A8 linear."""
-    full, scale = ckpt.view(item.sources[0]), None
+WEIGHTS = ("auto", "native", "w8a8", "float")
+
+
+def weights_mode(ckpt: Checkpoint, weights: str, device) -> str:
+    """How the run holds the checkpoint's quantised weights: 'native' (as the files store them: the release's
+    FP8/FP4, W8A8's int8), 'w8a8' (the release re-quantised to int8 per channel at load) or 'float' (decoded
+    to the run's dtype). 'auto': native where the device's kernels read the release's formats, else w8a8."""
+    if weights not in WEIGHTS:
+        raise LoadError(f"--weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    reads_release = platforms.for_device(torch.device(device)).reads_release_formats
+    if weights == "auto":
+        return "native" if reads_release or ckpt.format != "fp8" else "w8a8"
+    if weights == "native" and ckpt.format == "fp8" and not reads_release:
+        raise LoadError(f"--weights native: the {device} kernels don't read the release's "
+                        "FP8/FP4 weights; use --weights w8a8 (re-quantised at load) or float")
+    if weights == "w8a8" and ckpt.format == "float":
+        raise LoadError("--weights w8a8: the checkpoint is float; `dsv4 convert --to w8a8` writes a W8A8 one")
+    return "native" if weights == "w8a8" and ckpt.format == "w8a8" else weights
+
+
+def e8m0_scales(scale: torch.Tensor) -> torch.Tensor | None:
+    """FP4 group scales as E8M0 (the release's), or None where fp32 scales aren't all powers of two."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale
+    mantissa, exponent = torch.frexp(scale.float())
+    if not bool((mantissa == 0.5).all()) or not bool(((exponent >= -126) & (exponent <= 128)).all()):
+        return None
+    return (exponent + 126).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+class Held(NamedTuple):
+    """One model tensor as the run holds it: the tensor, the scale read with it (W8A8's per channel as
+    `weight_scale`, the release's as `scale`) and, for an FP8 rank slice, where it starts in its first tile."""
+    tensor: torch.Tensor
+    scale_name: str | None = None
+    scale: torch.Tensor | None = None
+    offset: tuple[int, int] = (0, 0)
+    mapped: tuple[torch.Tensor, ...] = ()     # those of tensor and scale that are views of the checkpoint's mapping
+
+
+def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", module: nn.Module | None = None,
+              mapped: bool = False) -> Held:
+    """This rank's part of one model tensor on `device` (float in `dtype` unless kept fp32), in `mode`
+    (`weights_mode`; `module`: the Linear the weight belongs to). `mapped`: a weight held in the file's own bytes
+    stays a view of the file's mapping (no copy: pages are read as the kernels use them) where `device` is the
+    host."""
+    full = ckpt.view(item.sources[0])
+    linear = module if isinstance(module, Linear) else None
+    keep = mapped and platforms.for_device(torch.device(device)).on_host_cores    # the mapping is host memory
+
+    def own(t):          # the file's bytes as they are: mapped on the host, else copied to the device
+        return t if keep else t.to(device, copy=True)
+
+    def requantized(t):                 # the release's weight as W8A8 holds it, or float where W8A8 keeps float
+        prefix = item.name.rpartition(".")[0]
+        if mode == "w8a8" and is_w8a8_linear(prefix, ckpt.config.drafter == "dspark") and not linear.float_only:
+            q, scale = quantize_weight(t)
+            return Held(q.to(device), "weight_scale", scale.to(device))
+        return Held(t.to(device, dtype))
+
     if item.kind == "fp4":              # routed experts are whole on their rank
-        t = fp4_to_float(full, ckpt.view(item.sources[1])).to(device, dtype)
+        scale = ckpt.view(item.sources[1])
+        e8m0 = e8m0_scales(scale) if mode == "native" and not linear.float_only else None
+        held = Held(own(full).view(torch.float4_e2m1fn_x2), "scale", own(e8m0)) if e8m0 is not None \
+            else requantized(fp4_to_float(full, scale))
     else:
         index, start = local_index(tuple(full.shape), tuple(item.shape))
         part = full[index]
         if item.kind == "float":
-            t = part.to(device, torch.float32 if keep_fp32(item.name) else dtype, copy=True)
+            want = torch.float32 if keep_fp32(item.name) else dtype
+            # a float tensor stored as the run holds it (a bf16 run's bf16 tensors) stays mapped too
+            held = Held(part if keep and part.dtype == want and part.is_contiguous() else
+                        part.to(device, want, copy=True))
         elif item.kind == "index":
-            t = part.to(device, torch.int32, copy=True)
+            held = Held(part.to(device, torch.int32, copy=True))
         elif item.kind == "fp8":
-            t = fp8_to_float(part, ckpt.view(item.sources[1]), start).to(device, dtype)
+            scale = ckpt.view(item.sources[1])
+            if mode == "native" and linear.holds_fp8:
+                (r, c), (rows, cols) = start, part.shape
+                tiles = scale[r // FP8_BLOCK: -(-(r + rows) // FP8_BLOCK), c // FP8_BLOCK: -(-(c + cols) // FP8_BLOCK)]
+                held = Held(own(part), "scale", tiles.to(device, torch.float32, copy=True),
+                            (r % FP8_BLOCK, c % FP8_BLOCK))
+            else:
+                held = requantized(fp8_to_float(part, scale, start))
         else:
             if ckpt.view(item.sources[2]).any():
                 raise LoadError(f"{ckpt.path}: tensor '{item.sources[2]}' is not all zeros; only symmetric "
                                 "W8A8_DYNAMIC is supported")
             t = part.to(device, copy=True)
             scale = ckpt.view(item.sources[1])[index[0]].to(device, torch.float32, copy=True)
-            if item.kind == "w8a8_float":          # read in float math of the module's own: held dequantised
-                t, scale = (t.float() * scale).to(dtype), None
+            # read in float math of the module's own, or a float run asked for: held dequantised
+            held = Held((t.float() * scale).to(dtype)) if item.kind == "w8a8_float" or mode == "float" \
+                else Held(t, "weight_scale", scale)
+    sources = [ckpt.view(name) for name in item.sources]
+    mapped = tuple(t for t in (held.tensor, held.scale) if keep and t is not None and t.nbytes and any(
+        v.data_ptr() <= t.data_ptr() < v.data_ptr() + v.nbytes for v in sources))
+    if mapped:
+        return held._replace(mapped=mapped)         # their pages stay where the kernels read them
     for name in item.sources:
         ckpt.tensors[name].release(name)
-    return t, scale
+    return held
 
 
-def assign(model: nn.Module, name: str, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+def assign(model: nn.Module, name: str, held: Held) -> None:
     prefix, _, attr = name.rpartition(".")
     module = model.get_submodule(prefix)
     if attr in module._buffers:
-        module._buffers[attr] = t
+        module._buffers[attr] = held.tensor
     else:
-        module._parameters[attr] = nn.Parameter(t, requires_grad=False)
-    if scale is not None:
-        module.weight_scale = nn.Parameter(scale, requires_grad=False)
+        module._parameters[attr] = nn.Parameter(held.tensor, requires_grad=False)
+    if held.scale is not None:
+        setattr(module, held.scale_name, nn.Parameter(held.scale, requires_grad=False))
+        module.scale_offset = held.offset
 
 
 @contextmanager
@@ -388,9 +467,15 @@ def progress_bar(show: bool | None, total: int, label: str):
         yield lambda n: bar.advance(task, n)
 
 
-def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None = None) -> Transformer:
-    """Build the model for this rank and fill it from `path`; raises LoadError naming the first problem."""
+def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None = None, weights: str = "auto",
+               mmap_weights: bool = True, mlock: bool = False) -> Transformer:
+    """Build the model for this rank and fill it from `path`; raises LoadError naming the first problem.
+
+    `weights`: how quantised weights are held (`weights_mode`). `mmap_weights`: on the host, weights held in the
+    file's own bytes stay views of the file's mapping (shared through the page cache by every process that maps
+    it; pages the OS drops are read again as they are used); `mlock` pins those pages in memory."""
     ckpt = open_checkpoint(path)
+    mode = weights_mode(ckpt, weights, device)
     with torch.device("meta"):
         model = Transformer(ckpt.config)
     items, problems = plan(ckpt, model)
@@ -404,12 +489,35 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None =
     ops = kernels.module_for(torch.device(device))
     packs = platforms.for_device(torch.device(device)).routes_on_host
     modules = dict(model.named_modules())
+    mapped = []
     with progress_bar(progress, total, f"loading {ckpt.path.name}") as advance:
         for item in items:
-            assign(model, item.name, *read_item(ckpt, item, device, dtype))
             prefix, _, attr = item.name.rpartition(".")
+            held = read_item(ckpt, item, device, dtype, mode, modules.get(prefix), mmap_weights)
+            assign(model, item.name, held)
+            mapped += held.mapped
             if packs and attr == "weight" and isinstance(modules[prefix], PackedWeight):
                 modules[prefix].ops = ops
                 modules[prefix].pack()
             advance(sum(ckpt.nbytes(n) for n in item.sources))
-    return model.eval().prepare()
+    model.eval().prepare()
+    live = {p.data_ptr() for p in model.parameters()}
+    mapped = [t for t in mapped if t.data_ptr() in live]      # not those packed into a layout of the kernels'
+    model.weights_mode = mode
+    model.mapped_bytes = sum(t.nbytes for t in mapped)     # held as views of the checkpoint's mapping
+    if mlock and mapped:
+        lock_pages(mapped)
+    return model
+
+
+def lock_pages(tensors: list[torch.Tensor]) -> None:
+    """mlock the mapped tensors' pages (`--mlock`): read once now, never dropped; one line on stderr if the
+    limit (ulimit -l) refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for t in tensors:
+        if libc.mlock(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.nbytes)) != 0:
+            print(f"dsv4: --mlock: {os.strerror(ctypes.get_errno())} (raise `ulimit -l`); the weights stay "
+                  "mapped, and pages the OS drops are read again", file=sys.stderr)
+            return

@@ -83,26 +83,48 @@ class PackedWeight:
             destination[prefix + "weight"] = self._unpack(self.packed)
 
 
+# The official release's own weight formats, held as its files store them (`Linear.format`).
+RELEASE_FORMATS = {torch.float8_e4m3fn: "fp8", torch.float4_e2m1fn_x2: "fp4"}
+
+
 class Linear(PackedWeight, OpModule):
-    """y = x W^T with W [out, in]: float, or int8 + per-channel `weight_scale` (W8A8 dynamic).
+    """y = x W^T with W [out, in]: float, int8 + per-channel `weight_scale` (W8A8 dynamic), or the official
+    release's bytes with their `scale`: FP8 E4M3 [out, in] with a grid of 128 x 128 tile scales (`scale_offset`:
+    where this rank's part starts inside its first tile), or packed FP4 E2M1 [out, in/2] with a scale per 32
+    inputs, read in place by the kernels (never packed, never widened).
 
     int8 weights may be packed for the backend's int8 GEMM, fp32 ones for its few-row fp32 GEMM.
-    `groups`: the rows are that many projections of their own (attention's wo_a), packed apart.
-    `float_only`: the module reads the weight in float math of its own (grouped, fp32), so an int8 weight
-    is held dequantised."""
+    `groups`: the rows are that many projections of their own (attention's wo_a: `by_groups`), packed apart.
+    `float_only`: the module reads the weight in float math of its own (fp32), so an int8 or FP4 weight is held
+    dequantised (an FP8 one too, unless it is read `by_groups`: `holds_fp8`)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype=None, groups: int = 1, float_only: bool = False):
+    def __init__(self, in_features: int, out_features: int, dtype=None, groups: int | None = None,
+                 float_only: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.register_parameter("weight_scale", None)
+        self.register_parameter("scale", None)
+        self.scale_offset = (0, 0)
         self.groups, self.float_only = groups, float_only
 
     @property
     def quantized(self) -> bool:
         return self.weight.dtype == torch.int8
 
+    @property
+    def format(self) -> str:
+        """How the weight is held: 'fp8' or 'fp4' (the release's bytes), 'int8' (W8A8) or 'float'."""
+        return RELEASE_FORMATS.get(self.weight.dtype, "int8" if self.quantized else "float")
+
+    @property
+    def holds_fp8(self) -> bool:
+        """Whether an FP8 weight stays FP8 here: every linear read through `forward` or `by_groups`."""
+        return not self.float_only or self.groups is not None
+
     def _pack(self, weight):
-        return self.ops.pack_w8a8(weight) if self.quantized else self.ops.pack_linear_fp32(weight, self.groups)
+        if self.scale is not None:          # the release's bytes are read where they are
+            return None
+        return self.ops.pack_w8a8(weight) if self.quantized else self.ops.pack_linear_fp32(weight, self.groups or 1)
 
     def _unpack(self, packed):
         return self.ops.unpack_w8a8(packed) if self.quantized else self.ops.unpack_linear_fp32(packed)
@@ -112,8 +134,33 @@ class Linear(PackedWeight, OpModule):
         """The weight as the kernels read it: the packed copy where there is one."""
         return self.packed if self.packed is not None else self.weight
 
+    @property
+    def kernel_scale(self) -> torch.Tensor | None:
+        """The scale the kernels read with it: W8A8's per channel or the release's."""
+        return self.scale if self.scale is not None else self.weight_scale
+
+    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """An FP8 weight's rows [start, stop): (weight, the scale tiles covering them, their offset)."""
+        r0, c0 = self.scale_offset
+        first, last = r0 + start, r0 + stop
+        return (self.weight[start:stop], self.scale[first // reference.FP8_BLOCK: -(-last // reference.FP8_BLOCK)],
+                (first % reference.FP8_BLOCK, c0))
+
+    def by_groups(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., G, d] through the G projections the rows hold (attention's wo_a) -> [..., G, out/G]."""
+        G = self.groups
+        if self.format == "fp8":
+            r = self.weight.shape[0] // G
+            return torch.stack([self.ops.fp8_linear(x[..., g, :], *self.rows(g * r, (g + 1) * r)) for g in range(G)],
+                               -2)
+        return self.ops.grouped_projection(x, self.weight.view(G, -1, self.weight.shape[-1]), self.packed)
+
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
         """`xq`: x already quantised per token (several W8A8 linears reading the same x)."""
+        if self.scale is not None:
+            if self.weight.dtype == torch.float4_e2m1fn_x2:
+                return self.ops.fp4_linear(x, self.weight, self.scale)
+            return self.ops.fp8_linear(x, self.weight, self.scale, self.scale_offset)
         if self.quantized:
             return self.ops.w8a8_linear(x, self.weight, self.weight_scale, xq, self.packed)
         if self.packed is not None:
@@ -502,9 +549,7 @@ class Attention(OpModule):
 
     def output(self, o):
         """The heads' outputs [B,S,H,D] through the grouped low-rank projection and wo_b."""
-        z = self.ops.grouped_projection(o.reshape(*o.shape[:2], self.n_groups, -1),
-                                        self.wo_a.weight.view(self.n_groups, self.cfg.o_lora_rank, -1),
-                                        self.wo_a.packed)
+        z = self.wo_a.by_groups(o.reshape(*o.shape[:2], self.n_groups, -1))
         return all_reduce(self.wo_b(z.flatten(2)))
 
     def attend(self, call: CallPlan, cache: LayerCache, q, kv, *compress_rows):
@@ -551,7 +596,7 @@ class Expert(OpModule):
     def kernel_tensors(self) -> tuple[list, list]:
         """(weights, scales) of w1, w3, w2, as a compiled graph passes them to the host-experts op."""
         linears = (self.w1, self.w3, self.w2)
-        return [lin.kernel_weight for lin in linears], [lin.weight_scale for lin in linears]
+        return [lin.kernel_weight for lin in linears], [lin.kernel_scale for lin in linears]
 
     def forward(self, x, weight=None, xq=None):
         """w2(swiglu(w1 x, w3 x) * weight): the routing weight scales the intermediate, before w2."""
@@ -607,29 +652,35 @@ class MoE(OpModule):
 
     @torch.no_grad()
     def stack_experts(self) -> None:
-        """Stack this rank's experts ([E, 2*inter, dim] for w1|w3, [E, dim, inter] for w2, scales alike)
-        and make every expert's tensors views of the stacks, so the official per-expert names still
-        read and write them. One layer's experts are copied at a time, never a second full copy."""
+        """Stack this rank's experts ([E, 2*inter, dim] for w1|w3, [E, dim, inter] for w2, scales alike; FP4:
+        the packed bytes [E, ., in/2] and their group scales) and make every expert's tensors views of the
+        stacks, so the official per-expert names still read and write them. One layer's experts are copied at a
+        time, never a second full copy."""
         experts = self.local_experts()
         w1 = experts[0].w1
+        scale = "scale" if w1.scale is not None else "weight_scale" if w1.quantized else None
 
         def stacked(get):
             parts = [get(e) for e in experts]
             out = torch.empty((len(parts), *parts[0].shape), dtype=parts[0].dtype, device=parts[0].device)
             for i, t in enumerate(parts):
-                out[i].copy_(t)
+                out[i].view(torch.uint8 if t.element_size() == 1 else t.dtype).copy_(
+                    t.view(torch.uint8) if t.element_size() == 1 else t)    # FP4/E8M0 bytes copy as bytes
             return out
 
+        def rows(a, b):             # w1's rows then w3's, in any 1-byte format
+            return torch.cat([a.view(torch.uint8), b.view(torch.uint8)]).view(a.dtype) if a.element_size() == 1 \
+                else torch.cat([a, b])
+
         inter = w1.weight.shape[0]
-        w13 = stacked(lambda e: torch.cat([e.w1.weight, e.w3.weight]))
+        w13 = stacked(lambda e: rows(e.w1.weight, e.w3.weight))
         w2 = stacked(lambda e: e.w2.weight)
-        s13 = stacked(lambda e: torch.cat([e.w1.weight_scale, e.w3.weight_scale])) if w1.quantized else None
-        s2 = stacked(lambda e: e.w2.weight_scale) if w1.quantized else None
+        s13 = stacked(lambda e: rows(getattr(e.w1, scale), getattr(e.w3, scale))) if scale else None
+        s2 = stacked(lambda e: getattr(e.w2, scale)) if scale else None
         for i, e in enumerate(experts):
             views = {(e.w1, "weight"): w13[i, :inter], (e.w3, "weight"): w13[i, inter:], (e.w2, "weight"): w2[i]}
             if s13 is not None:
-                views.update({(e.w1, "weight_scale"): s13[i, :inter], (e.w3, "weight_scale"): s13[i, inter:],
-                              (e.w2, "weight_scale"): s2[i]})
+                views.update({(e.w1, scale): s13[i, :inter], (e.w3, scale): s13[i, inter:], (e.w2, scale): s2[i]})
             for (linear, attr), view in views.items():
                 setattr(linear, attr, nn.Parameter(view, requires_grad=False))
         self.stack = ExpertStack(w13, w2, s13, s2, self.limit)
@@ -638,13 +689,15 @@ class MoE(OpModule):
         """Choose, once, how the routed experts run: stacked for grouped GEMMs with the routing on the device
         (accelerators, and host experts that stayed plain: small ones), or one call of the kernel module's
         `routed_experts` with the routing read on the host (packed experts: their kernels read each
-        expert's weight in place). With one world rank the host call runs the shared expert too (with
-        more, its output joins after the all-reduce)."""
+        expert's weight in place; and the release's FP4 experts, read where the file's mapping holds them).
+        With one world rank the host call runs the shared expert too (with more, its output joins after the
+        all-reduce)."""
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.w1, e.w2, e.w3)]
         # packed in a layout of the kernels' own (read in place), not merely widened (`widen_w8a8`)
         packed = on_host and any(lin.packed is not None and self.ops.is_packed(lin.packed) for lin in linears)
-        if not packed:
+        in_place = on_host and experts[0].w1.scale is not None
+        if not (packed or in_place):
             if self.stack is None:
                 for lin in linears:
                     lin.unpack()              # the stack holds the experts' weights (widened there)

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dsv4cli.kernels.reference import FP4_BLOCK, FP4_VALUES, FP8_BLOCK, fp4_to_float, fp8_to_float  # noqa: F401
+
 from .model import Linear
 
 # msModelSlim deepseek_v4_flash_w8a8.yaml: W8A8_DYNAMIC on attention linears except wo_a/wo_b,
@@ -30,9 +32,6 @@ MTP_COPIES = {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.
 W8A8_PREFIX = "quant_model_weights"
 W8A8_DESCRIPTION = "quant_model_description.json"
 
-FP8_BLOCK = 128   # official FP8 linears: one scale per 128 x 128 tile
-FP4_BLOCK = 32    # official FP4 experts: one scale per 32 consecutive inputs
-FP4_VALUES = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
 FP32_TENSORS = ("hc_", ".ape", "attn_sink", "gate.bias")   # stored fp32 in every layout; the rest bf16
 
 
@@ -84,7 +83,7 @@ def quantize_model(model: nn.Module) -> nn.Module:
     checkpoint: a `float_only` linear keeps its dequantised weights."""
     dspark = model.cfg.drafter == "dspark"
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and is_w8a8_linear(name, dspark) and not module.quantized:
+        if isinstance(module, Linear) and is_w8a8_linear(name, dspark) and module.format == "float":
             q, scale = quantize_weight(module.weight)
             if module.float_only:
                 module.weight.copy_(q.float() * scale)
@@ -94,25 +93,71 @@ def quantize_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def fp8_to_float(w: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int] = (0, 0),
-                 block: int = FP8_BLOCK) -> torch.Tensor:
-    """W[i,j] = e4m3(w[i,j]) * scale[i//block, j//block], in fp32.
-
-    `scale` is the whole tensor's grid (E8M0 = 2^(e-127), or fp32); `w` may be one rank's slice of
-    the weight that starts at row/column `offset`."""
-    (r, c), (rows, cols) = offset, w.shape
-    s = scale[r // block: -(-(r + rows) // block), c // block: -(-(c + cols) // block)].float()
-    s = s.repeat_interleave(block, 0)[r % block: r % block + rows]
-    s = s.repeat_interleave(block, 1)[:, c % block: c % block + cols]
-    return w.float() * s
+def e8m0(exponents: torch.Tensor) -> torch.Tensor:
+    """Integer exponents e as E8M0 scales 2^e."""
+    return (exponents + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def fp4_to_float(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
-    """Packed E2M1 [out, in/2] (low nibble = element 2k, high nibble = 2k+1) -> fp32 [out, in],
-    each group of `block` inputs times its E8M0 scale [out, in/block]."""
-    b = packed.view(torch.uint8)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()
-    return FP4_VALUES.to(b.device)[codes] * scale.float().repeat_interleave(block, dim=-1)
+def quantize_fp8(w: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The release's FP8 rule: per block x block tile a power-of-two scale, the smallest that maps the tile's
+    amax to at most 448 (E4M3's largest), and each value rounded to E4M3. Returns (weight, E8M0 grid)."""
+    rows, cols = w.shape
+    padded = w.new_zeros(-(-rows // block) * block, -(-cols // block) * block, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    amax = padded.unflatten(0, (-1, block)).unflatten(-1, (-1, block)).abs().amax(dim=(1, 3))
+    exp = torch.ceil(torch.log2(amax.clamp(min=2.0 ** -100) / 448))
+    scale = (2 ** exp).repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return (w.float() / scale).to(torch.float8_e4m3fn), e8m0(exp)
+
+
+def quantize_fp4(w: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The release's FP4 rule: per `block` inputs a power-of-two scale mapping the group's amax to at most 6
+    (E2M1's largest), each value the nearest E2M1 code; two codes a byte, the even input in the low nibble.
+    Returns (packed int8 [out, in/2], E8M0 [out, in/block])."""
+    groups = w.float().unflatten(-1, (-1, block))
+    exp = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2.0 ** -100) / 6))
+    x = (groups / 2 ** exp[..., None]).flatten(-2)
+    codes = (x[..., None] - torch.tensor(FP4_VALUES)).abs().argmin(-1)
+    return (codes[..., 0::2] | codes[..., 1::2] << 4).to(torch.uint8).view(torch.int8), e8m0(exp)
+
+
+# What the release's config.json says of its weights.
+RELEASE_CONFIG = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                          "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "activation_scheme": "dynamic"},
+                  "expert_dtype": "fp4", "torch_dtype": "bfloat16"}
+
+
+def is_release_fp8(prefix: str) -> bool:
+    """Whether the release stores the linear `prefix` in FP8 (routed experts: FP4): all but the compressors,
+    the indexer's weights_proj and DSpark's confidence head, which are bf16."""
+    return not any(k in prefix for k in ("compressor", "weights_proj", "confidence_head"))
+
+
+def release_tensors(name: str, t: torch.Tensor, module: nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    """A model tensor as the release stores it: a routed expert's weight as packed FP4 + its `scale`, another
+    linear's as FP8 + its tile `scale` (`is_release_fp8`), the rest as `as_stored`."""
+    prefix, _, attr = name.rpartition(".")
+    if attr == "weight" and isinstance(module, Linear) and is_release_fp8(prefix):
+        q, scale = (quantize_fp4 if ".experts." in prefix else quantize_fp8)(t)
+        return [(name, q), (f"{prefix}.scale", scale)]
+    return [(name, as_stored(name, t))]
+
+
+@torch.no_grad()
+def release_model(model: nn.Module) -> nn.Module:
+    """Swap the linears to the release's formats in place (`release_tensors`: FP8 with tile scales, routed experts
+    FP4), as `load_model --weights native` holds an official checkpoint; float-only linears keep their weights
+    as the FP8/FP4 values decode (as the loader holds them)."""
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and module.format == "float" and is_release_fp8(name):
+            (_, q), (_, scale) = release_tensors(f"{name}.weight", module.weight, module)
+            fp4 = q.dtype == torch.int8
+            if module.float_only and (fp4 or not module.holds_fp8):
+                module.weight.copy_(fp4_to_float(q, scale) if fp4 else fp8_to_float(q, scale))
+                continue
+            module.weight = nn.Parameter(q.view(torch.float4_e2m1fn_x2) if fp4 else q, requires_grad=False)
+            module.scale = nn.Parameter(scale if fp4 else scale.float(), requires_grad=False)
+    return model
 
 
 class ShardWriter:

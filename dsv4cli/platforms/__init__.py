@@ -35,6 +35,9 @@ class Platform:
     # Whether the model's ops run on the host's cores: then torch's thread count is the model's
     # (`--threads`), and a second copy of the model (a compiling process's) fits in host memory.
     on_host_cores = False
+    # Whether the kernels read the official release's FP8 linears and FP4 experts as stored; where not,
+    # `--weights auto` re-quantises a release to W8A8 at load (the NPU's fused ops take int8 weights).
+    reads_release_formats = True
 
     def is_available(self) -> bool:
         raise NotImplementedError

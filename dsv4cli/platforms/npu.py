@@ -14,6 +14,7 @@ class NpuPlatform(Platform):
     dist_backend = "hccl"
     compile_backend = "npu"
     kernels = "npu"
+    reads_release_formats = False
 
     def is_available(self) -> bool:
         try:

@@ -15,6 +15,7 @@ from dsv4cli.errors import UsageError
 class Target(str, Enum):
     w8a8 = "w8a8"
     bf16 = "bf16"
+    fp4 = "fp4"
 
 
 def model_dir(value: str) -> Path:
@@ -36,13 +37,15 @@ def inspect(
 ) -> int:
     """Describe a checkpoint from its config and headers: format, parameters, layers, memory."""
     from dsv4cli.config import BUNDLED_MODEL_DIR
-    from dsv4cli.model.loader import LoadError
-    from dsv4cli.terminal import table_console
-    from dsv4cli.tools import inspect as tool
 
     if model is None and not BUNDLED_MODEL_DIR.is_dir():
         raise UsageError(f"no MODEL given and the bundled model is not installed ({BUNDLED_MODEL_DIR})")
     path = model_dir(model) if model else BUNDLED_MODEL_DIR
+    # torch from here: the model is named
+    from dsv4cli.model.loader import LoadError
+    from dsv4cli.terminal import table_console
+    from dsv4cli.tools import inspect as tool
+
     try:
         info = tool.describe(path, tp)
     except LoadError as e:
@@ -62,16 +65,18 @@ def inspect(
 
 
 def convert(
-    source: str = typer.Argument(..., metavar="SRC", help="Official release (FP8/FP4) or float checkpoint: a "
-                                 "directory or a model id"),
+    source: str = typer.Argument(..., metavar="SRC", help="Official release (FP8/FP4), float or (to fp4) W8A8 "
+                                 "checkpoint: a directory or a model id"),
     dst: Path = typer.Argument(..., help="New directory for the converted checkpoint"),
-    to: Target = typer.Option(Target.w8a8, "--to", help="w8a8: msModelSlim W8A8_DYNAMIC layout; bf16: official layout"),
+    to: Target = typer.Option(Target.w8a8, "--to", help="w8a8: msModelSlim W8A8_DYNAMIC layout; bf16: official "
+                              "layout; fp4: the official release's FP8 linears and FP4 experts"),
 ) -> int:
     """Convert a checkpoint, streaming shard by shard with bounded memory."""
+    src = model_dir(source)
+    # torch from here: the model is named
     from dsv4cli.model.loader import LoadError
     from dsv4cli.tools.convert import convert as run
 
-    src = model_dir(source)
     try:
         run(src, dst, to=to.value, progress=sys.stderr.isatty())
     except LoadError as e:

@@ -4,7 +4,7 @@ import torch
 from rich.table import Table
 
 from dsv4cli.errors import UsageError
-from dsv4cli.model.footprint import count_parameters, tp_problem, weight_bytes_per_card
+from dsv4cli.model.footprint import count_parameters, model_tensors, tensor_bytes, tp_problem
 from dsv4cli.model.loader import Checkpoint, LoadError, open_checkpoint, plan
 from dsv4cli.model.model import Transformer
 from dsv4cli.units import human_bytes, human_count
@@ -23,10 +23,10 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
     cfg = ckpt.config
     if problem := tp_problem(cfg, tp):
         raise UsageError(f"--tp {tp}: {problem}")
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    total, active = count_parameters(model)
-    per_card = weight_bytes_per_card(ckpt, model, tp, float_bytes)
+    total, active = count_parameters(cfg)
+    modes = {"fp8": ("native", "w8a8", "float"), "w8a8": ("native", "float"), "float": ("float",)}[ckpt.format]
+    tensors = model_tensors(cfg)
+    by_mode = {mode: tensor_bytes(ckpt, tensors, tp, float_bytes, mode) for mode in modes}
     ratios = cfg.compress_ratios[: cfg.n_layers]
     quantized = sum(is_quantized(ckpt, n) for n in ckpt.tensors)
     drafter = {"kind": cfg.drafter, "layers": cfg.n_mtp_layers,
@@ -44,7 +44,8 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
         "layers": cfg.n_layers, "schedule": {"SWA": ratios.count(0), "CSA": ratios.count(4), "HCA": ratios.count(128)},
         "mtp_layers": cfg.n_mtp_layers, "drafter": drafter,
         "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.n_activated_experts,
-        "tp": tp, "weight_bytes_per_card": per_card, "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        "tp": tp, "weight_bytes_per_card": sum(by_mode[modes[0]].values()), "weights": by_mode,
+        "kv_bytes_per_token": cfg.kv_bytes_per_token,
     }
 
 
@@ -80,7 +81,17 @@ def render(info: dict) -> Table:
             ("layers", layers),
             ("drafter", drafter + (f"; {human_bytes(d['bytes_on_disk'])}" if d["kind"] else "")),
             ("experts", f"{info['routed_experts']} routed, {info['experts_per_token']} per token"),
-            (f"weights per card (tp={info['tp']})", human_bytes(info["weight_bytes_per_card"])),
+            *((f"--weights {mode}, per card (tp={info['tp']})", held_line(held))
+              for mode, held in info["weights"].items()),
             ("KV cache per token", human_bytes(info["kv_bytes_per_token"]))):
         table.add_row(key, value)
     return table
+
+
+HELD = {"fp4": "FP4", "fp8": "FP8", "int8": "int8", "float": "float"}
+
+
+def held_line(held: dict[str, int]) -> str:
+    """A mode's weight bytes, then each format's part: '158.2 GB (FP4 140.1 GB, FP8 9.4 GB, float 8.7 GB)'."""
+    parts = ", ".join(f"{HELD[k]} {human_bytes(n)}" for k, n in held.items() if n)
+    return f"{human_bytes(sum(held.values()))} ({parts})"

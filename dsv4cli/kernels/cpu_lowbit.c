@@ -1,0 +1,756 @@
+/* y [M,N] = x [M,K] W^T with W in the official release's own formats, read as shipped (memory-mapped, never
+   widened in memory): FP8 E4M3 with an fp32 scale per 128 x 128 tile, and packed FP4 E2M1 with an E8M0 scale per
+   32 inputs (`reference.fp8_to_float`, `reference.fp4_to_float`). fp32 products and sums.
+
+   A decode step multiplies 1-16 rows by weights far larger than the caches: R weight rows are read side by side
+   and each weight vector, decoded once in registers, goes into the sums of up to MR rows of x (past MR rows the
+   same R weight rows are decoded again, from L1), so the weight is read once. R rows read side by side are R
+   short streams (a row is 1-8 KiB) that the hardware prefetchers follow badly (Zen 4: a plain read of 8 rows of
+   1 KiB side by side, 11 GB/s; of one row after another, 19), so while a unit of R rows is read, the next unit's
+   rows are asked into L2 line by line in address order, at the pace the unit is read (then 23 GB/s; into L1, 10).
+
+   FP8: for a byte b, the fp16 with bits ((b & 0x7f) << 7) | ((b & 0x80) << 8) is e4m3(b) * 2^-8 exactly
+        (normals and subnormals; 0x7f and 0xff, NaN in E4M3, come out finite): a sign extension, a shift, a mask
+        and vcvtph2ps decode a vector. The 2^8 and the tile's scale go into x: per 128-row tile of W,
+        x' = x * 256 * scale[tile row, column tile], so the tile's rows multiply bare decoded bytes.
+   FP4, AVX-512: a 16-entry fp32 table in one register, indexed by the low 4 bits of each 32-bit lane (vpermps).
+        64 bytes (4 groups of 32 inputs) in 16 lanes give nibble t of every lane after a shift by 4t: inputs
+        8l + t, which x is laid out to match; the 8 products per lane are summed, then multiplied by the lane's
+        group scale (lanes 4g..4g+3 are group g) and added to the row's sums.
+   FP4, AVX2: a byte table (vpshufb) gives each nibble's fp16 high byte (E2M1's fp16 low bytes are 0), widened
+        by vcvtph2ps; x per group as its 16 even inputs, then its 16 odd; a group's products are summed, then
+        multiplied by its scale and added to the row's sums.
+   E8M0's e = 0 (2^-127) is read as 0 (its bits as fp32); e = 255 (NaN) as 2^128 (infinity).
+
+   Every output is the same chain of operations whatever M, R, the threads or the rows beside it, so a row's
+   result does not depend on the others. Built twice from this file: with AVX-512 (16 lanes) and with AVX2
+   (8 lanes) for CPUs without it. The AVX-512 build on CPUs with VNNI and BF16 also has a bf16 run's faster
+   kernels (fast mode, at the end): FP4 against x quantised to int8, FP8 against x in bf16. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define FP8_TILE 128
+#define FP4_GROUP 32
+#define MR_MAX 4                /* x rows per register tile, at most */
+#define R_MAX 8                 /* weight rows per register tile, at most */
+#ifndef X_BLOCK_BYTES
+#define X_BLOCK_BYTES (1 << 20)
+#endif
+
+#ifdef __AVX512F__
+#define VL 16
+typedef __m512 vf;
+#define vzero _mm512_setzero_ps
+#define vload _mm512_loadu_ps
+#define vfma _mm512_fmadd_ps
+#define vmul _mm512_mul_ps
+
+INLINE float vsum(vf v) { return _mm512_reduce_add_ps(v); }
+
+INLINE vf fp8_decode(const uint8_t *p) {
+    __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xbfff)));
+}
+#else
+#define VL 8
+typedef __m256 vf;
+#define vzero _mm256_setzero_ps
+#define vload _mm256_loadu_ps
+#define vfma _mm256_fmadd_ps
+#define vmul _mm256_mul_ps
+
+INLINE float vsum(vf v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+INLINE vf fp8_decode(const uint8_t *p) {
+    __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16((short)0xbfff)));
+}
+#endif
+
+#define FP8_CHUNK (4 * VL)      /* bytes (and inputs) of a row per step */
+#define FP4_CHUNK 64            /* bytes of a row per step: 128 inputs, 4 groups */
+
+INLINE float e8m0(uint8_t e) {
+    uint32_t bits = (uint32_t)e << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The next unit's rows, asked into L2 a line at a time in address order: `rows` rows of `row_bytes` from p,
+   `stride` bytes apart (past the weight's end for its last unit: a prefetch never faults). */
+struct ahead {
+    const uint8_t *p;
+    int64_t stride, row_bytes, at;
+    int rows;
+};
+
+INLINE void ahead_line(struct ahead *a) {
+    if (a->rows <= 0) return;
+    _mm_prefetch((const char *)a->p + a->at, _MM_HINT_T1);
+    if ((a->at += 64) >= a->row_bytes) {
+        a->at = 0;
+        a->p += a->stride;
+        a->rows--;
+    }
+}
+
+/* R weight rows w[r] (the unit's rows; past `rows` they repeat its last, their sums dropped) against MR rows of
+   x' (xs, rows KP floats apart). `chunks` whole chunks from the rows, then one from `tail` (R rows of FP8_CHUNK
+   bytes, zero past K) unless it is NULL. */
+INLINE void fp8_tile(const uint8_t *const *w, struct ahead *next, int64_t chunks, const uint8_t *tail,
+                     const float *xs, int64_t KP, float *y, int64_t N, int rows, const int R, const int MR) {
+    vf acc[R_MAX * MR_MAX];
+    for (int i = 0; i < R * MR; i++) acc[i] = vzero();
+    for (int64_t c = 0; c <= chunks; c++) {
+        if (c == chunks && !tail) break;
+        int64_t k = c * FP8_CHUNK;
+        const uint8_t *src[R_MAX];
+        for (int r = 0; r < R; r++) {
+            if (next) ahead_line(next);
+            src[r] = c < chunks ? w[r] + k : tail + r * FP8_CHUNK;
+        }
+        for (int u = 0; u < FP8_CHUNK / VL; u++) {
+            vf wv[R_MAX];
+            for (int r = 0; r < R; r++) wv[r] = fp8_decode(src[r] + u * VL);
+            for (int m = 0; m < MR; m++) {
+                vf xv = vload(xs + m * KP + k + u * VL);
+                for (int r = 0; r < R; r++) acc[r * MR + m] = vfma(wv[r], xv, acc[r * MR + m]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int m = 0; m < MR; m++) y[m * N + r] = vsum(acc[r * MR + m]);
+}
+
+#ifdef __AVX512F__
+#define FP4_X_CHUNK 128         /* x' floats per chunk */
+
+/* x' for FP4: chunk c, step t, lane l holds input 128c + 8l + t (nibble t of lane l's 4 bytes). */
+INLINE int64_t fp4_x_at(int64_t j) { return j / 128 * 128 + j % 8 * 16 + j % 128 / 8; }
+
+/* The chunk's 4 group scales (bytes s[0..3]) on their lanes, as fp32. */
+INLINE __m512 fp4_lane_scales(const uint8_t *s) {
+    int32_t four;
+    memcpy(&four, s, 4);
+    __m512i e = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                         _mm512_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+
+/* R rows of packed E2M1 w[r] with their E8M0 scales s[r] against MR rows of x' (fp4_x_at). */
+INLINE void fp4_tile(const uint8_t *const *w, const uint8_t *const *s, struct ahead *next, int64_t chunks,
+                     const uint8_t *tail, const uint8_t *tail_s, const float *xs, int64_t KP, float *y, int64_t N,
+                     int rows, const int R, const int MR) {
+    const __m512 table = _mm512_setr_ps(0, .5f, 1, 1.5f, 2, 3, 4, 6, -0.f, -.5f, -1, -1.5f, -2, -3, -4, -6);
+    vf acc[R_MAX * MR_MAX];
+    for (int i = 0; i < R * MR; i++) acc[i] = vzero();
+    for (int64_t c = 0; c <= chunks; c++) {
+        if (c == chunks && !tail) break;
+        int64_t k = c * FP4_CHUNK;
+        __m512i v[R_MAX];
+        for (int r = 0; r < R; r++) {
+            if (next) ahead_line(next);
+            v[r] = _mm512_loadu_si512(c < chunks ? w[r] + k : tail + r * FP4_CHUNK);
+        }
+        vf part[R_MAX * MR_MAX];
+        for (int t = 0; t < 8; t++) {
+            vf wt[R_MAX];
+            for (int r = 0; r < R; r++) wt[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4 * t), table);
+            for (int m = 0; m < MR; m++) {
+                vf xv = vload(xs + m * KP + c * FP4_X_CHUNK + t * VL);
+                for (int r = 0; r < R; r++)
+                    part[r * MR + m] = t ? vfma(wt[r], xv, part[r * MR + m]) : vmul(wt[r], xv);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            vf sc = fp4_lane_scales(c < chunks ? s[r] + c * 4 : tail_s + r * 4);
+            for (int m = 0; m < MR; m++) acc[r * MR + m] = vfma(part[r * MR + m], sc, acc[r * MR + m]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int m = 0; m < MR; m++) y[m * N + r] = vsum(acc[r * MR + m]);
+}
+#else
+#define FP4_X_CHUNK 128
+
+/* x' for FP4: per group of 32, its 16 even inputs, then its 16 odd ones. */
+INLINE int64_t fp4_x_at(int64_t j) { return j / 32 * 32 + j % 2 * 16 + j % 32 / 2; }
+
+/* One group of one row: 16 bytes -> each nibble's fp16 high byte, even inputs' (low nibbles) and odd ones'. */
+INLINE void fp4_group(const uint8_t *p, __m128i *even, __m128i *odd) {
+    const __m128i table = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xb8,
+                                        (char)0xbc, (char)0xbe, (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
+    __m128i b = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(0x0f);
+    *even = _mm_shuffle_epi8(table, _mm_and_si128(b, low));
+    *odd = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+
+/* Vector v (x' order) of a group's values: fp16 words with the high bytes `even` (v 0, 1) or `odd` (v 2, 3). */
+INLINE vf fp4_vector(__m128i even, __m128i odd, int v) {
+    __m128i h = v < 2 ? even : odd, zero = _mm_setzero_si128();
+    return _mm256_cvtph_ps(v % 2 ? _mm_unpackhi_epi8(zero, h) : _mm_unpacklo_epi8(zero, h));
+}
+
+/* Per group: its 32 products per row of x summed, then times the group's scale into the row's sums. */
+INLINE void fp4_tile(const uint8_t *const *w, const uint8_t *const *s, struct ahead *next, int64_t chunks,
+                     const uint8_t *tail, const uint8_t *tail_s, const float *xs, int64_t KP, float *y, int64_t N,
+                     int rows, const int R, const int MR) {
+    vf acc[R_MAX * MR_MAX];
+    for (int i = 0; i < R * MR; i++) acc[i] = vzero();
+    for (int64_t c = 0; c <= chunks; c++) {
+        if (c == chunks && !tail) break;
+        int64_t k = c * FP4_CHUNK;
+        const uint8_t *src[R_MAX], *src_s[R_MAX];
+        for (int r = 0; r < R; r++) {
+            if (next) ahead_line(next);
+            src[r] = c < chunks ? w[r] + k : tail + r * FP4_CHUNK;
+            src_s[r] = c < chunks ? s[r] + c * 4 : tail_s + r * 4;
+        }
+        for (int g = 0; g < FP4_CHUNK * 2 / FP4_GROUP; g++) {
+            __m128i even[R_MAX], odd[R_MAX];
+            vf part[R_MAX * MR_MAX];
+            for (int r = 0; r < R; r++) fp4_group(src[r] + g * 16, &even[r], &odd[r]);
+            for (int v = 0; v < 4; v++) {
+                vf wv[R_MAX];
+                for (int r = 0; r < R; r++) wv[r] = fp4_vector(even[r], odd[r], v);
+                for (int m = 0; m < MR; m++) {
+                    vf xv = vload(xs + m * KP + c * FP4_X_CHUNK + g * FP4_GROUP + v * VL);
+                    for (int r = 0; r < R; r++)
+                        part[r * MR + m] = v ? vfma(wv[r], xv, part[r * MR + m]) : vmul(wv[r], xv);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                vf sc = _mm256_set1_ps(e8m0(src_s[r][g]));
+                for (int m = 0; m < MR; m++) acc[r * MR + m] = vfma(part[r * MR + m], sc, acc[r * MR + m]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int m = 0; m < MR; m++) y[m * N + r] = vsum(acc[r * MR + m]);
+}
+#endif
+
+/* Weight rows read side by side (R), more where there are fewer rows of x, and x rows per tile (MR): as many
+   accumulators as the registers hold. Each (R, MR) is a call of its own, so the tile's loops unroll. */
+#define CASE(R, MR, call) case (R) * 8 + (MR): call(R, MR); break;
+#ifdef __AVX512F__
+#define FP8_ROWS(M) ((M) == 1 ? 8 : 4)
+#define FP8_MR 4
+#define FP8_SHAPES(call) CASE(8, 1, call) CASE(4, 1, call) CASE(4, 2, call) CASE(4, 3, call) CASE(4, 4, call)
+#define FP4_ROWS(M) 4
+#define FP4_MR 2
+#define FP4_SHAPES(call) CASE(4, 1, call) CASE(4, 2, call)
+#else
+#define FP8_ROWS(M) ((M) == 1 ? 4 : 2)
+#define FP8_MR 4
+#define FP8_SHAPES(call) CASE(4, 1, call) CASE(2, 1, call) CASE(2, 2, call) CASE(2, 3, call) CASE(2, 4, call)
+#define FP4_ROWS(M) ((M) == 1 ? 2 : 1)
+#define FP4_MR 4
+#define FP4_SHAPES(call) CASE(2, 1, call) CASE(1, 1, call) CASE(1, 2, call) CASE(1, 3, call) CASE(1, 4, call)
+#endif
+#define BY_SHAPE(R, mr, SHAPES, call) switch ((R) * 8 + (mr)) { SHAPES(call) default: __builtin_trap(); }
+
+/* A unit's R row pointers: `rows` rows from p, `stride` bytes apart, the last repeated. */
+INLINE void unit_rows(const uint8_t *p, int64_t stride, int rows, int R, const uint8_t **out) {
+    for (int r = 0; r < R; r++) out[r] = p + (r < rows ? r : rows - 1) * stride;
+}
+
+static int fp8_block(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                     const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    const int R = FP8_ROWS(M < FP8_MR ? M : FP8_MR);
+    int64_t chunks = K / FP8_CHUNK, rest = K - chunks * FP8_CHUNK, KP = (chunks + (rest != 0)) * FP8_CHUNK;
+    /* units: up to R rows within one 128-row tile, so a unit's rows share their x' */
+    int64_t tiles = (row0 + N + FP8_TILE - 1) / FP8_TILE, units = 0;
+    int64_t *start = malloc((N / R + tiles + 1) * sizeof *start);
+    if (!start) return -1;
+    for (int64_t i = 0; i < N;) {
+        int64_t end = (row0 + i) / FP8_TILE * FP8_TILE + FP8_TILE - row0;
+        for (end = end < N ? end : N; i < end; i += R) start[units++] = i;
+        i = end;
+    }
+    start[units] = N;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        /* x' for the tile `have` (x * 256 * its scales, zeros past K), and the rows' last partial chunk */
+        float *xs = aligned_alloc(64, (M * KP * sizeof(float) + 63) / 64 * 64);
+        uint8_t *tail = calloc(R, FP8_CHUNK);
+        int64_t have = -1;
+        if (!xs || !tail) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t u = 0; u < units; u++) {
+            if (!xs || !tail) continue;
+            int64_t i = start[u], tile = (row0 + i) / FP8_TILE;
+            int rows = (int)(start[u + 1] - i);
+            if (tile != have) {
+                const float *srow = scale + tile * scale_stride;
+                for (int64_t m = 0; m < M; m++) {
+                    for (int64_t j = 0; j < K;) {       /* column tile by column tile */
+                        int64_t end = (col0 + j) / FP8_TILE * FP8_TILE + FP8_TILE - col0;
+                        float c = 256.0f * srow[(col0 + j) / FP8_TILE];
+                        for (end = end < K ? end : K; j < end; j++) xs[m * KP + j] = x[m * K + j] * c;
+                    }
+                    memset(xs + m * KP + K, 0, (KP - K) * sizeof(float));
+                }
+                have = tile;
+            }
+            const uint8_t *wr[R_MAX];
+            unit_rows(w + i * w_stride, w_stride, rows, R, wr);
+            for (int r = 0; r < R && rest; r++) memcpy(tail + r * FP8_CHUNK, wr[r] + chunks * FP8_CHUNK, rest);
+            struct ahead next = {w + (i + R) * w_stride, w_stride, K, 0, R};
+            for (int64_t m0 = 0; m0 < M; m0 += FP8_MR) {
+                int mr = M - m0 < FP8_MR ? (int)(M - m0) : FP8_MR;
+#define FP8_CALL(r_, mr_) fp8_tile(wr, m0 ? NULL : &next, chunks, rest ? tail : NULL, xs + m0 * KP, KP, \
+                                   y + m0 * N + i, N, rows, r_, mr_)
+                BY_SHAPE(R, mr, FP8_SHAPES, FP8_CALL)
+            }
+        }
+        free(xs);
+        free(tail);
+    }
+    free(start);
+    return failed ? -1 : 0;
+}
+
+static int fp4_block(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                     const uint8_t *scale, int64_t scale_stride, float *y, int threads) {
+    const int R = FP4_ROWS(M < FP4_MR ? M : FP4_MR);
+    int64_t chunks = K / 2 / FP4_CHUNK, rest = K / 2 - chunks * FP4_CHUNK;
+    int64_t KP = (chunks + (rest != 0)) * FP4_X_CHUNK, units = (N + R - 1) / R;
+    float *xs = aligned_alloc(64, (M * KP * sizeof(float) + 63) / 64 * 64);
+    if (!xs) return -1;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t j = 0; j < K; j++) xs[m * KP + fp4_x_at(j)] = x[m * K + j];
+        for (int64_t j = K; j < KP; j++) xs[m * KP + fp4_x_at(j)] = 0.0f;
+    }
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        uint8_t *tail = calloc(R, FP4_CHUNK), *tail_s = calloc(R, 4);      /* the last partial chunk, zeros past K */
+        if (!tail || !tail_s) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t u = 0; u < units; u++) {
+            if (!tail || !tail_s) continue;
+            int64_t i = u * R;
+            int rows = (int)(N - i < R ? N - i : R);
+            const uint8_t *wr[R_MAX], *sr[R_MAX];
+            unit_rows(w + i * w_stride, w_stride, rows, R, wr);
+            unit_rows(scale + i * scale_stride, scale_stride, rows, R, sr);
+            for (int r = 0; r < R && rest; r++) {
+                memcpy(tail + r * FP4_CHUNK, wr[r] + chunks * FP4_CHUNK, rest);
+                memcpy(tail_s + r * 4, sr[r] + chunks * 4, rest / (FP4_GROUP / 2));
+            }
+            struct ahead next = {w + (i + R) * w_stride, w_stride, K / 2, 0, R};
+            for (int64_t m0 = 0; m0 < M; m0 += FP4_MR) {
+                int mr = M - m0 < FP4_MR ? (int)(M - m0) : FP4_MR;
+#define FP4_CALL(r_, mr_) fp4_tile(wr, sr, m0 ? NULL : &next, chunks, rest ? tail : NULL, tail_s, xs + m0 * KP, KP, \
+                                   y + m0 * N + i, N, rows, r_, mr_)
+                BY_SHAPE(R, mr, FP4_SHAPES, FP4_CALL)
+            }
+        }
+        free(tail);
+        free(tail_s);
+    }
+    free(xs);
+    return failed ? -1 : 0;
+}
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Rows of x per block: a block's x' (K floats a row, padded to a chunk) fits in L2 beside the weight rows; the
+   weight is read once per block. */
+static int64_t x_block(int64_t K) {
+    int64_t rows = (X_BLOCK_BYTES / 4 / (K + FP4_X_CHUNK)) / MR_MAX * MR_MAX;
+    return rows > MR_MAX ? rows : MR_MAX;
+}
+
+/* x [M,K] fp32; w [N,K] E4M3 bytes, rows w_stride bytes apart; scale fp32 [.., scale_stride]: tile (0,0) starts
+   row0 rows and col0 columns (both < 128) before w's first element. y [M,N]. Returns -1 where its scratch
+   memory could not be had (y then undefined), else 0. */
+int dsv4_fp8_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    for (int64_t m0 = 0, mb = x_block(K); m0 < M; m0 += mb)
+        if (fp8_block(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, w, N, w_stride, scale, scale_stride, row0, col0,
+                      y + m0 * N, threads))
+            return -1;
+    return 0;
+}
+
+/* x [M,K] fp32 (K a multiple of 32); w [N,K/2] packed E2M1, rows w_stride bytes apart; scale [N,K/32] E8M0,
+   rows scale_stride bytes apart. y [M,N]. Returns -1 where its scratch memory could not be had (y then
+   undefined), else 0. */
+int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                const uint8_t *scale, int64_t scale_stride, float *y, int threads) {
+    for (int64_t m0 = 0, mb = x_block(K); m0 < M; m0 += mb)
+        if (fp4_block(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, w, N, w_stride, scale, scale_stride, y + m0 * N,
+                      threads))
+            return -1;
+    return 0;
+}
+
+/* ---- fast mode: a bf16 run's activations (built only with AVX-512 VNNI and BF16) --------------------------
+
+   FP4 x int8 (`dsv4_fp4_mm_q8`): x quantised per row as W8A8 quantises it (`dsv4_quantize_rows`, cpu_quant.c,
+   linked in: q = round(x / sx), sx = max(amax, floor) / 127), the E2M1 codes read as the exact integers
+   2 e2m1 + 12 (0..24, unsigned for vpdpbusd; the 12 is taken back as -12 times the group's sum of q, the sums'
+   starting value), so each group's 32 products sum exactly in int32; each group's sum times its E8M0 scale
+   into the row's fp32 sums, and those times sx / 2. A step is 16 groups (256 bytes of a row, 4 vectors): a
+   4 x 4 transpose of the 32-bit lanes within each 128-bit lane puts the 4 lanes of a group (32 codes, 8 lanes
+   once split into nibbles) into one lane of 4 vectors, so 8 vpdpbusd leave lane L with group q8_group(L)'s
+   sum, and one conversion and one multiply-add per step take all 16 into the fp32 sums. The 8 vpdpbusd run
+   as several chains (exact integer sums: their split changes nothing), so that a row's sums do not wait on
+   vpdpbusd's latency.
+
+   FP8 x bf16 (`dsv4_fp8_mm_bf16`): the bf16 with bits ((b & 0x7f) << 4) | ((b & 0x80) << 8) is e4m3(b) * 2^-120
+   exactly: b into a word's high byte (an unpack), an arithmetic shift by 4 and a mask decode 32 bytes, on
+   ports vdpbf16ps leaves free (Zen 4). vdpbf16ps sums pairs of products in fp32, per 128-input tile in two
+   chains added at its end, and the tile's sums go times its scale into the row's. vdpbf16ps reads bf16
+   subnormals as 0 and writes fp32 subnormals as 0: E4M3's subnormals (|v| < 2^-6) count as 0, and products of
+   the decoded weights (2^-126 and up) with x below 1 would be lost, so x comes in times 2^64 (exact for
+   |x| < 2^64; bf16 subnormals become normal; products |x e4m3| from 2^-70 up are kept) and the tile scales
+   times 2^120 / 2^64 = 2^56.
+
+   x is laid out step by step (tile by tile), the block's rows side by side in each, so a tile's rows of x are
+   one pointer apart by constants. As in the exact kernels, every output is the same chain of operations
+   whatever the rows beside it or the threads. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define Q8_STEP 512             /* inputs per step: 16 groups */
+#define AHEAD_UNITS 2           /* the weight is asked into L2 this many units ahead */
+#define GROUP_BYTES (256 << 10) /* the weight rows that meet each x row while in L2 */
+#define FAST_R 2                /* weight rows read side by side */
+#define FAST_MR 4               /* x rows per register tile, at most */
+#define FAST_ROWS(mr, call) switch (mr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
+                                          default: call(4); }
+#define Q8_CHAINS(n) ((n) >= 6 ? 1 : (n) >= 3 ? 2 : 4)     /* per row of x, for n rows of x and w in flight */
+#define UNROLL _Pragma("GCC unroll 16")     /* loops over arrays of vectors, whole: the vectors stay in registers */
+
+void dsv4_quantize_rows(const void *x, int bf16, int64_t R, int64_t D, float floor, int8_t *q, float *scale);
+
+/* Lane L of a step's sums holds group q8_group(L) of its 16; the map is its own inverse. */
+INLINE int q8_group(int L) { return L % 4 * 4 + L / 4; }
+
+/* Units (of `unit_bytes` of weight) per group: within GROUP_BYTES, and a group for each thread at least. */
+static int64_t fast_group(int64_t units, int64_t unit_bytes, int threads) {
+    int64_t group = GROUP_BYTES / unit_bytes + 1, share = (units + threads - 1) / threads;
+    return group < share ? group : share > 0 ? share : 1;
+}
+
+/* The E2M1 codes (nibble h of each byte of t) as 2 e2m1 + 12. */
+INLINE __m512i q8_codes(__m512i t, int h) {
+    const __m512i table = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8,
+                                                               6, 4, 0));
+    return _mm512_shuffle_epi8(table, _mm512_and_si512(h ? _mm512_srli_epi16(t, 4) : t, _mm512_set1_epi8(0x0f)));
+}
+
+/* R rows of packed E2M1 w[r] with their scales s[r] against MR rows of x'. Step c's x' rows are at
+   xq + c * M * 512 (512 bytes each: vector 2t + h, lane L, byte b is input 32 q8_group(L) + 8t + 2b + h), their
+   sums' starting values at xc + c * M * 16. `steps` whole steps from the rows, then one from `tail` (R rows of
+   256 bytes, tail_s of 16 scales, zeros past K) unless it is NULL. `ahead`: rows asked into L2 as these are
+   read (or NULL). y = the sums times hx (sx / 2). */
+INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint8_t *const *ahead, int64_t steps,
+                    const uint8_t *tail, const uint8_t *tail_s, const int8_t *xq, const int32_t *xc, int64_t M,
+                    const float *hx, float *y, int64_t N, int rows, const int R, const int MR) {
+    const int CH = Q8_CHAINS(R * MR);
+    const __m128i lanes = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);    /* q8_group */
+    __m512 acc[FAST_R * FAST_MR];
+    for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c <= steps; c++) {
+        if (c == steps && !tail) break;
+        const int8_t *xs = xq + c * M * Q8_STEP;
+        __m512i t[FAST_R][4], sum[FAST_R * FAST_MR];     /* R * MR * CH <= 8 */
+        for (int r = 0; r < R; r++) {
+            const uint8_t *p = c < steps ? w[r] + c * (Q8_STEP / 2) : tail + r * (Q8_STEP / 2);
+            __m512i l[4];
+            for (int i = 0; i < 4; i++) {
+                if (ahead) _mm_prefetch((const char *)ahead[r] + c * (Q8_STEP / 2) + 64 * i, _MM_HINT_T1);
+                l[i] = _mm512_loadu_si512(p + 64 * i);
+            }
+            __m512i a0 = _mm512_unpacklo_epi32(l[0], l[1]), a1 = _mm512_unpackhi_epi32(l[0], l[1]);
+            __m512i a2 = _mm512_unpacklo_epi32(l[2], l[3]), a3 = _mm512_unpackhi_epi32(l[2], l[3]);
+            t[r][0] = _mm512_unpacklo_epi64(a0, a2), t[r][1] = _mm512_unpackhi_epi64(a0, a2);
+            t[r][2] = _mm512_unpacklo_epi64(a1, a3), t[r][3] = _mm512_unpackhi_epi64(a1, a3);
+        }
+        UNROLL
+        for (int i = 0; i < R * MR; i++)
+            UNROLL
+            for (int k = 0; k < CH; k++)
+                sum[i * CH + k] = k ? _mm512_setzero_si512() : _mm512_load_si512(xc + (c * M + i % MR) * 16);
+        UNROLL
+        for (int v = 0; v < 8; v++) {
+            __m512i code[FAST_R];
+            for (int r = 0; r < R; r++) code[r] = q8_codes(t[r][v / 2], v % 2);
+            for (int m = 0; m < MR; m++) {
+                __m512i xv = _mm512_load_si512(xs + m * Q8_STEP + v * 64);
+                for (int r = 0; r < R; r++) {
+                    __m512i *chain = &sum[(r * MR + m) * CH + v % CH];
+                    *chain = _mm512_dpbusd_epi32(*chain, code[r], xv);
+                }
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *e = c < steps ? s[r] + c * 16 : tail_s + r * 16;
+            __m512i bits = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)e), lanes));
+            __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 23));
+            for (int m = 0; m < MR; m++) {
+                __m512i *chains = &sum[(r * MR + m) * CH];
+                UNROLL
+                for (int k = CH / 2; k; k /= 2)
+                    UNROLL
+                    for (int j = 0; j < k; j++) chains[j] = _mm512_add_epi32(chains[j], chains[j + k]);
+                acc[r * MR + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains[0]), sc, acc[r * MR + m]);
+            }
+        }
+    }
+    for (int r = 0; r < R && r < rows; r++)
+        for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]) * hx[m];
+}
+
+/* x' for the FP4 kernel: rows of x quantised, laid out step by step (q8_tile), their groups' sums times -12,
+   and sx / 2. */
+static void q8_layout(const int8_t *q, int64_t M, int64_t K, int64_t steps, int8_t *xq, int32_t *xc, float *hx) {
+    /* a group's 32 inputs as its 8 lanes: lane 2t + h is inputs 8t + h, + 2, + 4, + 6 */
+    const __m256i order = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13,
+                                                                    15));
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    memset(xq, 0, steps * M * Q8_STEP);
+    memset(xc, 0, steps * M * 16 * sizeof *xc);
+    for (int64_t m = 0; m < M; m++) {
+        hx[m] *= 0.5f;          /* the codes are twice E2M1's values */
+        for (int64_t g = 0; g < K / 32; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + m * K + g * 32));
+            int32_t lanes[8];
+            _mm256_storeu_si256((__m256i *)lanes, _mm256_shuffle_epi8(v, order));
+            int L = q8_group((int)(g % 16));
+            for (int i = 0; i < 8; i++) memcpy(xq + (g / 16 * M + m) * Q8_STEP + i * 64 + L * 4, &lanes[i], 4);
+            __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());   /* of q + 128 */
+            int64_t sum = _mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) +
+                          _mm256_extract_epi64(sums, 2) + _mm256_extract_epi64(sums, 3) - 32 * 128;
+            xc[(g / 16 * M + m) * 16 + L] = (int32_t)(-12 * sum);
+        }
+    }
+}
+
+static int q8_block(const void *x, int bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                    const uint8_t *scale, int64_t scale_stride, float floor, float *y, int threads) {
+    const int R = FAST_R, MR = FAST_MR;
+    int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), units = (N + R - 1) / R;
+    int64_t all = steps + (rest != 0), group = fast_group(units, R * (K / 2 + K / 32), threads);
+    int8_t *q = malloc(M * K), *xq = aligned_alloc(64, all * M * Q8_STEP);
+    int32_t *xc = aligned_alloc(64, all * M * 64);
+    float *hx = malloc(M * sizeof *hx);
+    if (!q || !xq || !xc || !hx) {
+        free(q), free(xq), free(xc), free(hx);
+        return -1;
+    }
+    dsv4_quantize_rows(x, bf16, M, K, floor, q, hx);
+    q8_layout(q, M, K, all, xq, xc, hx);
+    free(q);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        uint8_t *tail = calloc(R, Q8_STEP / 2), *tail_s = calloc(R, 16);
+        if (!tail || !tail_s) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < units; g += group)
+            for (int64_t m0 = 0; m0 < M; m0 += MR)
+                for (int64_t u = g; u < g + group && u < units; u++) {
+                    if (!tail || !tail_s) continue;
+                    int64_t i = u * R;
+                    int rows = (int)(N - i < R ? N - i : R), mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    const uint8_t *wr[R_MAX], *sr[R_MAX], *ar[R_MAX];
+                    unit_rows(w + i * w_stride, w_stride, rows, R, wr);
+                    unit_rows(scale + i * scale_stride, scale_stride, rows, R, sr);
+                    unit_rows(w + (i + AHEAD_UNITS * R) * w_stride, w_stride, R, R, ar);   /* past the end: no fault */
+                    for (int r = 0; r < R && rest; r++) {
+                        memcpy(tail + r * (Q8_STEP / 2), wr[r] + steps * (Q8_STEP / 2), rest);
+                        memcpy(tail_s + r * 16, sr[r] + steps * 16, rest / (FP4_GROUP / 2));
+                    }
+#define Q8_CALL(mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * Q8_STEP, \
+                             xc + m0 * 16, M, hx + m0, y + m0 * N + i, N, rows, R, mr_)
+                    FAST_ROWS(mr, Q8_CALL)
+                }
+        free(tail);
+        free(tail_s);
+    }
+    free(xq), free(xc), free(hx);
+    return failed ? -1 : 0;
+}
+
+#define BF16_CHUNK 64           /* bytes of a weight row per step: two vectors of bf16 */
+
+/* 64 E4M3 bytes as bf16 times 2^-120 (each byte a word's high byte, shifted down with its sign, the copies of
+   the sign masked away): bytes 0-7 of each 128-bit lane in `lo`, 8-15 in `hi`. */
+INLINE void fp8_bf16(__m512i b, __m512i *lo, __m512i *hi) {
+    const __m512i zero = _mm512_setzero_si512(), keep = _mm512_set1_epi16((short)0x87f0);
+    *lo = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpacklo_epi8(zero, b), 4), keep);
+    *hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, b), 4), keep);
+}
+
+/* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles: x' column col0 + j is input j). Chunk c
+   is x' columns 64c..64c+63, weight bytes from w[r] + 64c - col0; chunks first..last hold inputs, the first and
+   last masked to them. Tile t's rows of x' are at xs + t * M * 128, 128 a row: chunk 2t + h's vectors lo, hi
+   (fp8_bf16's order) at 64h, 64h + 32. Tile t's sums go times sc[t] into the row's. `ahead`: rows asked into
+   L2 as these are read (or NULL). */
+INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int64_t tiles, int64_t first,
+                      int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const uint16_t *xs,
+                      int64_t M, const float *sc, float *y, int64_t N, int rows, const int R, const int MR) {
+    __m512 acc[FAST_R * FAST_MR];
+    for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < tiles; t++) {
+        __m512 part[2 * FAST_R * FAST_MR];               /* chunk 2t's products, then 2t + 1's */
+        for (int i = 0; i < 2 * R * MR; i++) part[i] = _mm512_setzero_ps();
+        const uint16_t *xt = xs + t * M * FP8_TILE;
+        int edge = 2 * t <= first || 2 * t + 1 >= last;      /* chunks outside the inputs read nothing */
+        UNROLL
+        for (int h = 0; h < 2; h++) {
+            int64_t c = 2 * t + h;
+            __mmask64 in = c < first || c > last ? 0 : (c == first ? first_mask : ~0ull) & (c == last ? last_mask
+                                                                                                       : ~0ull);
+            __m512i lo[FAST_R], hi[FAST_R];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *p = w[r] + BF16_CHUNK * c - col0;
+                if (ahead) _mm_prefetch((const char *)ahead[r] + BF16_CHUNK * c, _MM_HINT_T1);
+                fp8_bf16(edge ? _mm512_maskz_loadu_epi8(in, p) : _mm512_loadu_si512(p), &lo[r], &hi[r]);
+            }
+            for (int m = 0; m < MR; m++) {
+                const uint16_t *xm = xt + m * FP8_TILE + 64 * h;
+                __m512bh xlo = (__m512bh)_mm512_load_si512(xm), xhi = (__m512bh)_mm512_load_si512(xm + 32);
+                for (int r = 0; r < R; r++) {
+                    __m512 *p = &part[2 * (r * MR + m) + h];
+                    *p = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*p, (__m512bh)lo[r], xlo), (__m512bh)hi[r], xhi);
+                }
+            }
+        }
+        __m512 s = _mm512_set1_ps(sc[t]);
+        UNROLL
+        for (int i = 0; i < R * MR; i++) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(part[2 * i], part[2 * i + 1]), s,
+                                                                  acc[i]);
+    }
+    for (int r = 0; r < R && r < rows; r++)
+        for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]);
+}
+
+/* x' for the FP8 kernel: rows of x (bf16) times 2^64, tile by tile in bf16_tile's order, zeros outside the
+   inputs; `row`: scratch for one row (tiles * 128). */
+static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64_t tiles, uint16_t *row,
+                        uint16_t *xs) {
+    const __m512 up = _mm512_set1_ps(0x1p64f);
+    for (int64_t m = 0; m < M; m++) {
+        memset(row, 0, tiles * FP8_TILE * 2);
+        for (int64_t j = 0; j < K; j += 16) {
+            __mmask16 in = K - j >= 16 ? 0xffff : (1u << (K - j)) - 1;
+            __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + m * K + j)), 16);
+            v = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(v), up)), 16);
+            _mm256_mask_storeu_epi16(row + col0 + j, in, _mm512_cvtepi32_epi16(v));
+        }
+        for (int64_t t = 0; t < tiles; t++)             /* each chunk's 8-column runs in fp8_bf16's order */
+            for (int h = 0; h < 2; h++)
+                for (int l = 0; l < 4; l++)
+                    for (int half = 0; half < 2; half++)
+                        memcpy(xs + (t * M + m) * FP8_TILE + 64 * h + 32 * half + 8 * l,
+                               row + t * FP8_TILE + 64 * h + 16 * l + 8 * half, 16);
+    }
+}
+
+static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                      const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    const int R = FAST_R, MR = FAST_MR;
+    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
+    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
+    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
+    int64_t row_tiles = (row0 + N + FP8_TILE - 1) / FP8_TILE, units = 0;
+    int64_t *start = malloc((N / R + row_tiles + 1) * sizeof *start);
+    uint16_t *xs = aligned_alloc(64, tiles * M * FP8_TILE * 2), *row = malloc(tiles * FP8_TILE * 2);
+    if (!start || !xs || !row) {
+        free(start), free(xs), free(row);
+        return -1;
+    }
+    for (int64_t i = 0; i < N;) {       /* units: up to R rows within one 128-row tile (one row of scales) */
+        int64_t end = (row0 + i) / FP8_TILE * FP8_TILE + FP8_TILE - row0;
+        for (end = end < N ? end : N; i < end; i += R) start[units++] = i;
+        i = end;
+    }
+    start[units] = N;
+    int64_t group = fast_group(units, R * K, threads);
+    bf16_layout(x, M, K, col0, tiles, row, xs);
+    free(row);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        float *sc = malloc(tiles * sizeof *sc);
+        if (!sc) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < units; g += group)
+            for (int64_t m0 = 0; m0 < M; m0 += MR)
+                for (int64_t u = g; u < g + group && u < units; u++) {
+                    if (!sc) continue;
+                    int64_t i = start[u];
+                    int rows = (int)(start[u + 1] - i), mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    const float *srow = scale + (row0 + i) / FP8_TILE * scale_stride;
+                    for (int64_t t = 0; t < tiles; t++) sc[t] = srow[t] * 0x1p56f;
+                    const uint8_t *wr[R_MAX], *ar[R_MAX];
+                    unit_rows(w + i * w_stride, w_stride, rows, R, wr);
+                    unit_rows(w + (i + AHEAD_UNITS * R) * w_stride - col0, w_stride, R, R, ar);
+#define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, tiles, first, last, first_mask, last_mask, col0, \
+                                 xs + m0 * FP8_TILE, M, sc, y + m0 * N + i, N, rows, R, mr_)
+                    FAST_ROWS(mr, BF16_CALL)
+                }
+        free(sc);
+    }
+    free(start), free(xs);
+    return failed ? -1 : 0;
+}
+
+/* Rows of x per block for the fast kernels: a block's x' (`row_bytes` a row) fits in L2 beside the weight's. */
+static int64_t fast_block(int64_t row_bytes) {
+    int64_t rows = X_BLOCK_BYTES / row_bytes / FAST_MR * FAST_MR;
+    return rows > FAST_MR ? rows : FAST_MR;
+}
+
+/* dsv4_fp4_mm's weight against x [M,K] (fp32, or bf16 where `bf16`) quantised per row to int8 with `floor`
+   (`reference.quantize_per_token`). Returns -1 where its scratch memory could not be had, else 0. */
+int dsv4_fp4_mm_q8(const void *x, int bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                   const uint8_t *scale, int64_t scale_stride, float floor, float *y, int threads) {
+    for (int64_t m0 = 0, mb = fast_block(K + K / 8); m0 < M; m0 += mb)
+        if (q8_block((const char *)x + m0 * K * (bf16 ? 2 : 4), bf16, M - m0 < mb ? M - m0 : mb, K, w, N, w_stride,
+                     scale, scale_stride, floor, y + m0 * N, threads))
+            return -1;
+    return 0;
+}
+
+/* dsv4_fp8_mm with x [M,K] bf16 (|x| < 2^64), in bf16 products (E4M3's subnormals as 0). */
+int dsv4_fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                     const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    for (int64_t m0 = 0, mb = fast_block(2 * (K + FP8_TILE)); m0 < M; m0 += mb)
+        if (bf16_block(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, w, N, w_stride, scale, scale_stride, row0, col0,
+                       y + m0 * N, threads))
+            return -1;
+    return 0;
+}
+#endif
+
+#ifdef __cplusplus
+}
+#endif
