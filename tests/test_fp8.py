@@ -1,4 +1,6 @@
 """The official release's FP8 (128x128 E8M0 tiles) and packed FP4 (1x32 E8M0 groups) weights."""
+from pathlib import Path
+
 import pytest
 import torch
 from tiny import random_model, tiny_config
@@ -145,7 +147,7 @@ def test_legacy_names_are_renamed(tmp_path, legacy):
 def mapping_of(t: torch.Tensor) -> str | None:
     """The file whose mapping holds t's first byte (Linux /proc/self/maps), or None (anonymous memory)."""
     address = t.data_ptr()
-    for line in open("/proc/self/maps"):
+    for line in Path("/proc/self/maps").read_text().splitlines():
         span, *rest = line.split()
         lo, hi = (int(a, 16) for a in span.split("-"))
         if lo <= address < hi:
