@@ -13,7 +13,7 @@ from dsv4cli.engine.runner import StepRunner
 from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
 from dsv4cli.engine.verify import verify, verify_greedy
 from dsv4cli.kernels import cpu, native
-from dsv4cli.model.quant import quantize_model
+from dsv4cli.model.quant import quantize_model, release_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -423,11 +423,13 @@ def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
     assert (leader.tok, leader.mtp_depth, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
     cfg = model.cfg
     info = leader.model_info
-    assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), w8a8=False, dtype="float32",
+    assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), weights="float", dtype="float32",
                              device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size,
                              drafter="mtp", block_size=0)
     int8 = Engine(quantize_model(copy.deepcopy(model)), tok, max_batch=1, max_seq_len=64, mtp=0).model_info
-    assert int8.w8a8 and int8.parameters == info.parameters      # weight scales are not parameters of the model
+    assert int8.weights == "w8a8" and int8.parameters == info.parameters      # weight scales are not parameters
+    release = Engine(release_model(copy.deepcopy(model)), tok, max_batch=1, max_seq_len=64, mtp=0).model_info
+    assert release.weights == "fp8+fp4" and release.parameters == info.parameters     # FP4: two values a byte
 
 
 @torch.no_grad()
