@@ -102,6 +102,19 @@ def test_fp4_reads_a_column_slice_in_place(lib):
     assert relative_error(y, x.double() @ reference.fp4_to_float(weight, scale).double().t()) < 1e-6
 
 
+def assert_rows_their_own(gemm, x, sizes):
+    """Every slice of `sizes` rows gives the bits those rows get among all of x, and 2 threads the bits of 1."""
+    y = gemm(x)
+    for n in sizes:
+        assert all(torch.equal(gemm(x[i:i + n]), y[i:i + n]) for i in range(len(x) - n + 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(gemm(x), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_every_row_is_its_own_on_any_threads(lib):
     """A row's sums run in the same order whatever the rows beside it or the threads: the same bits."""
     g = torch.Generator().manual_seed(7)
@@ -109,14 +122,7 @@ def test_every_row_is_its_own_on_any_threads(lib):
     w4, s4 = e2m1(200, 384, g)
     x = torch.randn(21, 384, generator=g)
     for gemm in (lambda x: native.fp8_mm(x, w8, s8, (3, 0), lib=lib), lambda x: native.fp4_mm(x, w4, s4, lib=lib)):
-        y = gemm(x)
-        assert all(torch.equal(gemm(x[i:i + 1]), y[i:i + 1]) for i in range(len(x)))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            assert torch.equal(gemm(x), y)
-        finally:
-            torch.set_num_threads(threads)
+        assert_rows_their_own(gemm, x, (1,))
 
 
 def test_leading_dims_and_empty_inputs(lib):
@@ -253,15 +259,7 @@ def test_fast_rows_are_their_own_on_any_threads(fast):
     x = torch.randn(21, 1024, generator=g).bfloat16()
     for gemm in (lambda x: native.fp8_mm_bf16(x, w8, s8, (3, 5), lib=fast),
                  lambda x: native.fp4_mm_q8(x, w4, s4, lib=fast)):
-        y = gemm(x)
-        assert all(torch.equal(gemm(x[i:i + 1]), y[i:i + 1]) for i in range(len(x)))
-        assert all(torch.equal(gemm(x[i:i + 5]), y[i:i + 5]) for i in range(len(x) - 4))
-        threads = torch.get_num_threads()
-        torch.set_num_threads(2)
-        try:
-            assert torch.equal(gemm(x), y)
-        finally:
-            torch.set_num_threads(threads)
+        assert_rows_their_own(gemm, x, (1, 5))
 
 
 def test_fast_prefill_blocks_keep_each_row_its_own(fast):
