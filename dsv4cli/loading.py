@@ -11,6 +11,7 @@ from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import Engine, EngineAPI, SamplingParams
+from dsv4cli.engine.compiled import COMPILE_BUDGET
 from dsv4cli.engine.prefix import SPARE_RING_ROWS
 from dsv4cli.engine.runner import drafter_depth
 from dsv4cli.errors import UsageError
@@ -177,14 +178,26 @@ def choose_compile(mode: str, device: torch.device, verb: str, small_model: bool
         return True, None
     if graphs:
         return True, f"compile = auto: on ({platform.name}: the compiled step is captured as a graph)"
-    return True, (f"compile = auto: on ({verb}, small model on the CPU: compiled in the background while replies "
-                  "stream; compile = off skips it)")
+    return True, (f"compile = auto: on ({verb}, small model on the CPU): each step shape compiles in a process of "
+                  f"its own on idle cores only ({idle_cores_now()}), at most {COMPILE_BUDGET} a run, and swaps in "
+                  f"{'as it is ready' if verb == 'batch' else 'while the engine idles'}; steps run eager meanwhile; "
+                  "compile = off skips it")
 
 
-def build_engine(s: Settings, device: torch.device, compile_apart: bool = False) -> Engine:
+def idle_cores_now() -> str:
+    """The cores idle now, as the kernel's load average counts them (a phrase)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        idle = max(0.0, cores - os.getloadavg()[0])
+    except OSError:
+        return f"{cores} cores"
+    return f"{idle:.1f} of {cores} idle now"
+
+
+def build_engine(s: Settings, device: torch.device, compile_apart: bool = False, swap: str = "idle") -> Engine:
     """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state.
-    `compile_apart`: step shapes compile beside the run in a process of its own (`compiles_apart`);
-    else a shape's first step compiles it."""
+    `compile_apart`: step shapes compile beside the run in a process of its own (`compiles_apart`),
+    swapped in as `swap` says (`Engine`); else a shape's first step compiles it."""
     model, tokenizer = load_weights(s, device)
     cfg = model.cfg
     if s.mtp != "auto" and s.mtp and cfg.drafter is None:
@@ -197,7 +210,7 @@ def build_engine(s: Settings, device: torch.device, compile_apart: bool = False)
                   prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
                   compile_in_background=compile_apart, isolate_failures=s.tp == 1,
                   reload=functools.partial(load_weights, s, device) if compile_apart else None,
-                  prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)))
+                  prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)), swap=swap)
 
 
 def spill_bytes(s: Settings, device: torch.device) -> int:
@@ -231,6 +244,7 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
         print(say, file=sys.stderr)
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
-        return build_engine(s, device, compile_apart=apart)
+        # a batch job never idles: its saved steps swap in at once, where a stream would wait for a pause
+        return build_engine(s, device, compile_apart=apart, swap="ready" if verb == "batch" else "idle")
     from dsv4cli import parallel
     return parallel.launch_leader(s.tp, device, functools.partial(build_engine, s))

@@ -1,6 +1,7 @@
 """The compiled decode step (torch.compile) against eager, its oracle: the same greedy tokens, no graph
 breaks (the step compiles as one graph or fails), no recompiles in steady state, few kernels per layer."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,15 @@ def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer
         assert max(abs(x - y) for x, y in zip([a.logprob, *a.given], [b.logprob, *b.given])) <= 1e-5
 
 
+def poll_until(condition, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def reaped_while_idle(pid: int, timeout: float = 600) -> bool:
     """Whether a child process, once it ends, is reaped within a few seconds (gone from /proc, not a zombie)."""
     zombie_since, deadline = None, time.time() + timeout
@@ -139,7 +149,7 @@ def settings_for(model_dir, **flags):
 
 
 @COMPILER
-def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, tmp_path, monkeypatch):
+def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, tmp_path, monkeypatch, capfd):
     """Where the model can be loaded again, a process of its own compiles and saves the step: this one
     only loads it, so its eager steps keep the GIL meanwhile. The tokens stay the eager ones."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -163,7 +173,9 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert run(engine) == want and engine.compiled.eager_steps > 0
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
     child = engine.compiled.apart[1]
-    assert os.getsid(child.pid) != os.getsid(0)      # a Ctrl-C at chat's terminal stops a reply, not the compile
+    assert os.getpgid(child.pid) == child.pid != os.getpgid(0)  # a Ctrl-C at chat's terminal stops a reply only
+    # it runs only on cores nothing else wants (it sets that itself, once started)
+    assert poll_until(lambda: os.sched_getscheduler(child.pid) == os.SCHED_IDLE)
     assert reaped_while_idle(child.pid)              # no zombie while the engine takes no step
     engine.compiled.wait()
     step = StepKey((), 2, 0, 512, False, False, True)
@@ -178,12 +190,47 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     saved = {engine.compiled._path(k).name for k in (step, chunk)}
     assert {p.name for p in compiled.steps_dir().iterdir()} == saved      # no part left
 
-    # a compiling process that fails (here: the model gone before it loads) fails the engine's next step
+    # a later launch finds them saved: it loads each on a thread of its own once the engine idles (a load holds
+    # the GIL for stretches: never during a reply), and the next step swaps it in
+    later = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "chat")
+    assert run(later) == want and later.compiled.eager_steps > 0
+    assert not later.compiled.ready and later.compiled.apart is None       # nothing loaded during steps
+    assert poll_until(lambda: not later.compiled._to_load)                 # the decode step's, loaded while idle
+    assert run(later) == want     # it swaps in; the chunk key (two uses a run) is scheduled at its fourth
+    assert list(later.compiled.ready) == [step]
+    assert poll_until(lambda: not later.compiled._to_load)
+    steps = later.compiled.eager_steps
+    assert run(later) == want and later.compiled.eager_steps == steps
+    assert later.compiled.built[step][0] == later.compiled.built[chunk][0] == "loaded"
+    later.close()
+
+    # a compiling process that fails (here: the model gone before it loads) says so in one line; its step
+    # shape stays eager, and no request fails for it
     failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "chat")
     shutil.rmtree(path)
+    assert run(failing) == want
     with pytest.raises(RuntimeError, match="compiling process failed"):
-        run(failing)
         failing.compiled.wait()
+    assert run(failing) == want and list(failing.compiled.failed) == [step._replace(batch=1)]
+    assert not failing.compiled.busy
+    assert capfd.readouterr().err.strip().endswith("; that step shape runs eager")
+
+
+def test_auto_drafting_measures_the_lengths_it_runs_while_steps_compile(monkeypatch, tmp_path):
+    """While the background compiles, steps run eager with compile-off's shapes, and DSpark's auto measures each
+    length's cost from them, at the batch it plans by: it doesn't stay on one length until a compile ends."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    engine = load_engine(resolve(flags={"compile": "on", "mtp": "auto", "max_batch": 3, "max_seq_len": 512},
+                                 env={})[0], "chat")
+    try:
+        assert engine.compiled is not None and engine.compiled.background
+        prompt = engine.tok.encode("Once upon a time")
+        engine.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        assert not engine.compiled.ready
+        assert {n for _, n in engine.lengths.cost} == set(range(engine.mtp_depth + 1))
+        assert {b for b, _ in engine.lengths.cost} == {3}      # not the bucket (4) a compiled step pads to
+    finally:
+        engine.close()
 
 
 @COMPILER
@@ -193,7 +240,10 @@ def test_auto_compiles_where_a_compile_pays_off():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for verb in LONG_RUNNING:
         on, say = choose_compile("auto", cpu, verb, small_model=True, beside=True)
-        assert on and say.startswith(f"compile = auto: on ({verb}, small model on the CPU")
+        assert on and say.startswith(f"compile = auto: on ({verb}, small model on the CPU): each step shape "
+                                     "compiles in a process of its own on idle cores only (")
+        assert re.search(r"\(\d+\.\d of \d+ idle now\), at most 8 a run, and swaps in (while the engine idles|as it "
+                         r"is ready); steps run eager meanwhile", say), say
     for verb, small, beside in (("generate", True, True), ("bench", True, False), ("chat", False, True),
                                 ("chat", True, False)):
         assert choose_compile("auto", cpu, verb, small, beside) == (False, None)
@@ -261,9 +311,32 @@ def test_a_run_that_ends_while_its_step_compiles_exits_cleanly(tiny_model_dir, t
 
 
 @COMPILER
+def test_a_run_killed_while_its_compile_is_stopped_leaves_no_process(tiny_model_dir, tmp_path):
+    """The compiling process is stopped while the steps run (a compile beside them slows them here); a run
+    SIGKILLed then can't close its stdin, yet the stopped process ends: its group, orphaned with stopped
+    members, gets SIGHUP."""
+    env = {**os.environ, "DSV4_COMPILE": "on", "XDG_CACHE_HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    run = subprocess.Popen([sys.executable, "-m", "dsv4cli", "generate", "--model", str(tiny_model_dir), "-p", "hi",
+                            "-n", "100000", "--ignore-eos", "--raw"], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        def stopped_child():
+            return [pid for pid in processes_with(f"XDG_CACHE_HOME={tmp_path}") if pid != run.pid
+                    and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"]
+        assert poll_until(stopped_child, timeout=120), "no compiling process was stopped while the steps ran"
+        children = processes_with(f"XDG_CACHE_HOME={tmp_path}")
+        run.kill()
+        run.wait()
+        assert poll_until(lambda: not set(processes_with(f"XDG_CACHE_HOME={tmp_path}")) & set(children), timeout=5)
+    finally:
+        run.kill()
+
+
+@COMPILER
 def test_chat_compiles_by_default_on_the_cpu_and_ctrl_c_stops_only_the_reply(tiny_model_dir, tmp_path):
     """compile = auto in a terminal: chat says it compiles, streams eagerly meanwhile and says so; a Ctrl-C
-    stops the reply, not the compiling process (a session of its own), and quitting ends that process."""
+    stops the reply, not the compiling process (a process group of its own), and quitting ends that process."""
     env = {**os.environ, "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"), "TERM": "xterm-256color",
            "COLUMNS": "120", "LINES": "40"}
     for name in ("DSV4_COMPILE", "TORCHINDUCTOR_CACHE_DIR"):

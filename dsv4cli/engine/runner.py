@@ -73,25 +73,21 @@ class StepRunner:
     drafter drafting `depth` (D) tokens a step (0: plain decoding); `confidences`: the packed result carries
     the next drafts' confidences (the scheduler chooses how many to verify). `compile`: steps compiled per
     key, in the `background` (eager until ready, built by a process of its own made with `remake`, a
-    picklable call that builds this runner again compiling in the foreground: `remade`); `graphs`:
-    decode-only steps captured where the platform can."""
+    picklable call that builds this runner again compiling in the foreground: `remade`; `swap`: when a saved
+    step loads, `CompiledSteps`); `graphs`: decode-only steps captured where the platform can."""
 
     def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool = False,
                  confidences: bool = False, graphs: bool = True, compile: bool = False, background: bool = False,
-                 remake=None):
+                 remake=None, swap: str = "idle"):
         self.drafter = make_drafter(model, depth)
-        self.model, self.max_batch = model, max_batch
+        self.model, self.max_batch, self.swap = model, max_batch, swap
         self.depth = self.drafter.depth if self.drafter is not None else 0
         self.confidences = confidences and self.depth > 0 and model.cfg.drafter == "dspark"
         self.device = model.embed.weight.device
         self.state = SlotState(model, max_batch, max_seq_len, self.depth, reuse_prefix)
         self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
         self.compile_tag = (self.depth, max_batch, max_seq_len, self.state.cache.ring, self.confidences)
-        # the decode step's keys first: a chunk key's compile waits until one is ready
-        self.compiled = (CompiledSteps(self, self.device, background, remake,
-                                       may_start=lambda key, c: key.batch > 0 or (not c.busy and any(
-                                           k.batch > 0 for k in c.ready)))
-                         if compile else None)
+        self.compiled = CompiledSteps(self, self.device, background, remake, swap) if compile else None
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the runner (its guards' view): what the step reads."""
@@ -112,13 +108,14 @@ class StepRunner:
         self.state.limit[:len(limits)].copy_(torch.tensor(limits))
 
     def chunk_inputs(self, slot: int, prompt: list[int], a: int, b: int, rows: int,
-                     score_ids: list[list[int]] | None = None) -> ChunkInputs:
+                     score_ids: list[list[int]] | None = None, compiled: bool = False) -> ChunkInputs:
         """Prompt positions [a, b) of the request in `slot` as a chunk of `rows` rows (padded when more); row i
-        also scores the ids `score_ids[a + i + 1]` when given (the ids for the token it predicts)."""
+        also scores the ids `score_ids[a + i + 1]` when given (the ids for the token it predicts). A
+        `compiled` chunk always has its real length: its graph is the same for every length of its bucket."""
         ids = prompt[a:b + 1]
         ids = torch.tensor(ids + [0] * (rows + 1 - len(ids)), device=self.device)[None]
         start = torch.tensor([a], device=self.device)
-        length = torch.tensor([b - a], device=self.device) if rows > b - a or self.compiled is not None else None
+        length = torch.tensor([b - a], device=self.device) if rows > b - a or compiled else None
         given = None
         if score_ids is not None:
             part = score_ids[a + 1:b + 1]
@@ -128,14 +125,14 @@ class StepRunner:
     # ---- the step ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def run(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`step`, compiled once its key is ready, captured as a graph once it runs compiled (decode rows
-        only, not masked: a masked step waits for the host mid-way; no compile running beside the capture: a
-        worker's device work would spoil it)."""
-        fused = (functools.partial(self.step, key) if self.compiled is None
-                 else functools.partial(self.compiled, key))
+    def run(self, key: StepKey, *chunks: ChunkInputs, compiled: bool = False) \
+            -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`step`, `compiled` or eager, captured as a graph when it runs eager without a compiled engine or
+        compiled with its key ready (decode rows only, not masked: a masked step waits for the host mid-way;
+        no compile running beside the capture: a worker's device work would spoil it)."""
+        fused = functools.partial(self.compiled, key) if compiled else functools.partial(self.step, key)
         if chunks or self.graphs is None or key.masked or (self.compiled is not None and not (
-                self.compiled.is_ready(key) and not self.compiled.busy)):
+                compiled and self.compiled.is_ready(key) and not self.compiled.busy)):
             return fused(*chunks)
         return self.graphs.run(key, fused)
 

@@ -8,10 +8,12 @@ engine runs each chunk, padded to a bucket, in a call of its own first, since it
 shapes. The host reads each call's packed tensor once and does the bookkeeping: metrics, detokenising
 and stop rules (`output.py`). Requests join and leave between steps.
 """
+import contextlib
 import functools
 import itertools
 import random
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -24,7 +26,7 @@ from .draft_length import DraftLength
 from .output import append_output
 from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
-from .runner import ChunkInputs, ChunkKey, StepKey, StepRunner, drafter_depth, remade
+from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingParams, needs_sort, plain_greedy
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
@@ -98,15 +100,22 @@ def read_step(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[li
     return [flat[i:i + w] for i in range(0, n * w, w)], [flat[i:i + width] for i in range(n * w, len(flat), width)]
 
 
-def chunk_call(runner: StepRunner, chunk: tuple[Sequence, int, int], longest: int) -> tuple[ChunkKey, ChunkInputs]:
-    """A prefill chunk (request, a, b) as a step's chunk key and inputs; `longest` (compiled steps): its rows
-    padded to a bucket of at most that many, its context to a bucket. The request counts it prefilled."""
+def chunk_key(chunk: tuple[Sequence, int, int], longest: int) -> ChunkKey:
+    """A prefill chunk (request, a, b) as a step's chunk key; `longest` (compiled steps): its rows padded to a
+    bucket of at most that many, its context to a bucket."""
     seq, a, b = chunk
-    seq.prefilled = b
     rows, context = (chunk_bucket(b - a, longest), context_bucket(b)) if longest else (b - a, b)
     given = seq.params.score_ids
-    key = ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq), len(given[0]) if given else 0)
-    return key, runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, rows, given)
+    return ChunkKey(rows, context, b == len(seq.prompt_ids), scored(seq), len(given[0]) if given else 0)
+
+
+class DecodePlan(NamedTuple):
+    """A step's decode rows, planned once whichever way it runs (one eager call, or compiled calls)."""
+    decoding: list[bool]        # the slots that decode (free and prefilling ones don't)
+    batch: int                  # rows for slots [0, batch)
+    drafts: int                 # L, the drafts verified (at most the drafter's D)
+    propose: bool               # the rows draft again
+    limits: list[int] | None    # each row's own L, where they differ
 
 
 def score_chunks(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], scores: list[list[float]]) -> None:
@@ -129,15 +138,17 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int | str = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
-                 reload=None, isolate_failures: bool = True, prefix_cache: tuple[int, int] = (0, 0)):
+                 reload=None, isolate_failures: bool = True, prefix_cache: tuple[int, int] = (0, 0),
+                 swap: str = "idle"):
         """`mtp`: drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step
         verifying as many as pay off (`draft_length.py`); the MTP layer drafts 1. `reuse_prefix`: a new prompt
         starts where a free slot's state stops matching it (a chat turn resumes the previous one). `prefix_cache`:
         the prefix store's bytes of device and of host memory (`prefix_store.py`; 0 device bytes: none).
         `compile`: steps compiled per key, in the background when `compile_in_background` (in a process of its
-        own given `reload`, a picklable call that loads this model and tokenizer again: `loading.load_weights`).
-        `isolate_failures`: a step that raises fails the requests in it and the engine goes on (`step`); off, it
-        raises (the ranks of --tp must all take the same steps)."""
+        own given `reload`, a picklable call that loads this model and tokenizer again: `loading.load_weights`),
+        a saved step swapping in when the engine idles (`swap` "idle": a stream never waits for it) or at once
+        ("ready": a job that never idles). `isolate_failures`: a step that raises fails the requests in it and
+        the engine goes on (`step`); off, it raises (the ranks of --tp must all take the same steps)."""
         self.tok, self.reload = tokenizer, reload
         self.max_batch, self.max_seq_len, self.mtp = max_batch, max_seq_len, mtp
         # prefill tokens per step: running streams wait at most this much prefill between tokens
@@ -148,7 +159,7 @@ class Engine:
         remake = (functools.partial(remade, reload, {**shape, "graphs": False})
                   if compile and compile_in_background and reload is not None else None)
         self.runner = StepRunner(model, **shape, graphs=graphs, compile=compile, background=compile_in_background,
-                                 remake=remake)
+                                 remake=remake, swap=swap)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
         self.verified = drafter_depth(model.cfg, mtp)   # the drafts a step verifies, but under auto: --mtp L
@@ -193,7 +204,7 @@ class Engine:
         return Engine(self.model, self.tok, max_batch, self.max_seq_len, mtp, self.prefill_chunk, self.prefill_budget,
                       self.graphs, self.reuse_prefix, self.compiled is not None if compile is None else compile,
                       self.compiled is not None and self.compiled.background, self.reload, self.isolate_failures,
-                      self.prefix_cache)
+                      self.prefix_cache, self.runner.swap)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -237,13 +248,16 @@ class Engine:
         chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk, self.prefixes.boundary)
         running = streams_to_decode([s for s in self.slots if s is not None and s not in self.prefilling], chunks)
         try:
-            if self.compiled is None:             # one call: the chunks, then the decode rows
-                events += self._call(chunks, decode=bool(running))
-            else:                                 # static shapes: each chunk in a call of its own
-                for chunk in chunks:
-                    events += self._call([chunk], decode=False)
-                if running:
-                    events += self._call([], decode=True)
+            decode = self._decode_plan() if running else None
+            # compiled (static shapes): each chunk in a call of its own, padded; else one call, as is
+            calls = [([chunk], None) for chunk in chunks] + ([([], decode)] if decode else [])
+            with self.compiled.stepping() if self.compiled is not None else contextlib.nullcontext():
+                if self.compiled is not None and calls and self.compiled.want(
+                        [self._key(c, d, bucketed=True) for c, d in calls]):
+                    for c, d in calls:
+                        events += self._call(c, d, compiled=True)
+                elif calls:
+                    events += self._call(chunks, decode, compiled=False)
         except Exception as e:          # noqa: BLE001 - the step's requests fail, the engine goes on
             if not self.isolate_failures:
                 raise
@@ -276,44 +290,67 @@ class Engine:
 
     # ---- a call of the step ------------------------------------------------------------------
 
-    def _call(self, chunks: list[tuple[Sequence, int, int]], decode: bool) -> list[Event]:
-        """One call of the device step: these prefill chunks, then (with `decode`) the decode rows of the
-        slots decoding now; its key (the shapes bucketed when compiled) and inputs, its one read, its events."""
-        compiled = self.compiled is not None
-        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
-        decoding = [decode and s is not None and s not in self.prefilling for s in self.slots]
+    def _decode_plan(self) -> DecodePlan:
+        """The decode rows of the slots decoding now, and how many drafts they verify."""
+        decoding = [s is not None and s not in self.prefilling for s in self.slots]
         nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
-        drafts, propose, limits = (self.verified if nb else 0), True, None
-        if self.lengths is not None and nb:
+        drafts, propose, limits = self.verified, True, None
+        if self.lengths is not None:
             drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
-        committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
-        logprobs = any(p.logprobs is not None for p in committing)
-        longest = min(self.prefill_chunk, self.prefill_budget) if compiled else 0
-        keys, inputs = zip(*[chunk_call(self.runner, chunk, longest) for chunk in chunks]) if chunks else ((), ())
-        context = context_bound(self.slots[:nb], self.mtp_depth) if nb else 0
-        if compiled and nb:
+        return DecodePlan(decoding, nb, drafts, propose, limits)
+
+    def _key(self, chunks: list[tuple[Sequence, int, int]], decode: DecodePlan | None, bucketed: bool) -> StepKey:
+        """The key of a call of these prefill chunks and decode rows; `bucketed` (compiled): its shapes
+        padded to buckets."""
+        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
+        committing = ([s.params for s, d in zip(self.slots, decode.decoding) if d] if decode else []) + \
+            [s.params for s in ending]
+        longest = min(self.prefill_chunk, self.prefill_budget) if bucketed else 0
+        nb, context = (decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)) if decode else (0, 0)
+        if bucketed and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        key = StepKey(tuple(keys), nb, drafts, context, needs_sort(committing), logprobs, plain_greedy(committing),
-                      propose, limits is not None, self.constraints.plan(committing, ending, decoding[:nb], drafts))
-        if limits is not None:
-            self.runner.set_limits(limits)
-        # a step that compiles (or runs eager while its graph compiles) is no measure of the length's cost
-        steady = self.compiled is None or self.compiled.is_ready(key)
+        return StepKey(tuple(chunk_key(chunk, longest) for chunk in chunks), nb, decode.drafts if decode else 0,
+                       context, needs_sort(committing), any(p.logprobs is not None for p in committing),
+                       plain_greedy(committing), decode.propose if decode else True,
+                       decode is not None and decode.limits is not None,
+                       any(p.grammar is not None for p in committing))
+
+    def _call(self, chunks: list[tuple[Sequence, int, int]], decode: DecodePlan | None, compiled: bool) \
+            -> list[Event]:
+        """One call of the device step: these prefill chunks, then the `decode` rows (or none); its key (the
+        shapes bucketed when `compiled`) and inputs, its one read, its events."""
+        key = self._key(chunks, decode, bucketed=compiled)
+        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
+        decoding = decode.decoding if decode else [False] * self.max_batch
+        if key.masked:        # the masks start computing on the worker thread
+            committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
+            self.constraints.plan(committing, ending, decoding[:key.batch], key.drafts)
+        inputs = []
+        for (seq, a, b), ck in zip(chunks, key.chunks):
+            seq.prefilled = b
+            inputs.append(self.runner.chunk_inputs(seq.slot, seq.prompt_ids, a, b, ck.rows, seq.params.score_ids,
+                                                   compiled))
+        if decode is not None and decode.limits is not None:
+            self.runner.set_limits(decode.limits)
+        # a step that compiles in the foreground, or shares the GIL with a saved step loading, is no measure
+        # of the length's cost
+        steady = self.compiled is None or (self.compiled.is_ready(key) or self.compiled.background) and not (
+            self.compiled.loading)
         t0 = time.perf_counter()
-        out = self.runner.run(key, *inputs)
+        out = self.runner.run(key, *inputs, compiled=compiled)
         self.prefixes.chunks_ran(chunks)
-        if not (ending or nb or isinstance(out, tuple)):
+        if not (ending or key.batch or isinstance(out, tuple)):
             return []                       # nothing committed or scored: nothing to read
         packed, scores = read_step(out)     # the one host read
-        score_chunks(chunks, keys, scores)
-        if not (ending or nb):
+        score_chunks(chunks, key.chunks, scores)
+        if not (ending or key.batch):
             return []
         now = time.perf_counter()
         if self.lengths is not None:
-            if nb and not chunks and steady and (drafts > 0) == propose:
-                self.lengths.observe(nb, drafts, now - t0)
-            self.lengths.stepped(decoding, propose, [seq.slot for seq in ending])
-        return self._events(packed, key, decoding, ending, limits, now)
+            if decode is not None and not chunks and steady and (key.drafts > 0) == key.propose:
+                self.lengths.observe(decode.batch, key.drafts, now - t0)
+            self.lengths.stepped(decoding, key.propose, [seq.slot for seq in ending])
+        return self._events(packed, key, decoding, ending, decode.limits if decode else None, now)
 
     def _events(self, packed: list[list], key: StepKey, decoding: list[bool], ending: list[Sequence],
                 limits: list[int] | None, now: float) -> list[Event]:
