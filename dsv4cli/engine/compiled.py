@@ -17,7 +17,6 @@ compile-off's exact shapes, until every key of a step is ready:
 Without a way to make the runner again in another process, a key's first step compiles it in the
 foreground. The compiling process ends with the run: it reads its stdin until the run's end closes it.
 """
-import collections
 import contextlib
 import hashlib
 import inspect
@@ -43,8 +42,9 @@ STEP_TTL_DAYS = 30          # a saved step unused this long is deleted when anot
 COMPILE_BUDGET = 8          # keys one run compiles in the background (the most used first)
 MIN_USES = 4                # eager calls of a key before the background compiles it (a rare shape never is)
 IDLE_S = 0.5                # seconds without a step that make the engine idle (a reply's steps are back to back)
-PROBE_STEPS = 16            # decode steps a probe runs with the compile in the other state (running, stopped)
+PROBE_STEPS = 16            # decode steps a probe runs with the compile running, and as many stopped, alternating
 PROBE_EVERY = 120.0         # seconds between probes: the machine's load changes
+RECHECK = 20.0              # seconds before a probe that let the compile run beside the steps is checked again
 BESIDE_SLOWDOWN = 1.1       # how much slower steps may be with the compile running beside them
 
 
@@ -120,7 +120,7 @@ class CompiledSteps:
         self._in_step, self._last_step, self._forced, self._closing = False, 0.0, False, False
         self._running = True         # the compiling process is not stopped
         # the probe: decode steps' seconds with the compile running / stopped, per what ran
-        self._times: dict[bool, dict[tuple, collections.deque]] = {True: {}, False: {}}
+        self._times: dict[bool, dict[tuple, list[float]]] = {True: {}, False: {}}
         self._probe: int | None = None      # decode steps left in a probe (the compile in the other state)
         self._probe_at = 0.0
         self._step_keys: tuple = ()
@@ -164,7 +164,7 @@ class CompiledSteps:
         step loads only between steps (`swap` "idle")."""
         with self._lock:
             self._in_step, self._step_keys, compiling = True, (), self.apart is not None
-            running = self.beside != (self._probe is not None)
+            running = self.beside if self._probe is None else self._probe % 2 == 0
             self._set_running(running)
         t0 = time.perf_counter()
         try:
@@ -285,19 +285,19 @@ class CompiledSteps:
 
     def _measure(self, what: tuple, running: bool, seconds: float, now: float) -> None:
         """A decode step took `seconds` with the compile `running` or stopped. Every PROBE_EVERY seconds
-        a probe runs PROBE_STEPS of them in the other state (running it only if the kernel counted a core
-        idle meanwhile); then the compile runs beside the steps only if they were at most BESIDE_SLOWDOWN
-        slower with it running: measured, since an idle core can still share the step's core's caches,
-        memory or (in a VM) its hardware thread. On a 2-vCPU VM a compile on the idle vCPU made eager steps
-        about 2x slower."""
-        times = self._times[running].setdefault(what, collections.deque(maxlen=PROBE_STEPS))
-        times.append(seconds)
+        (if the kernel counted a core idle meanwhile) a probe runs 2 x PROBE_STEPS of them, the compile
+        running and stopped in turn; then it runs beside the steps only if they were at most
+        BESIDE_SLOWDOWN slower with it running (checked again after RECHECK): measured, since an idle core
+        can still share the step's core's caches, memory or (in a VM) its hardware thread. On a 2-vCPU VM
+        a compile on the idle vCPU made eager steps about 2x slower."""
         core_idle = self._core_idle(now)
         if self._probe is None:
             # running it beside the steps is tried only where the kernel counts a core idle meanwhile
-            if now >= self._probe_at and len(times) == PROBE_STEPS and (self.beside or core_idle):
-                self._probe = PROBE_STEPS
+            if now >= self._probe_at and (self.beside or core_idle):
+                self._probe, self._times = 2 * PROBE_STEPS, {True: {}, False: {}}
             return
+        # alternating step by step, so a change in the machine's speed falls on both sides alike
+        self._times[running].setdefault(what, []).append(seconds)
         self._probe -= 1
         if self._probe > 0:
             return
@@ -308,7 +308,7 @@ class CompiledSteps:
             self._probe_at = now + 10
             return
         self.beside = statistics.median(ratios) <= BESIDE_SLOWDOWN
-        self._probe_at = now + PROBE_EVERY
+        self._probe_at = now + (RECHECK if self.beside else PROBE_EVERY)
 
     def _core_idle(self, now: float) -> bool:
         """Whether the steps of the last second or so left a core idle (/proc/stat, read once a second, in
