@@ -9,6 +9,7 @@ layer chains to each depth). When transformers is installed its `generate` runs 
 `--under-load N`: the scheduler instead, an N-token prompt arriving while streams decode.
 """
 import dataclasses
+import itertools
 import json
 import re
 import statistics
@@ -28,11 +29,17 @@ from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import EngineAPI, SamplingParams
 from dsv4cli.engine.compiled import cache_dir
 from dsv4cli.errors import UsageError
-from dsv4cli.loading import load_engine
+from dsv4cli.loading import cpu_cores, load_engine, pick_device
 from dsv4cli.model.checkpoint import save_checkpoint
 from dsv4cli.model.quant import dequantized
 from dsv4cli.options import CliOptions, model_options
 from dsv4cli.terminal import table_console
+
+# the configurations `dsv4 bench` runs unless told: all of them, or on a CPU of a few cores (where eager
+# decoding of a batch of 16 long prompts takes minutes per depth) a set that ends in minutes
+FULL = {"depths": "0,1,2,3,4,5,auto", "batches": "1,4,16", "prompts": "short,long"}
+SMALL_CPU = {"depths": "0,1,3,5,auto", "batches": "1,4", "prompts": "short"}
+SMALL_CPU_CORES = 8
 
 QUESTIONS = ["What is the capital of France?", "What is 7 plus 12?", "What does a cow say?",
              "What color is the sky?", "Tell me a short story.", "What is the opposite of hot?",
@@ -88,10 +95,10 @@ def first_token_s(engine: EngineAPI, prompt: list[int]) -> float:
     return seq.metrics.ttft
 
 
-def under_load(engine: EngineAPI, streams: list[list[int]], prompt: list[int], around: int) -> dict:
-    """`streams` decode for `around` steps, then `prompt` arrives; after its first token, `around` more
-    steps. Its TTFT, and the running streams' inter-token gaps (time between a stream's consecutive
-    events, each a step's committed tokens) over all those steps."""
+def under_load(engine: EngineAPI, streams: list[list[int]], arriving: list[list[int]], around: int) -> dict:
+    """`streams` decode for `around` steps, then the `arriving` prompts arrive together; after the last one's
+    first token, `around` more steps. Their TTFT (the slowest's), and the running streams' inter-token gaps
+    (time between a stream's consecutive events, each a step's committed tokens) over all those steps."""
     params = SamplingParams(temperature=0, max_tokens=engine.max_seq_len, ignore_eos=True)
     running = [engine.submit(p, params) for p in streams]
     while any(not s.output_ids for s in running):
@@ -107,18 +114,18 @@ def under_load(engine: EngineAPI, streams: list[list[int]], prompt: list[int], a
 
     for _ in range(around):
         step()
-    new = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=around + 1, ignore_eos=True))
+    new = [engine.submit(p, SamplingParams(temperature=0, max_tokens=around + 1, ignore_eos=True)) for p in arriving]
     steps = 0
-    while not new.output_ids:
+    while not all(s.output_ids for s in new):
         step()
         steps += 1
     for _ in range(around):
         step()
-    for s in running + [new]:
+    for s in running + new:
         engine.cancel(s)
     gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
     median = statistics.median(gaps)
-    return {"ttft_s": new.metrics.ttft, "prefill_steps": steps, "gap_max_ms": 1000 * max(gaps),
+    return {"ttft_s": max(s.metrics.ttft for s in new), "prefill_steps": steps, "gap_max_ms": 1000 * max(gaps),
             "gap_median_ms": 1000 * median, "gap_max_vs_median": max(gaps) / median}
 
 
@@ -129,7 +136,7 @@ def bench_under_load(engine: EngineAPI, streams: int, prompt_tokens: int, around
     prompt = eng.tok.encode(LOAD_TEXT * (prompt_tokens // 10 + 1))[:prompt_tokens]
     first_token_s(eng, prompt[:8])                                     # warm-up
     idle = min(first_token_s(eng, prompt) for _ in range(2))
-    run = under_load(eng, bench_prompts(eng.tok, "short", streams), prompt, around)
+    run = under_load(eng, bench_prompts(eng.tok, "short", streams), [prompt], around)
     return {"streams": streams, "mtp": eng.mtp_depth, "prompt_tokens": len(prompt), **run,
             "idle_ttft_s": idle, "ttft_vs_idle": run["ttft_s"] / idle}
 
@@ -221,25 +228,47 @@ def configurations(engine: EngineAPI, peer: EngineAPI | None, depths, batch: int
                     yield model_engine, compile_on, depth
 
 
+class Progress:
+    """Where a bench run is: `start(label)` at each of `total` configurations, `note(text)` within one (a
+    step shape compiling: minutes each on a small CPU). A rich bar on a terminal's stderr (configurations
+    done, elapsed, an estimate of what is left), else a line on stderr per configuration and note."""
+
+    def __init__(self, total: int, bar=None):
+        self.total, self.bar, self.done, self.label, self.t0 = total, bar, 0, "", time.perf_counter()
+        self.task = bar.add_task("", total=total) if bar is not None else None
+
+    def start(self, label: str) -> None:
+        if self.label:
+            self.done += 1
+            if self.bar is not None:
+                self.bar.advance(self.task)
+        self.label, self.t0 = label, time.perf_counter()
+        self._show(label)
+
+    def note(self, text: str) -> None:
+        """Within the configuration, with the time spent on it so far."""
+        spent = int(time.perf_counter() - self.t0)
+        self._show(f"{self.label}: {text} ({spent // 60}:{spent % 60:02d} into it)")
+
+    def _show(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, description=line)
+        else:
+            print(f"bench [{self.done + 1}/{self.total}] {line}", file=sys.stderr, flush=True)
+
+
 @contextmanager
 def progress(total: int):
-    """Yields start(label) for each of `total` phases: a rich bar with the phase and the time spent on a
-    terminal's stderr, else a line per phase on stderr (a cold compile can take minutes)."""
+    """A Progress for `total` configurations (a cold compile can take minutes: the run says where it is)."""
     if not sys.stderr.isatty():
-        count = iter(range(1, total + 1))
-        yield lambda label: print(f"bench [{next(count)}/{total}] {label}", file=sys.stderr, flush=True)
+        yield Progress(total)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    with Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
-        task, started = bar.add_task("", total=total), []
-
-        def start(label):
-            if started:
-                bar.advance(task)
-            started.append(label)
-            bar.update(task, description=label)
-        yield start
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bar
+    with Bar(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("left"),
+             TimeRemainingColumn(), TextColumn("{task.description}"), console=Console(stderr=True),
+             transient=True) as bar:
+        yield Progress(total, bar)
 
 
 def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool,
@@ -247,23 +276,27 @@ def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: b
     rows = []
     total = sum(len(list(configurations(engine, peer, depths, b, compile_modes))) + (with_hf and b == 1)
                 for b in batches) * len(kinds)
-    with progress(total) as start:
+    with progress(total) as shown:
         for kind in kinds:
             for batch in batches:
-                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, with_hf, compile_modes, start)
+                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, with_hf, compile_modes, shown)
     return rows
 
 
 def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, with_hf: bool, compile_modes,
-                start) -> list[dict]:
+                shown: Progress) -> list[dict]:
     """One batch size and prompt kind: every configuration, then transformers at batch 1."""
     rows, base = [], None
     prompts = bench_prompts(engine.tok, kind, batch)
     for model_engine, compile_on, depth in configurations(engine, peer, depths, batch, compile_modes):
         name = (model_engine.model_info.drafter or "plain") if depth else "plain"
-        start(f"{name} {'auto' if depth == 'auto' else f'K {depth}'}, batch {batch}, {kind} prompt"
-              f"{', compiled (compiles on its first steps)' if compile_on else ''}")
+        shown.start(f"{name} {'auto' if depth == 'auto' else f'K {depth}'}, batch {batch}, {kind} prompt"
+                    f"{', compiled' if compile_on else ''}")
         eng = model_engine.resized(batch, depth, compile_on)
+        if compile_on:      # each step shape compiles at its first step: say which
+            shapes = itertools.count(1)
+            eng.compiled.on_build = lambda key, how, shapes=shapes: shown.note(
+                f"{how} step shape {next(shapes)} ({'decode' if key.batch else 'prefill'})")
         t0 = time.perf_counter()
         # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
         # measures them (a step that compiles is not a measure)
@@ -281,7 +314,7 @@ def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, wi
                  draft_lengths=eng.lengths.report() if getattr(eng, "lengths", None) else None)
         rows.append(r)
     if with_hf and batch == 1:
-        start(f"transformers generate, batch 1, {kind} prompt")
+        shown.start(f"transformers generate, batch 1, {kind} prompt")
         hf = run_transformers(engine, prompts, max_tokens)
         if hf:
             rows.append({**hf, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
@@ -330,13 +363,17 @@ def parse_list(text: str, name: str, lo: int, hi: int | None = None, allow_empty
 @model_options()
 def bench_command(
     opts: CliOptions,
-    depths: str = typer.Option("0,1,2,3,4,5,auto", "--depths",
-                               help="Drafts verified per step to compare (0 = plain; auto: DSpark's choice per step)"),
+    depths: str = typer.Option(None, "--depths", show_default=False,
+                               help="Drafts verified per step to compare (0 = plain; auto: DSpark's choice per "
+                                    f"step) [default: {FULL['depths']}; a small CPU: {SMALL_CPU['depths']}]"),
     peer_model: str = typer.Option(None, "--peer-model",
                                    help="A second checkpoint to run alongside (default, with the bundled model: its "
                                         "preview-layout twin, dsv4-tiny-mtp)"),
-    batches: str = typer.Option("1,4,16", "--batches", help="Batch sizes"),
-    prompts: str = typer.Option("short,long", "--prompts", help="Prompt lengths: short, long"),
+    batches: str = typer.Option(None, "--batches", show_default=False,
+                                help=f"Batch sizes [default: {FULL['batches']}; a small CPU: {SMALL_CPU['batches']}]"),
+    prompts: str = typer.Option(None, "--prompts", show_default=False,
+                                help=f"Prompt lengths: short, long [default: {FULL['prompts']}; a small CPU: "
+                                     f"{SMALL_CPU['prompts']}]"),
     as_json: bool = typer.Option(False, "--json", help="Print the results as JSON"),
     no_hf: bool = typer.Option(False, "--no-transformers", help="Skip the transformers peer"),
     load_prompt: int = typer.Option(0, "--under-load", min=0, metavar="N",
@@ -348,6 +385,16 @@ def bench_command(
     """Decode speed: plain vs the drafter (DSpark at each length and auto, the MTP chain) at several batch sizes
     and prompt lengths, with peers."""
     settings, sources = opts.resolve()
+    given = {"depths": depths, "batches": batches, "prompts": prompts}
+    device = pick_device(settings.device)
+    small = platforms.for_device(device).on_host_cores and cpu_cores() <= SMALL_CPU_CORES
+    chosen = {name: value or (SMALL_CPU if small else FULL)[name] for name, value in given.items()}
+    depths, batches, prompts = chosen["depths"], chosen["batches"], chosen["prompts"]
+    # compile = auto compiles where a step shape compiles in seconds to a minute (accelerators), not on the CPU
+    can_compile = settings.compile == "on" or (settings.compile == "auto" and not platforms.for_device(
+        device).on_host_cores)
+    if not load_prompt:
+        print(f"bench: {run_line(given, chosen, small, can_compile, settings.compile)}", file=sys.stderr)
     kinds = [k.strip() for k in prompts.split(",") if k.strip()]
     if not kinds or set(kinds) - {"short", "long"}:
         raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
@@ -367,8 +414,8 @@ def bench_command(
         peer_model = str(BUNDLED_MODEL_DIR.with_name("dsv4-tiny-mtp"))
     peer = load_engine(dataclasses.replace(settings, model=peer_model), "bench", compile_in_background=False) \
         if peer_model and settings.tp == 1 else None
-    # compile = auto or on: the compiled step against eager in the same run
-    can_compile = settings.compile != "off" and not platforms.for_device(engine.device).compile_unavailable_reason()
+    # the compiled step against eager in the same run
+    can_compile = can_compile and not platforms.for_device(engine.device).compile_unavailable_reason()
     compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
@@ -383,6 +430,17 @@ def bench_command(
     else:
         render(rows, table_console())
     return 0
+
+
+def run_line(given: dict, chosen: dict, small: bool, compiled: bool, mode: str) -> str:
+    """What the run will do, in one line: the defaults a small CPU gets, eager or compiled too."""
+    defaults = " ".join(f"--{name} {chosen[name]}" for name, value in given.items() if value is None)
+    cores = cpu_cores()
+    parts = [f"{cores} CPU core{'s' if cores != 1 else ''}, so {defaults}" if small and defaults else ""]
+    parts.append("the compiled step too (cold compiles take minutes per step shape)" if compiled else
+                 "eager (compile = auto on the CPU; --compile on adds the compiled step, minutes per step shape)"
+                 if mode == "auto" else "eager")
+    return "; ".join(filter(None, parts))
 
 
 def bench_command_under_load(settings, prompt_tokens: int, streams: int, as_json: bool) -> int:

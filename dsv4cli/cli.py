@@ -21,9 +21,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from dsv4cli.config import REDACTED, SPEC, format_value, resolve, shown_value
+from dsv4cli.config import REDACTED, SPEC, format_value, shown_value
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.options import CliOptions, with_options
+from dsv4cli.options import CliOptions, placed, resolve_invocation, with_options
 from dsv4cli.terminal import table_console
 
 # Idle OpenMP threads sleep instead of spinning, so a spinning thread never takes the core a sibling (or
@@ -168,7 +168,7 @@ def run(
     if not file.exists():
         raise UsageError(f"{file}: no such config file; `dsv4 run` takes a TOML file whose mode says what to run "
                          f"(configs/*.toml); to use a model, e.g. `dsv4 chat --model {file}`")
-    settings, _ = resolve(file, opts.flags)
+    settings, _ = resolve_invocation(file, opts.flags)
     if settings.mode is None:
         raise UsageError(f'{file}: mode: missing; set it to "chat", "generate", "batch" or "serve" at the top')
     return load(MODES[settings.mode])(settings)
@@ -190,7 +190,7 @@ def run_verb(argv: list[str]) -> int:
     except UsageError as e:
         if debug:
             traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {placed(str(e))}", file=sys.stderr)
         return 2
     except RunError as e:
         if debug:

@@ -225,6 +225,10 @@ class Settings:
         "sampling", [], "Stop on this token id (repeatable)", lo=0, flags=("--stop-token-id",)
     )
     ignore_eos: bool = _key("sampling", False, "Keep generating past the end-of-sequence token")
+    min_tokens: int = _key(
+        "sampling", 0, "Tokens a reply has at least before EOS, a stop token id or a stop string may end it "
+        "(vLLM's min_tokens)", lo=0
+    )
     logprobs: int | None = _key(
         "sampling", None, "Report each output token's logprob and this many alternatives (unset: off)", lo=0, hi=20
     )

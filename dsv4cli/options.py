@@ -12,6 +12,7 @@ module only when it runs:
 """
 import functools
 import inspect
+import re
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,12 @@ from dsv4cli.hub import missing_model
 SHARED_KEYS = tuple(k.name for k in SPEC.values() if k.section in ("model", "sampling", "speculative"))
 
 
+# Where each setting of this invocation came from (its `resolve`): an error raised later, at load, names the
+# place of the value the user must change (`placed`).
+SOURCES: dict[str, str] = {}
+_FLAG_KEYS = {flag: name for name, key in SPEC.items() for flag in key.flags}
+
+
 @dataclass
 class CliOptions:
     """What the shared options of one invocation said; `flags` holds only keys given on the command line."""
@@ -36,7 +43,36 @@ class CliOptions:
     debug: bool
 
     def resolve(self) -> tuple[Settings, dict[str, str]]:
-        return resolve(self.config, self.flags)
+        return resolve_invocation(self.config, self.flags)
+
+
+def resolve_invocation(config: Path | None, flags: dict[str, Any]) -> tuple[Settings, dict[str, str]]:
+    """`config.resolve` for this invocation, its sources kept in SOURCES."""
+    settings, sources = resolve(config, flags)
+    SOURCES.clear()
+    SOURCES.update(sources)
+    return settings, sources
+
+
+def placed(message: str) -> str:
+    """An error that starts with a setting's flag (`--max-seq-len 9000: ...`, as code that checks a value
+    writes it) said with the place the value came from when not a flag: `run.toml [model].max_seq_len 9000:
+    ...`, `DSV4_MAX_SEQ_LEN 9000: ...`, `generation_config.json temperature ...`."""
+    flag = re.match(r"--[a-z0-9-]+(?=[ :])", message)
+    name = _FLAG_KEYS.get(flag.group()) if flag else None
+    source = SOURCES.get(name, "flag") if name else "flag"
+    if source == "flag":
+        return message
+    if source.startswith("config "):
+        path, place = source.removeprefix("config ").rsplit(" ", 1)
+        where = f"{path} {place}"
+    elif source.startswith("env "):
+        where = source.removeprefix("env ")
+    elif source == "default":
+        where = f"{name} (default)"
+    else:
+        where = f"{source} {name}"
+    return where + message[flag.end():]
 
 
 def _option(name: str) -> inspect.Parameter:

@@ -412,7 +412,7 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
             chat("ok2", "Hi", max_completion_tokens=2, stop=["a", "b", "c", "d"]),
             chat("choice", "Hi", max_completion_tokens=8, guided_choice=["yes", "no"]),
             chat("twice", "Hi", guided_json={"type": "object"}, structured_outputs={"regex": "a+"}),
-            chat("min", "Hi", min_tokens=4)]
+            chat("min", "Hi", min_tokens=9, max_tokens=4)]
     records, _, _ = in_process_run(tiny_model_dir, tmp_path, rows)
     errors = {r["custom_id"]: r["error"]["message"] for r in records if r["error"]}
     assert sorted(r["custom_id"] for r in records if r["response"]) == ["choice", "ok", "ok2"]
@@ -428,7 +428,7 @@ def test_field_policy_refuses_by_name_and_the_run_goes_on(tiny_model_dir, tmp_pa
     for cid, name in names.items():
         assert errors[cid].startswith(name + ":") and "\n" not in errors[cid], errors[cid]
     assert "needs tools" in errors["required"] and "not one of the offered tools" in errors["named"]
-    assert errors["simple-unknown"].endswith("did you mean temperature?") and "not supported yet" in errors["min"]
+    assert errors["simple-unknown"].endswith("did you mean temperature?") and "at most max_tokens" in errors["min"]
 
 
 def test_tools_are_rendered_and_tool_calls_returned_in_openai_form(tiny_model_dir):

@@ -1,5 +1,6 @@
 """`dsv4 bench` runs every configuration in one process and reports speed-ups against plain decoding."""
 import json
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,21 @@ def test_bench_json(tiny_model_dir):
     phases = [line for line in r.stderr.splitlines() if line.startswith("bench [")]
     assert [p.split("]")[0] for p in phases] == [f"bench [{i}/7" for i in range(1, 8)], r.stderr
     assert phases[0].endswith("plain K 0, batch 1, short prompt") and "transformers" in phases[3]
+
+
+def test_bench_on_a_small_cpu_runs_a_set_that_ends_in_minutes_and_says_so(tiny_model_dir):
+    """Unless told, a CPU of a few cores runs fewer configurations, eager (a cold compile takes minutes per step
+    shape there), and the run says what it chose in one line."""
+    env = {**os.environ, "DSV4_COMPILE": "auto"}
+    r = subprocess.run([sys.executable, "-m", "dsv4cli", "bench", "--model", str(tiny_model_dir), "--max-tokens", "4",
+                        "--no-transformers", "--json"], capture_output=True, text=True, timeout=600, check=False,
+                       env=env, preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines()[0] == ("bench: 1 CPU core, so --depths 0,1,3,5,auto --batches 1,4 --prompts short; "
+                                        "eager (compile = auto on the CPU; --compile on adds the compiled step, "
+                                        "minutes per step shape)"), r.stderr
+    rows = json.loads(r.stdout)["results"]
+    assert [(x["batch"], x["mtp"], x["compile"]) for x in rows] == [(b, k, False) for b in (1, 4) for k in (0, 1, 3, 5)]
 
 
 def test_bench_bad_list_is_usage_error(tiny_model_dir):

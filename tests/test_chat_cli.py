@@ -233,6 +233,9 @@ def test_a_saved_chat_resumes_from_its_state_without_a_prefill(tiny_model_dir, t
 
     child = pexpect.spawn(sys.executable, [*base[1:], "--resume", str(path)], env=chat_env(tmp_path),
                           dimensions=(40, 120), encoding="utf-8", timeout=60)
+    child.expect("loaded 4 messages")        # on a terminal, the conversation it resumed, then the banner
+    child.expect(">>> Tell me a story about a fox.")
+    child.expect(">>> And one about a cat.")
     child.expect("Ctrl-D quits")
     child.expect(">>> ")
     child.sendline(question)

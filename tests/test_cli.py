@@ -163,6 +163,21 @@ def test_model_ids_resolve_in_the_local_hub_caches(tmp_path, tiny_model_dir):
     assert out.returncode == 0 and (tmp_path / "bf16" / "config.json").is_file(), out.stderr
 
 
+def test_a_load_time_error_names_where_the_value_came_from(tmp_path, tiny_model_dir):
+    """A value checked against the model, once loaded, is reported at its place: a flag as a flag, a config
+    file's key as the file's key, an environment variable by its name."""
+    gen = ("generate", "-p", "Hi", "--model", str(tiny_model_dir))
+    (tmp_path / "run.toml").write_text("[model]\nmax_seq_len = 8192\n")
+    one_error_line(dsv4(*gen, "-c", str(tmp_path / "run.toml")),
+                   f"error: {tmp_path / 'run.toml'} [model].max_seq_len 8192: above the model's max_position_embeddings")
+    one_error_line(dsv4(*gen, DSV4_MAX_SEQ_LEN="8192"), "error: DSV4_MAX_SEQ_LEN 8192: above the model's")
+    one_error_line(dsv4(*gen, "-c", str(tmp_path / "run.toml"), "--max-seq-len", "9000"),
+                   "error: --max-seq-len 9000: above the model's")
+    (tmp_path / "gen.toml").write_text(f'mode = "generate"\n[generate]\nprompt = "Hi"\n[model]\n'
+                                       f'model = "{tiny_model_dir}"\ntp = 3\n')
+    one_error_line(dsv4("run", str(tmp_path / "gen.toml")), f"error: {tmp_path / 'gen.toml'} [model].tp 3: ")
+
+
 def test_limits_are_checked_before_loading(tmp_path, tiny_model_dir):
     model = ("--model", str(tiny_model_dir))
     gen = ("generate", "-p", "Hi", *model)

@@ -413,6 +413,39 @@ def test_logit_bias(model, tok):
         Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).submit(p, SamplingParams(logit_bias={10**6: 1.0}))
 
 
+@torch.no_grad()
+def test_min_tokens_holds_back_what_ends_a_reply(model, tok):
+    """vLLM's min_tokens: EOS and stop token ids can't end a reply shorter than it, row by row, so a step that
+    verifies drafts commits plain decoding's tokens, greedy or sampled with a seed; a stop string neither."""
+    p = prompts([15], tok.vocab_size, seed=8)[0]
+    eos = {tok.eos_id: 100.0}        # without min_tokens the reply ends at once
+    greedy = SamplingParams(temperature=0, max_tokens=20, logit_bias=eos)
+    assert Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).generate([p], greedy)[0].output_ids == []
+    held = SamplingParams(temperature=0, max_tokens=20, logit_bias=eos, min_tokens=5)
+    stop_id = SamplingParams(temperature=0, max_tokens=20, logit_bias={42: 100.0}, stop_token_ids=[42], min_tokens=3)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=20, logit_bias={tok.eos_id: 3.0}, min_tokens=7)
+    want = {}
+    for k in (0, 1, 3):
+        eng = Engine(model, tok, max_batch=2, max_seq_len=256, mtp=k)
+        got = eng.generate([p], held)[0]
+        assert len(got.output_ids) == 5 and got.finish_reason == "stop"   # EOS the first token it may be
+        out = eng.generate([p], stop_id)[0].output_ids
+        assert len(out) == 3 and 42 not in out         # the stop id (forced) the first token it may be
+        runs = {name: eng.generate([p], params)[0].output_ids for name, params in
+                (("held", held), ("stop_id", stop_id), ("sampled", sampled))}
+        assert len(runs["sampled"]) >= 7 and tok.eos_id not in runs["sampled"]
+        assert runs == want.setdefault("runs", runs), k
+    text = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).generate(
+        [p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[text.text[:1]], min_tokens=6)
+    got = Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).generate([p], stop)[0]
+    assert len(got.output_ids) >= 6 and got.text.startswith(text.text[: len(got.text)])
+    for bad in (-1, 21):
+        with pytest.raises(ValueError, match="min_tokens: must be in 0..max_tokens"):
+            Engine(model, tok, max_batch=1, max_seq_len=256, mtp=0).submit(p, SamplingParams(max_tokens=20,
+                                                                                              min_tokens=bad))
+
+
 def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
     """Front ends see one API: the engine's own in one process, rank 0's Leader (which mirrors commands to
     the other ranks) under --tp; the Leader spells out each member instead of forwarding unknown names."""

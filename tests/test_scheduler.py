@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import prompts
 
-from dsv4cli.engine import Engine
+from dsv4cli.engine import Engine, pace
 from dsv4cli.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -48,6 +48,40 @@ def test_a_long_prompt_does_not_stall_running_streams(model, tok):
         assert running in [e.seq for e in events]
         assert new.prefilled == min(16 * (step + 1), 140)
         assert bool(new.output_ids) == (new.prefilled == 140)
+
+
+@torch.no_grad()
+def test_prefill_while_streams_decode_is_bounded_in_time(model, tok):
+    """While streams decode, a step prefills the prompt tokens that take about SHARE of a decode step here
+    (measured: the step's costs); with none decoding, the whole token budget."""
+    short, long = prompts([10, 300], tok.vocab_size, seed=7)
+    eng = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=0, prefill_chunk=256, prefill_budget=160)
+    alone = eng.submit(long, GREEDY)
+    eng.step()
+    assert alone.prefilled == 160                  # no stream waits on it
+    eng.cancel(alone)
+    running = eng.submit(short, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.pace.decode_s > 0 and eng.pace.token_s > 0       # measured by the steps that ran
+    eng.pace.decode_s, eng.pace.token_s = 0.010, 0.0005        # 10 ms a decode step, 0.5 ms a prompt token
+    new = eng.submit(long, GREEDY)
+    eng.step()
+    assert new.prefilled == int(pace.SHARE * 0.010 / 0.0005) and len(running.output_ids) == 3
+    eng.pace.token_s = 0.1                                      # a slow device: never below MIN_TOKENS
+    eng.step()
+    assert new.prefilled == int(pace.SHARE * 0.010 / 0.0005) + pace.MIN_TOKENS
+
+
+def test_prefill_pace_measures_a_prompt_tokens_share_of_a_step():
+    p = pace.PrefillPace(160)
+    assert p.tokens(True) == p.tokens(False) == 160            # nothing measured yet
+    p.ran(40, True, 0.030)                                      # a mixed step before any decode step: no measure
+    assert p.token_s is None
+    p.ran(0, True, 0.010)
+    p.ran(40, True, 0.030)                                      # 20 ms for 40 tokens beside a 10 ms decode
+    assert p.decode_s == 0.010 and p.token_s == pytest.approx(0.0005)
+    assert p.tokens(True) == int(pace.SHARE * 0.010 / 0.0005) and p.tokens(False) == 160
 
 
 @torch.no_grad()

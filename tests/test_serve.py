@@ -346,8 +346,8 @@ def test_bad_field_is_400_naming_it(server):
         ask(client, "Hi", extra_body={"temprature": 0.5})
     assert e.value.body["message"] == "temprature: not a supported request field; did you mean temperature?"
     with pytest.raises(openai.BadRequestError) as e:
-        ask(client, "Hi", extra_body={"min_tokens": 4})
-    assert e.value.body["message"] == "min_tokens: not supported yet"
+        ask(client, "Hi", max_tokens=4, extra_body={"min_tokens": 9})
+    assert e.value.body["message"] == "min_tokens: at most max_tokens (4), got 9"
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="dsv4-tiny", prompt="Hi", stream_options={"include_usage": True})
     assert e.value.body["param"] == "stream_options"

@@ -27,7 +27,7 @@ from dsv4cli.options import CliOptions, model_options
 from dsv4cli.structured import format_grammar
 
 from .session import COMMANDS, SETTABLE, ChatSession, Outcome, read_message, state_file
-from .tui import LiveReply, PlainReply, header, model_rows, printable, rows_table
+from .tui import LiveReply, PlainReply, header, model_rows, printable, reply_view, rows_table
 
 HISTORY_FILE = Path.home() / ".dsv4_history"
 
@@ -111,7 +111,23 @@ class Chat:
         if outcome.action == "saved":
             self.save_state(outcome.path)
         elif outcome.action == "loaded":
+            self.show_conversation()
             self.load_state(outcome.path)
+
+    def show_conversation(self) -> None:
+        """On a terminal, a loaded conversation as it looked when typed and answered (a pipe gets answers only)."""
+        if not self.tty:
+            return
+        for m in self.session.messages:
+            if m["role"] == "user":
+                self.console.print(Text(f">>> {printable(m['content'])}"), soft_wrap=True)
+            elif m["role"] == "assistant":
+                self.console.print(reply_view(m.get("reasoning_content") or "", m.get("content") or ""))
+                for call in m.get("tool_calls") or []:
+                    f = call.get("function", call)
+                    self.console.print(Text(f"tool call: {f.get('name')}({f.get('arguments', '')})", style="dim"))
+                if m.get("interrupted"):
+                    self.console.print(Text("(interrupted)", style="yellow"))
 
     def grammar(self):
         """The answers' grammar for the format setting (None: text), made once per format and thinking mode."""

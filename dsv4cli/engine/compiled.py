@@ -104,6 +104,7 @@ class CompiledSteps:
         self.built: dict[tuple, tuple[str, float]] = {}
         self.recompiles = 0
         self.eager_steps = 0
+        self.on_build = None        # called (key, "compiling" or "loading") before a key builds here (bench's progress)
         self.last_compiled = False                 # whether the latest decode step ran compiled
         self.uses: dict[tuple, int] = {}           # key -> its eager calls (background)
         self.started = 0                           # compiles started beside this run
@@ -438,8 +439,10 @@ class CompiledSteps:
 
         if len(self.ready) >= KEY_LIMIT:       # only if shapes escaped the buckets
             raise RuntimeError(f"compile: more than {KEY_LIMIT} step shapes; shapes are not bucketed")
-        t0 = time.perf_counter()
-        fn, sources = self._read(key) if reuse and self._path(key).exists() else (None, None)
+        t0, saved = time.perf_counter(), reuse and self._path(key).exists()
+        if self.on_build is not None:
+            self.on_build(key, "loading" if saved else "compiling")
+        fn, sources = self._read(key) if saved else (None, None)
         how = "loaded"
         if fn is None:
             modules = len(PyCodeCache.modules)

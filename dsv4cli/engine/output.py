@@ -1,5 +1,5 @@
-"""Committed tokens -> a request's output: stop tokens, length limits, stop strings, and text held back
-while it could still turn into a stop string."""
+"""Committed tokens -> a request's output: stop tokens, length limits, stop strings (none before min_tokens),
+and text held back while it could still turn into a stop string."""
 from .request import Event, Sequence, TokenLogprob
 
 
@@ -30,7 +30,8 @@ def append_output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]
         text += seq.decoder.flush()
     full = seq.text + text
     longest = max((len(s) for s in p.stop), default=0)
-    for s in p.stop:
+    # min_tokens: no stop string ends a shorter reply (the device holds its stop tokens back)
+    for s in p.stop if len(seq.output_ids) >= p.min_tokens else ():
         cut = full.find(s, max(0, len(seq.text) - len(s) + 1))
         if cut >= 0:
             full = full[:cut]

@@ -95,9 +95,11 @@ class StepRunner:
 
     # ---- host-side writes between steps --------------------------------------------------------
 
-    def admit(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int], start: int) -> None:
-        """A request takes `slot`, its prefill starting at position `start` (a resumed prefix before it)."""
-        self.state.sampling.set(slot, params, seed, torch.tensor(prompt_ids, device=self.device))
+    def admit(self, slot: int, params: SamplingParams, seed: int, prompt_ids: list[int], start: int,
+              eos: int | None = None) -> None:
+        """A request takes `slot`, its prefill starting at position `start` (a resumed prefix before it);
+        `eos`: the tokenizer's (min_tokens holds it back)."""
+        self.state.sampling.set(slot, params, seed, torch.tensor(prompt_ids, device=self.device), eos)
         self.state.pos[slot] = start      # where decode steps write this inactive slot's rows (see `step`)
 
     def free(self, slot: int) -> None:

@@ -34,6 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = 0             # EOS, stop_token_ids and stop strings end no reply shorter than this
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     # None: off; N: each prompt token's logprob under the model (its raw logits, after the tokens before it) and
     # the N most likely there (<= 20); the prompt is then prefilled whole (no reused prefix: `prefix.py`)
@@ -63,7 +64,7 @@ class SamplingParams:
             return f"temperature: must be >= 0, got {self.temperature!r}"
         if not self.repetition_penalty >= 1e-30:
             return f"repetition_penalty: must be > 0, got {self.repetition_penalty!r}"
-        for name in ("top_k", "seed", "max_tokens"):
+        for name in ("top_k", "seed", "max_tokens", "min_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not -INT64_MAX <= v <= INT64_MAX):
                 return f"{name}: must be an integer that fits in 64 bits, got {v!r}"
@@ -81,6 +82,8 @@ class SamplingParams:
                 return f"score_ids: one list per prompt position ({prompt}), got {len(self.score_ids)}"
         if self.max_tokens < 0:
             return f"max_tokens: must be >= 0 (0: score the prompt only), got {self.max_tokens}"
+        if not 0 <= self.min_tokens <= max(self.max_tokens, 0):
+            return f"min_tokens: must be in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}"
         bad = next((t for t in self.logit_bias if not 0 <= t < vocab), None)
         if bad is not None:
             return f"logit_bias: token id {bad} is not in the vocabulary (0..{vocab - 1})"
@@ -109,6 +112,9 @@ class SlotParams:
         self.output_counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
         self.prompt_mask = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        # min_tokens: the ids that end a reply (EOS, stop_token_ids), held back while the slot's output is shorter
+        self.min_tokens, self.first_pos = t(0, torch.long), t(0, torch.long)     # first_pos: its first token's row
+        self.stops = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         self._views: dict[int, SlotParams] = {}
 
     def view(self, slot: int) -> "SlotParams":
@@ -121,7 +127,8 @@ class SlotParams:
             self._views[slot] = view
         return self._views[slot]
 
-    def set(self, slot: int, p: SamplingParams, seed: int, prompt_ids: torch.Tensor):
+    def set(self, slot: int, p: SamplingParams, seed: int, prompt_ids: torch.Tensor, eos: int | None = None):
+        """A request's settings into `slot`; `eos`: the tokenizer's, which min_tokens holds back."""
         self.temperature[slot], self.top_p[slot], self.top_k[slot] = p.temperature, p.top_p, p.top_k
         self.min_p[slot], self.rep[slot] = p.min_p, p.repetition_penalty
         self.presence[slot], self.frequency[slot] = p.presence_penalty, p.frequency_penalty
@@ -133,6 +140,11 @@ class SlotParams:
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=self.bias.device)
             self.bias[slot, ids] = torch.tensor(list(p.logit_bias.values()), device=self.bias.device)
+        self.min_tokens[slot], self.first_pos[slot] = p.min_tokens, len(prompt_ids) - 1
+        self.stops[slot].zero_()
+        if p.min_tokens:
+            ids = [t for t in [*([] if eos is None else [eos]), *p.stop_token_ids] if 0 <= t < self.stops.shape[1]]
+            self.stops[slot, torch.tensor(ids, dtype=torch.long, device=self.stops.device)] = True
 
 
 # what a request's uniforms are for: each purpose its own stream, so no two draws share a number
@@ -162,7 +174,8 @@ def plain_greedy(params: list[SamplingParams]) -> bool:
     V4 Flash's vocabulary the penalties, softmax and draw were ~10 passes over 129k logits per row).
     Decided on the host for a step's requests, as `needs_sort` is."""
     return all(p.temperature == 0 and p.repetition_penalty == 1 and p.presence_penalty == 0
-               and p.frequency_penalty == 0 and not p.logit_bias and p.logprobs is None for p in params)
+               and p.frequency_penalty == 0 and not p.logit_bias and p.logprobs is None and not p.min_tokens
+               for p in params)
 
 
 def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:
@@ -175,6 +188,15 @@ def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: tor
     logits = logits - pres * (counts > 0) - freq * counts
     temp = sp.temperature[b, None, None]
     return logits / torch.where(temp == 0, 1.0, temp)
+
+
+def hold_stops(logits: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor) -> torch.Tensor:
+    """min_tokens: processed logits [B,R,V] of rows at positions pos.. with the ids that end a reply at -inf
+    on each row whose token would be output token i < min_tokens (row pos + j outputs token pos + j -
+    first_pos). Per row, so a step that verifies drafts commits what plain decoding would."""
+    made = pos[:, None] + torch.arange(logits.shape[1], device=logits.device) - sp.first_pos[b, None]
+    early = made < sp.min_tokens[b, None]
+    return logits.masked_fill(early[..., None] & sp.stops[b, None], float("-inf"))
 
 
 def draft_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool) -> torch.Tensor:

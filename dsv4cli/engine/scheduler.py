@@ -24,6 +24,7 @@ from .api import ModelInfo
 from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
+from .pace import PrefillPace
 from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
@@ -171,6 +172,7 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
         self.totals, self.failed_steps = Metrics(), 0          # failed steps: in a row
+        self.pace = PrefillPace(prefill_budget)       # a step's prefill while streams decode: in time
         self._ids = itertools.count()
 
     # ---- API ---------------------------------------------------------------------------------
@@ -245,7 +247,9 @@ class Engine:
                 if not self.isolate_failures:
                     raise
                 events.append(self._fail(seq, e))
-        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk, self.prefixes.boundary)
+        streaming = any(s is not None and s not in self.prefilling for s in self.slots)
+        chunks = prefill_chunks(self.prefilling, self.pace.tokens(streaming), self.prefill_chunk,
+                                self.prefixes.boundary)
         running = streams_to_decode([s for s in self.slots if s is not None and s not in self.prefilling], chunks)
         try:
             decode = self._decode_plan() if running else None
@@ -283,7 +287,7 @@ class Engine:
         its prefill starts at the next step."""
         slot, reused = self.prefixes.place(seq, [i for i, s in enumerate(self.slots) if s is None])
         self.constraints.admit(slot, seq.params.grammar)
-        self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused)
+        self.runner.admit(slot, seq.params, seq.seed, seq.prompt_ids, reused, self.tok.eos_id)
         self.slots[slot], seq.slot, seq.metrics.cached_tokens, seq.prefilled = seq, slot, reused, reused
         seq.prompt_logprobs = [TokenLogprob(seq.prompt_ids[0], None, [])] if scored(seq) else []
         self.prefilling.append(seq)
@@ -346,6 +350,8 @@ class Engine:
         if not (ending or key.batch):
             return []
         now = time.perf_counter()
+        if steady:
+            self.pace.ran(sum(b - a for _, a, b in chunks), key.batch > 0, now - t0)
         if self.lengths is not None:
             if decode is not None and not chunks and steady and (key.drafts > 0) == key.propose:
                 self.lengths.observe(decode.batch, key.drafts, now - t0)

@@ -16,6 +16,7 @@ from .sampling import (
     RNG_ACCEPT,
     RNG_DRAW,
     SlotParams,
+    hold_stops,
     processed_logits,
     sample_from,
     target_probs,
@@ -43,7 +44,7 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
     if k:
         onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
         counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
-    processed = processed_logits(logits, sp, b, counts)
+    processed = hold_stops(processed_logits(logits, sp, b, counts), sp, b, pos)
     tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos, q, limit)
     return tokens, n_acc, token_logprobs(processed, tokens) if logprobs else None
 

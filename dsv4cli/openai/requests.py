@@ -65,7 +65,6 @@ REFUSED = {
     "function_call": "deprecated; use tool_choice",
     "web_search_options": "web search is not supported",
     "suffix": "insertion (suffix) is not supported",
-    "min_tokens": "not supported yet",
 }
 JSON_SCHEMA_FIELDS = {"name", "description", "schema", "strict"}     # response_format's json_schema object
 MAX_STOP = 4                                          # OpenAI's limit on stop strings
@@ -310,7 +309,11 @@ class BodyParser:
             raise BadRequest("invalid_parameter", f"{place}stop: at most {MAX_STOP} strings")
         if seed is not None:
             given.setdefault("seed", seed)
-        return dataclasses.replace(self.defaults, **given)
+        params = dataclasses.replace(self.defaults, **given)
+        if params.min_tokens > params.max_tokens:
+            raise BadRequest("invalid_parameter", f"{place}min_tokens: at most max_tokens ({params.max_tokens}), got "
+                                                  f"{params.min_tokens}")
+        return params
 
     def _thinking(self, body: dict, place: str) -> tuple[bool, str | None]:
         """Whether the reply reasons, and how hard: `thinking`, else a `reasoning_effort` asks for it (an effort
