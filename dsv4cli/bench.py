@@ -393,8 +393,6 @@ def bench_command(
     # compile = auto compiles where a step shape compiles in seconds to a minute (accelerators), not on the CPU
     can_compile = settings.compile == "on" or (settings.compile == "auto" and not platforms.for_device(
         device).on_host_cores)
-    if not load_prompt:
-        print(f"bench: {run_line(given, chosen, small, can_compile, settings.compile)}", file=sys.stderr)
     kinds = [k.strip() for k in prompts.split(",") if k.strip()]
     if not kinds or set(kinds) - {"short", "long"}:
         raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
@@ -405,6 +403,8 @@ def bench_command(
     batch_list = parse_list(batches, "--batches", 1)
     if 0 not in depth_list:
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
+    if not load_prompt:
+        print(f"bench: {run_line(given, chosen, small, can_compile, settings.compile)}", file=sys.stderr)
     if sources["max_tokens"] == "default":
         settings = dataclasses.replace(settings, max_tokens=64)
     if load_prompt:

@@ -169,7 +169,7 @@ def test_a_load_time_error_names_where_the_value_came_from(tmp_path, tiny_model_
     gen = ("generate", "-p", "Hi", "--model", str(tiny_model_dir))
     (tmp_path / "run.toml").write_text("[model]\nmax_seq_len = 8192\n")
     one_error_line(dsv4(*gen, "-c", str(tmp_path / "run.toml")),
-                   f"error: {tmp_path / 'run.toml'} [model].max_seq_len 8192: above the model's max_position_embeddings")
+                   f"error: {tmp_path / 'run.toml'} [model].max_seq_len 8192: above the model's")
     one_error_line(dsv4(*gen, DSV4_MAX_SEQ_LEN="8192"), "error: DSV4_MAX_SEQ_LEN 8192: above the model's")
     one_error_line(dsv4(*gen, "-c", str(tmp_path / "run.toml"), "--max-seq-len", "9000"),
                    "error: --max-seq-len 9000: above the model's")

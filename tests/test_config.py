@@ -258,7 +258,7 @@ def test_the_sampling_settings_are_the_engines_request_params():
     assert all(getattr(SamplingParams(), name) == SPEC[name].default for name in SAMPLING_KEYS)
     given = {"temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1, "repetition_penalty": 1.2,
              "presence_penalty": 0.3, "frequency_penalty": -0.4, "seed": 7, "max_tokens": 9, "stop": ["x"],
-             "stop_token_ids": [5], "ignore_eos": True, "logprobs": 2}
+             "stop_token_ids": [5], "ignore_eos": True, "min_tokens": 4, "logprobs": 2}
     assert given.keys() == set(SAMPLING_KEYS)
     settings = Settings(**given)
     params = sampling_params(settings)

@@ -2,6 +2,7 @@
 in passes of their own), and greedy outputs equal each request run alone, whatever the interleaving
 (chunk cuts at window 16, ratio 4 and ratio 128 edges)."""
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -131,6 +132,7 @@ def test_mixed_pass_below_a_running_stream_equals_alone(model, tok, k, monkeypat
         alone = Engine(model, tok, max_batch=1, max_seq_len=320, mtp=k).generate([prompt], GREEDY)[0]
         other_alone = Engine(model, tok, max_batch=1, max_seq_len=320, mtp=k).generate([other], params)[0]
         eng = Engine(model, tok, max_batch=2, max_seq_len=320, mtp=k, prefill_chunk=budget, prefill_budget=budget)
+        eng.pace.share = math.inf       # the token budget alone: the passes are counted
         first = eng.submit(short, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         running = eng.submit(other, params)
         while not first.finished or not running.output_ids:
@@ -180,6 +182,7 @@ def test_background_streams_give_way_to_a_foreground_prompt(model, tok, k):
 
     def run(background: bool) -> list[list[int]]:
         eng = Engine(model, tok, max_batch=4, max_seq_len=320, mtp=k)
+        eng.pace.share = math.inf       # the token budget alone: which step each prompt ends in is counted
         bg = [eng.submit(p, dataclasses.replace(params, background=background))
               for p, params in zip(ps[:2], (GREEDY, sampled))]
         while len(bg[1].output_ids) < 4:

@@ -24,7 +24,7 @@ class PrefillPace:
         """The prefill budget of the next step; `decoding`: streams decode in it."""
         if not decoding or self.decode_s is None or not self.token_s:
             return self.budget
-        return max(MIN_TOKENS, min(self.budget, int(self.share * self.decode_s / self.token_s)))
+        return max(MIN_TOKENS, int(min(self.budget, self.share * self.decode_s / self.token_s)))
 
     def ran(self, prompt_tokens: int, decoded: bool, seconds: float) -> None:
         """A call took `seconds` for `prompt_tokens` prefilled and, if `decoded`, the decode rows."""

@@ -247,10 +247,13 @@ class Engine:
                 if not self.isolate_failures:
                     raise
                 events.append(self._fail(seq, e))
-        streaming = any(s is not None and s not in self.prefilling for s in self.slots)
-        chunks = prefill_chunks(self.prefilling, self.pace.tokens(streaming), self.prefill_chunk,
-                                self.prefixes.boundary)
-        running = streams_to_decode([s for s in self.slots if s is not None and s not in self.prefilling], chunks)
+        decodable = [s for s in self.slots if s is not None and s not in self.prefilling]
+        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk, self.prefixes.boundary)
+        running = streams_to_decode(decodable, chunks)
+        if running and (paced := self.pace.tokens(decoding=True)) < self.prefill_budget:   # streams wait on it
+            fewer = prefill_chunks(self.prefilling, paced, self.prefill_chunk, self.prefixes.boundary)
+            if streams_to_decode(decodable, fewer):
+                chunks = fewer
         try:
             decode = self._decode_plan() if running else None
             # compiled (static shapes): each chunk in a call of its own, padded; else one call, as is
