@@ -56,23 +56,17 @@ def resolve_invocation(config: Path | None, flags: dict[str, Any]) -> tuple[Sett
 
 def placed(message: str) -> str:
     """An error that starts with a setting's flag (`--max-seq-len 9000: ...`, as code that checks a value
-    writes it) said with the place the value came from when not a flag: `run.toml [model].max_seq_len 9000:
-    ...`, `DSV4_MAX_SEQ_LEN 9000: ...`, `generation_config.json temperature ...`."""
+    writes it) said with the place the value came from when that was a config file or the environment:
+    `run.toml [model].max_seq_len 9000: ...`, `DSV4_MAX_SEQ_LEN 9000: ...`."""
     flag = re.match(r"--[a-z0-9-]+(?=[ :])", message)
     name = _FLAG_KEYS.get(flag.group()) if flag else None
     source = SOURCES.get(name, "flag") if name else "flag"
-    if source == "flag":
-        return message
     if source.startswith("config "):
         path, place = source.removeprefix("config ").rsplit(" ", 1)
-        where = f"{path} {place}"
-    elif source.startswith("env "):
-        where = source.removeprefix("env ")
-    elif source == "default":
-        where = f"{name} (default)"
-    else:
-        where = f"{source} {name}"
-    return where + message[flag.end():]
+        return f"{path} {place}" + message[flag.end():]
+    if source.startswith("env "):
+        return source.removeprefix("env ") + message[flag.end():]
+    return message          # a flag, or a default a flag would change
 
 
 def _option(name: str) -> inspect.Parameter:

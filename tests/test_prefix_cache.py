@@ -3,6 +3,7 @@ without it (greedy, both drafters, prompts just below, at and above the window, 
 boundaries, after eviction and spill); the store keeps within its budgets; prompts that arrive together
 prefill their shared prefix once; a chat's state goes to a file and back; the front ends show the hits."""
 import json
+import math
 
 import pytest
 import torch
@@ -91,6 +92,7 @@ def greedy_equal_with_and_without(model, tok, mtp, cache=STORE, batch=4, rounds=
     ps = boundary_prompts(model.cfg.vocab_size)
     plain = [s.output_ids for s in Engine(model, tok, max_batch=batch, max_seq_len=1024, mtp=0).generate(ps, GREEDY)]
     eng = Engine(model, tok, max_batch=batch, max_seq_len=1024, mtp=mtp, prefix_cache=cache, isolate_failures=False)
+    eng.pace.share = math.inf     # the token budget alone: what each round stores, spills and evicts is counted
     for r in range(rounds):       # the first round stores (and shares what prompts arriving together share)
         seqs = eng.generate(ps, GREEDY)
         assert [s.output_ids for s in seqs] == plain, (mtp, r)

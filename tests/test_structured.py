@@ -200,7 +200,7 @@ def test_unconstrained_requests_and_steps_are_untouched(tok, dspark):
         [free], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))[0].output_ids
     eng = Engine(dspark, tok, max_batch=2, max_seq_len=1024, mtp=3)
     keys, run = [], eng.runner.run
-    eng.runner.run = lambda key, *chunks: keys.append(key) or run(key, *chunks)
+    eng.runner.run = lambda key, *chunks, **kw: keys.append(key) or run(key, *chunks, **kw)
     constrained = eng.submit(ids, params)
     unconstrained = eng.submit(free, SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
     while eng.has_work():

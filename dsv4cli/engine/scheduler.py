@@ -131,11 +131,70 @@ def score_chunks(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], 
             at += ck.rows
 
 
+class CallPlanning:
+    """What `Engine.step`'s calls are and give: its decode rows' plan, each call's key, and a call's packed
+    rows read into its requests' events (on the engine's state)."""
+
+    def _decode_plan(self) -> DecodePlan:
+        """The decode rows of the slots decoding now, and how many drafts they verify."""
+        decoding = [s is not None and s not in self.prefilling for s in self.slots]
+        nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
+        drafts, propose, limits = self.verified, True, None
+        if self.lengths is not None:
+            drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
+        return DecodePlan(decoding, nb, drafts, propose, limits)
+
+    def _key(self, chunks: list[tuple[Sequence, int, int]], decode: DecodePlan | None, bucketed: bool) -> StepKey:
+        """The key of a call of these prefill chunks and decode rows; `bucketed` (compiled): its shapes
+        padded to buckets."""
+        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
+        committing = ([s.params for s, d in zip(self.slots, decode.decoding) if d] if decode else []) + \
+            [s.params for s in ending]
+        longest = min(self.prefill_chunk, self.prefill_budget) if bucketed else 0
+        nb, context = (decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)) if decode else (0, 0)
+        if bucketed and nb:
+            nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
+        return StepKey(tuple(chunk_key(chunk, longest) for chunk in chunks), nb, decode.drafts if decode else 0,
+                       context, needs_sort(committing), any(p.logprobs is not None for p in committing),
+                       plain_greedy(committing), decode.propose if decode else True,
+                       decode is not None and decode.limits is not None,
+                       any(p.grammar is not None for p in committing))
+
+    def _events(self, packed: list[list], key: StepKey, decoding: list[bool], ending: list[Sequence],
+                limits: list[int] | None, now: float) -> list[Event]:
+        """The step's packed rows (StepKey) into its requests: first tokens of the prompts that ended, each
+        decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
+        d, nb, drafts = self.mtp_depth, key.batch, key.drafts
+        base = self.constraints.read(packed, key, ending, d + 2 + (d if self.runner.confidences else 0))  # logprobs
+        width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
+        events = []
+        for seq, row in zip(ending, packed[nb:]):
+            if self.lengths is not None:
+                self.lengths.confidence[seq.slot] = row[d + 2: base]
+            events.append(self._first_event(seq, int(row[0]), row[base: base + width]
+                                            if seq.params.logprobs is not None else None))
+        for i, row in enumerate(packed[:nb]):
+            seq = self.slots[i]
+            if not decoding[i]:                 # free or prefilling
+                continue
+            tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
+            if self.lengths is not None:
+                self.lengths.confidence[i] = row[d + 2: base]
+            scored = None if seq.params.logprobs is None else [
+                TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width], seq.params.logprobs)
+                for j in range(n + 1)]
+            seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
+            seq.metrics.t_last = now
+            self.prefixes.record(i, tokens[: n + 1])
+            events.append(self._emit(seq, tokens[: n + 1], scored))
+        return events
+
+
 class EngineFailed(RuntimeError):
     """The engine cannot go on: its steps keep failing whatever requests they hold."""
 
 
-class Engine:
+class Engine(CallPlanning):
     def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
                  mtp: int | str = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
                  reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
@@ -297,31 +356,6 @@ class Engine:
 
     # ---- a call of the step ------------------------------------------------------------------
 
-    def _decode_plan(self) -> DecodePlan:
-        """The decode rows of the slots decoding now, and how many drafts they verify."""
-        decoding = [s is not None and s not in self.prefilling for s in self.slots]
-        nb = max((i + 1 for i, d in enumerate(decoding) if d), default=0)
-        drafts, propose, limits = self.verified, True, None
-        if self.lengths is not None:
-            drafts, propose, limits = self.lengths.plan(nb, decoding, [s and s.params for s in self.slots])
-        return DecodePlan(decoding, nb, drafts, propose, limits)
-
-    def _key(self, chunks: list[tuple[Sequence, int, int]], decode: DecodePlan | None, bucketed: bool) -> StepKey:
-        """The key of a call of these prefill chunks and decode rows; `bucketed` (compiled): its shapes
-        padded to buckets."""
-        ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
-        committing = ([s.params for s, d in zip(self.slots, decode.decoding) if d] if decode else []) + \
-            [s.params for s in ending]
-        longest = min(self.prefill_chunk, self.prefill_budget) if bucketed else 0
-        nb, context = (decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)) if decode else (0, 0)
-        if bucketed and nb:
-            nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        return StepKey(tuple(chunk_key(chunk, longest) for chunk in chunks), nb, decode.drafts if decode else 0,
-                       context, needs_sort(committing), any(p.logprobs is not None for p in committing),
-                       plain_greedy(committing), decode.propose if decode else True,
-                       decode is not None and decode.limits is not None,
-                       any(p.grammar is not None for p in committing))
-
     def _call(self, chunks: list[tuple[Sequence, int, int]], decode: DecodePlan | None, compiled: bool) \
             -> list[Event]:
         """One call of the device step: these prefill chunks, then the `decode` rows (or none); its key (the
@@ -360,35 +394,6 @@ class Engine:
                 self.lengths.observe(decode.batch, key.drafts, now - t0)
             self.lengths.stepped(decoding, key.propose, [seq.slot for seq in ending])
         return self._events(packed, key, decoding, ending, decode.limits if decode else None, now)
-
-    def _events(self, packed: list[list], key: StepKey, decoding: list[bool], ending: list[Sequence],
-                limits: list[int] | None, now: float) -> list[Event]:
-        """The step's packed rows (StepKey) into its requests: first tokens of the prompts that ended, each
-        decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
-        d, nb, drafts = self.mtp_depth, key.batch, key.drafts
-        base = self.constraints.read(packed, key, ending, d + 2 + (d if self.runner.confidences else 0))  # logprobs
-        width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
-        events = []
-        for seq, row in zip(ending, packed[nb:]):
-            if self.lengths is not None:
-                self.lengths.confidence[seq.slot] = row[d + 2: base]
-            events.append(self._first_event(seq, int(row[0]), row[base: base + width]
-                                            if seq.params.logprobs is not None else None))
-        for i, row in enumerate(packed[:nb]):
-            seq = self.slots[i]
-            if not decoding[i]:                 # free or prefilling
-                continue
-            tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
-            if self.lengths is not None:
-                self.lengths.confidence[i] = row[d + 2: base]
-            scored = None if seq.params.logprobs is None else [
-                TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width], seq.params.logprobs)
-                for j in range(n + 1)]
-            seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
-            seq.metrics.t_last = now
-            self.prefixes.record(i, tokens[: n + 1])
-            events.append(self._emit(seq, tokens[: n + 1], scored))
-        return events
 
     # ---- host bookkeeping --------------------------------------------------------------------
 
