@@ -9,6 +9,8 @@ command: median and min wall seconds, and the median over `import torch`'s media
 The commands: `generate` of 8 greedy tokens with the bundled model; usage errors (a batch input that is not
 there, a batch without -o, a model directory that is not there); `batch merge` of 200 lines (two shards of one
 token a request, written once by the first tree); `inspect` of the bundled model; `--help`.
+Chat's exit: the seconds from `/exit` (or Ctrl-D) to the end of the process, in a pseudo-terminal after one
+reply (what a user waits for once done).
 `--tree before=/tmp/base --tree after=.` compares two checkouts in one run (e.g. a `git worktree` of HEAD).
 Results: JSON on stdout, or --out.
 """
@@ -22,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pexpect
 from meta import ROOT, stamp
 
 MERGE_LINES = 200
@@ -52,6 +55,28 @@ def timed(argv: list[str], cwd: Path, code: int) -> float:
     if out.returncode != code:
         raise SystemExit(f"{' '.join(argv)} in {cwd}: exit {out.returncode}, expected {code}\n{out.stderr}")
     return elapsed
+
+
+def chat_exit(tree: Path, key: str) -> float:
+    """Seconds from the key that ends a chat (after one reply) to the process's end."""
+    child = pexpect.spawn(sys.executable, ["-m", "dsv4cli", "chat", "--temperature", "0", "-n", "8"], cwd=str(tree),
+                          env=environment() | {"TERM": "xterm-256color"}, dimensions=(40, 120), encoding="utf-8",
+                          timeout=120)
+    child.expect(">>> ")
+    child.sendline("Hello")
+    child.expect("tokens · prompt")
+    child.expect(">>> ")
+    t0 = time.perf_counter()
+    child.sendline("/exit") if key == "/exit" else child.sendeof()
+    child.expect(pexpect.EOF)
+    elapsed = time.perf_counter() - t0
+    child.close()
+    if child.exitstatus != 0:
+        raise SystemExit(f"chat in {tree}: exit {child.exitstatus} after {key}")
+    return elapsed
+
+
+EXITS = {"chat, /exit after a reply": "/exit", "chat, Ctrl-D after a reply": "Ctrl-D"}
 
 
 def write_shards(work: Path, tree: Path) -> None:
@@ -95,19 +120,23 @@ def main() -> None:
         for tree in trees.values():
             for argv, code in cases.values():
                 timed([sys.executable, "-m", "dsv4cli", *argv], tree, code)
-        torch_runs, runs = [], {name: {case: [] for case in cases} for name in trees}
+        torch_runs, runs = [], {name: {case: [] for case in [*cases, *EXITS]} for name in trees}
         for _ in range(args.repeats):
             torch_runs.append(timed(torch_argv, ROOT, 0))
             for case, (argv, code) in cases.items():
                 for name, tree in trees.items():
                     runs[name][case].append(timed([sys.executable, "-m", "dsv4cli", *argv], tree, code))
+            for case, key in EXITS.items():
+                for name, tree in trees.items():
+                    runs[name][case].append(chat_exit(tree, key))
     torch_median = statistics.median(torch_runs)
-    results = {name: {case: summary(r) | {"over_import_torch_s": round(statistics.median(r) - torch_median, 3)}
+    results = {name: {case: summary(r) | ({"over_import_torch_s": round(statistics.median(r) - torch_median, 3)}
+                                           if case in cases else {})
                       for case, r in cases_runs.items()} for name, cases_runs in runs.items()}
     report = {"meta": stamp(vars(args)), "load_average": {"start": load_start, "end": os.getloadavg()},
               "trees": {name: {"path": str(tree), "commit": commit(tree)} for name, tree in trees.items()},
               "import_torch": summary(torch_runs), "results": results}
-    for case in cases:
+    for case in [*cases, *EXITS]:
         print(f"{case:32} " + "  ".join(f"{name} {results[name][case]['median_s']:.2f} s "
                                          f"(min {results[name][case]['min_s']:.2f})" for name in trees),
               file=sys.stderr)

@@ -1,4 +1,5 @@
 """`dsv4 chat` end to end: in a pseudo-terminal (pexpect) and piped."""
+import io
 import json
 import os
 import re
@@ -8,6 +9,7 @@ import sys
 
 import pexpect
 import torch
+from terminal import RewrappingTerminal
 
 from dsv4cli.chat.tui import printable
 from dsv4cli.config import BUNDLED_MODEL_DIR as BUNDLED
@@ -69,6 +71,36 @@ def test_chat_in_a_terminal(tiny_model_dir, tmp_path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+def test_a_reply_streaming_while_the_terminal_narrows_is_shown_once(tmp_path):
+    """The terminal rewraps the live view's lines onto more rows when it narrows; the next frame erases them
+    all, so the reply is not left above itself. No COLUMNS or LINES: rich reads the terminal's size."""
+    env = {k: v for k, v in chat_env(tmp_path).items() if k not in ("COLUMNS", "LINES")}
+    child = pexpect.spawn(sys.executable, ["-m", "dsv4cli", "chat", "--model", str(BUNDLED), "--temperature", "0",
+                                           "--max-tokens", "2000", "--ignore-eos", "--mtp", "0"], env=env,
+                          dimensions=(40, 120), encoding="utf-8", timeout=60)
+    child.logfile_read = written = io.StringIO()
+    child.expect(">>> ")
+    child.sendline("Tell me a long story")
+    child.expect("TPOT")
+    child.expect(pexpect.TIMEOUT, timeout=1)          # some lines of the reply at 120 columns
+    at_resize = len(written.getvalue())
+    child.setwinsize(40, 60)
+    child.expect(pexpect.TIMEOUT, timeout=1)
+    child.sendcontrol("c")
+    child.expect("interrupted")
+    child.expect(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+    term = RewrappingTerminal(120, 40)
+    term.feed(written.getvalue()[:at_resize])
+    term.resize(60)
+    term.feed(written.getvalue()[at_resize:])
+    lines = term.lines()
+    prompt = next(i for i, line in enumerate(lines) if line.endswith("Tell me a long story"))
+    start = next(line for line in lines[prompt + 1:] if line.strip())[:20]
+    assert len(start) == 20 and sum(start in line for line in lines) == 1, "\n".join(lines)
 
 
 def test_chat_multiline_ctrl_c_hint_and_ctrl_d(tiny_model_dir, tmp_path):

@@ -1,12 +1,15 @@
 """What the chat shows: the header, the streaming reply with its live status bar, summaries and tables."""
+import math
 import re
 import sys
 import time
 
 from rich.console import Console, Group
+from rich.control import Control
 from rich.live import Live
+from rich.live_render import LiveRender
 from rich.markdown import Markdown
-from rich.segment import Segment
+from rich.segment import ControlType, Segment
 from rich.table import Table
 from rich.text import Text
 
@@ -131,7 +134,8 @@ class LiveReply:
         self.compiled = compiled
         self.step_s: list[float] = []
         self.drawn = 0.0
-        self.live = Live(self, console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
+        self.live = _RewrapAwareLive(self, console=console, auto_refresh=False, transient=True,
+                                     vertical_overflow="crop")
         self.tty = _NoEcho()
 
     def __rich_console__(self, console, options):
@@ -160,6 +164,48 @@ class LiveReply:
         if time.perf_counter() - self.drawn >= 0.1:
             self.live.refresh()
             self.drawn = time.perf_counter()
+
+
+class _RewrapAwareRender(LiveRender):
+    """rich's live region, erasing every row its last frame takes after the terminal narrowed: VTE, iTerm2,
+    kitty, Windows Terminal and tmux rewrap a line wider than the terminal onto more rows, so erasing the
+    rows drawn would leave the rest of the frame above the next one (the reply shown twice)."""
+
+    def __init__(self, renderable, console: Console, **kwargs):
+        super().__init__(renderable, **kwargs)
+        self.console, self.widths, self.width = console, [], 0
+
+    def __rich_console__(self, console, options):
+        segments = list(super().__rich_console__(console, options))
+        self.widths = [Segment.get_line_length(line) for line in Segment.split_lines(segments)]
+        self.width = options.max_width
+        yield from segments
+
+    def rows(self) -> int:
+        """Rows the last frame takes now (an xterm, which cuts instead of rewrapping, loses a few rows above
+        it on a narrowing: less harm than a duplicate)."""
+        width = self.console.width
+        if width >= self.width:
+            return self.last_render_height
+        return sum(max(1, math.ceil(w / width)) for w in self.widths)
+
+    def position_cursor(self) -> Control:
+        if self._shape is None:
+            return Control()
+        up = ((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2)) * (self.rows() - 1)
+        return Control(ControlType.CARRIAGE_RETURN, (ControlType.ERASE_IN_LINE, 2), *up)
+
+    def restore_cursor(self) -> Control:
+        if self._shape is None:
+            return Control()
+        return Control(ControlType.CARRIAGE_RETURN, *((ControlType.CURSOR_UP, 1), (ControlType.ERASE_IN_LINE, 2))
+                       * self.rows())
+
+
+class _RewrapAwareLive(Live):
+    def __init__(self, renderable, **kwargs):
+        super().__init__(renderable, **kwargs)
+        self._live_render = _RewrapAwareRender(renderable, self.console, vertical_overflow=self.vertical_overflow)
 
 
 class PlainReply:
