@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token", "linear", "linear_fp32",
-           "pack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "w8a8_linear", "sparse_attention",
-           "indexer_scores", "topk_blocks", "moe_gate", "swiglu", "routed_experts", "grouped_linear",
-           "grouped_experts", "widen_experts", "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head",
+           "pack_linear_fp32", "unpack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "unpack_w8a8",
+           "is_packed", "w8a8_linear", "sparse_attention", "indexer_scores", "topk_blocks", "moe_gate", "swiglu",
+           "routed_experts", "expert_table", "grouped_linear", "grouped_experts", "widen_experts", "mhc_pre",
+           "mhc_sinkhorn", "mhc_post", "mhc_head",
            "FP8_BLOCK", "FP4_BLOCK", "fp8_to_float", "fp4_to_float", "fp8_linear", "fp4_linear", "fp4_grouped_linear"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
@@ -80,6 +81,11 @@ def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
     return None
 
 
+def unpack_linear_fp32(packed):
+    """The plain weight back from `pack_linear_fp32`'s layout: the reference has none to read."""
+    raise TypeError("the reference kernels hold no packed weights: unpack with the kernels that packed it")
+
+
 def grouped_projection(x: torch.Tensor, weight: torch.Tensor, packed=None) -> torch.Tensor:
     """Per-group low-rank projection: x [B,S,G,d], weight [G,r,d] -> [B,S,G,r] (attention's wo_a)."""
     return torch.einsum("bsgd,grd->bsgr", x, weight.to(x.dtype))
@@ -101,6 +107,16 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, rat
 def pack_w8a8(weight: torch.Tensor):
     """An int8 weight in a packed layout of the platform's own, or None (the reference has none)."""
     return None
+
+
+def unpack_w8a8(packed):
+    """The plain int8 weight back from `pack_w8a8`'s layout: the reference has none to read."""
+    raise TypeError("the reference kernels hold no packed weights: unpack with the kernels that packed it")
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether a linear's packed weight is in a layout its kernels read in place (the reference has none)."""
+    return False
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, xq=None,
@@ -318,6 +334,12 @@ def routed_experts(x, weights, local, experts, shared=None, xq=None) -> torch.Te
     if shared is not None:
         y += shared(x, None, xq).float()
     return y
+
+
+def expert_table(experts, shared=None):
+    """A MoE layer's experts (then the shared one, if given) as a fused kernel of the platform's holds them,
+    or None (the reference has none: `routed_experts` runs them one by one)."""
+    return None
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale, offs: torch.Tensor, group: torch.Tensor,

@@ -487,7 +487,7 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None =
     # a weight the device's kernels hold in a layout of their own is packed as soon as it is read, so its
     # plain copy is freed before the next one is allocated (packing them all after the load held both)
     ops = kernels.module_for(torch.device(device))
-    packs = platforms.for_device(torch.device(device)).routes_on_host
+    packs = platforms.for_device(torch.device(device)).packs_weights
     modules = dict(model.named_modules())
     mapped = []
     with progress_bar(progress, total, f"loading {ckpt.path.name}") as advance:

@@ -950,17 +950,17 @@ class Transformer(OpModule):
         on the host, big weights packed in the kernels' own layout (where they have one), the routed
         experts' path chosen (`MoE.prepare_experts`)."""
         device = self.embed.weight.device
-        ops, on_host = kernels.module_for(device), platforms.for_device(device).routes_on_host
+        ops, platform = kernels.module_for(device), platforms.for_device(device)
         for module in self.modules():
             packed = isinstance(module, PackedWeight)
-            if packed and not on_host:
+            if packed and not platform.packs_weights:
                 module.unpack()        # by the kernels that packed it: this platform reads plain weights
             if isinstance(module, OpModule):
                 module.ops = ops
-            if packed and on_host:
+            if packed and platform.packs_weights:
                 module.pack()
         for moe in (m for m in self.modules() if isinstance(m, MoE)):
-            moe.prepare_experts(on_host)
+            moe.prepare_experts(platform.routes_on_host)
         return self
 
     def forward_segments(self, segments: list[Segment]) -> list["TrunkRows"]:

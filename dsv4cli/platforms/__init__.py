@@ -1,11 +1,22 @@
-"""The device-specific choices, one platform per device type, in a registry.
+"""The device-specific choices, one platform per kind of device, in a registry keyed by the platform's name.
 
-A platform says whether its device is usable, the dtype a model runs in by default, the
+A platform says whether its device is usable here, the dtype a model runs in by default, the
 torch.distributed backend, how to capture a step graph, the torch.compile backend and whether it can
-compile here, which kernel module runs the ops (`dsv4cli.kernels`), whether routed experts read their
-routing on the host, whether the host's thread count is the model's, and how to query free memory and
-synchronise. Nothing else in dsv4cli branches on the device type (a test checks): a new accelerator is
-a new module here with a `Platform` subclass and one `BUILTIN` entry.
+compile here, which kernel module runs the ops (`dsv4cli.kernels`), whether the loader packs weights for
+those kernels, whether routed experts read their routing on the host, whether the host's thread count is
+the model's, and how to query free memory and synchronise. Nothing else in dsv4cli branches on the device
+type (a test checks).
+
+A platform's name (the --device value) is apart from its torch device type: ROCm's HIP devices are torch's
+"cuda" too. Platforms sharing a device type are told apart by their own detection (`is_available`):
+`for_device` gives the available one of highest priority among them.
+
+Adding a platform takes three files: its module here, `<name>.py`, with a `Platform` subclass (`name`,
+`device_type`, `is_available`, and what differs from the defaults; `kernels = "reference"` until it has a
+kernel module of its own); its registration, one `BUILTIN` entry (which also makes it a --device choice);
+and its tests in tests/test_platforms.py. A ROCm platform would be `name = "rocm"`, `device_type = "cuda"`,
+available where `torch.version.hip` is set, with a priority above CUDA's (whose detection a ROCm build
+passes too).
 
 The registry loads without torch (the settings list its names as --device choices, and `dsv4 --help`
 and `dsv4 config show` must start fast): the built-in platforms are imported on the first lookup.
@@ -20,14 +31,18 @@ if TYPE_CHECKING:
 
 
 class Platform:
-    """One device type. Subclasses set the class attributes and override what differs."""
+    """One kind of device. Subclasses set the class attributes and override what differs."""
 
-    name: str                       # the torch device type, also the --device value
+    name: str                       # the --device value and the registry's key
+    device_type: str                # torch's type of its devices ("cuda" for ROCm's too)
     priority = 0                    # `--device auto` takes the available platform with the highest
     default_dtype = "bfloat16"      # a torch dtype name, the `--dtype auto` choice
     dist_backend = "gloo"
     compile_backend = "inductor"
     kernels = "reference"           # the kernel module in dsv4cli.kernels that runs the ops on this device
+    # Whether the loader packs the big weights into the kernel module's own layouts (`pack_w8a8`,
+    # `pack_linear_fp32`) as it reads them; elsewhere weights are held plain (a packed one is unpacked).
+    packs_weights = False
     # Whether routed experts read their routing on the host: where tensors live in host memory that
     # costs no device sync, and each expert runs on its own rows with its own (packed) weights;
     # accelerators keep routing on the device and run grouped GEMMs over stacked experts.
@@ -40,6 +55,7 @@ class Platform:
     reads_release_formats = True
 
     def is_available(self) -> bool:
+        """Whether this platform's device is usable here (its own detection)."""
         raise NotImplementedError
 
     def unavailable_reason(self) -> str:
@@ -48,7 +64,7 @@ class Platform:
     def device(self, index: int | None = None) -> torch.device:
         import torch
 
-        return torch.device(self.name, index)
+        return torch.device(self.device_type, index)
 
     def set_device(self, rank: int, world: int) -> torch.device:
         """Make rank `rank` of `world` use its own device; returns that device."""
@@ -70,13 +86,13 @@ class Platform:
 
 
 _REGISTRY: dict[str, Platform] = {}
-# device type -> the class in dsv4cli.platforms.<device type>
+# platform name -> its class in dsv4cli.platforms.<name>
 BUILTIN = {"cpu": "CpuPlatform", "cuda": "CudaPlatform", "npu": "NpuPlatform"}
 
 
 def _registry() -> dict[str, Platform]:
     """The registry with every built-in platform in it (imported now if not yet); a platform registered
-    for a built-in device type stays."""
+    under a built-in's name stays."""
     for name, cls in BUILTIN.items():
         if name not in _REGISTRY:
             register(getattr(importlib.import_module(f"{__name__}.{name}"), cls)())
@@ -84,7 +100,7 @@ def _registry() -> dict[str, Platform]:
 
 
 def register(platform: Platform) -> None:
-    """Add a platform, or replace the one registered for its device type."""
+    """Add a platform, or replace the one registered under its name."""
     _REGISTRY[platform.name] = platform
 
 
@@ -92,17 +108,20 @@ def names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*BUILTIN, *_REGISTRY]))
 
 
-def get(device_type: str) -> Platform | None:
-    return _registry().get(device_type)
+def get(name: str) -> Platform | None:
+    return _registry().get(name)
 
 
 def for_device(device: torch.device | str) -> Platform:
-    """The platform of a device (one of its tensors' `.device`)."""
+    """The platform of a device (one of its tensors' `.device`, or a torch device type): the one registered
+    for its type, or of several sharing it, the available one of highest priority (else the highest)."""
     device_type = device if isinstance(device, str) else device.type
-    platform = _registry().get(device_type)
-    if platform is None:
+    sharing = sorted((p for p in _registry().values() if p.device_type == device_type), key=lambda p: -p.priority)
+    if not sharing:
         raise ValueError(f"no platform is registered for device type {device_type!r} (known: {', '.join(names())})")
-    return platform
+    if len(sharing) == 1:       # detection asked only where it decides
+        return sharing[0]
+    return next((p for p in sharing if p.is_available()), sharing[0])
 
 
 def pick(name: str) -> Platform:

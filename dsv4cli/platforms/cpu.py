@@ -22,10 +22,12 @@ def _available_bytes() -> int:
 
 class CpuPlatform(Platform):
     name = "cpu"
+    device_type = "cpu"
     priority = 0
     default_dtype = "float32"
     dist_backend = "gloo"
     kernels = "cpu"
+    packs_weights = True
     routes_on_host = True
     on_host_cores = True
 

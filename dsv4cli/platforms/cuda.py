@@ -7,12 +7,13 @@ from . import Platform
 
 class CudaPlatform(Platform):
     name = "cuda"
+    device_type = "cuda"
     priority = 10
     dist_backend = "nccl"
     kernels = "cuda"
 
     def is_available(self) -> bool:
-        return torch.cuda.is_available()
+        return torch.cuda.is_available()        # a ROCm build's HIP devices too, while no ROCm platform is registered
 
     def unavailable_reason(self) -> str:
         return "--device cuda: no CUDA device is available"

@@ -10,6 +10,7 @@ from . import Platform
 
 class NpuPlatform(Platform):
     name = "npu"
+    device_type = "npu"
     priority = 20
     dist_backend = "hccl"
     compile_backend = "npu"
