@@ -435,6 +435,7 @@ def test_a_failed_request_is_an_error_in_each_api_shape(model, tok):
     from dsv4cli.serve.app import create_app
     from dsv4cli.serve.loop import EngineLoop
     from dsv4cli.serve.metrics import ServerMetrics
+    from dsv4cli.serve.server import ApiServer, ServerOptions
 
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
@@ -443,8 +444,8 @@ def test_a_failed_request_is_an_error_in_each_api_shape(model, tok):
     loop.start()
     ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
     try:
-        with TestClient(create_app(loop, BodyParser(tok, SamplingParams(temperature=0), 128), tok, "tiny", metrics,
-                                   None, False)) as client:
+        parser = BodyParser(tok, SamplingParams(temperature=0), 128)
+        with TestClient(create_app(ApiServer(loop, parser, ServerOptions("tiny")))) as client:
             events = sse(client.post("/v1/messages", json=ask | {"stream": True}).text)
             assert [name for name, _ in events] == ["message_start", "ping", "error"]
             assert events[-1][1]["error"]["type"] == "api_error"

@@ -159,6 +159,23 @@ def test_the_engine_stays_in_small_parts():
     assert not big, big
 
 
+def test_the_server_stays_in_small_parts():
+    """No function of the server over 60 lines, none with more than 6 parameters (options go in a dataclass):
+    its handlers are functions of the `ApiServer` they share, each found by its name."""
+    import ast
+
+    big = []
+    for path in sorted((PACKAGE / "serve").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                a = node.args
+                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
+                if n > 60 or len(params) > 6:
+                    big.append(f"{path.name}: {node.name} ({n} lines, {len(params)} parameters)")
+    assert not big, big
+
+
 def test_the_architecture_doc_names_what_is_there():
     """docs/architecture.md: at most 250 lines, and every module, file and class it names exists; history
     stays in git ("stop N" nowhere in the docs or the code)."""

@@ -417,6 +417,7 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
     from dsv4cli.serve.app import create_app
     from dsv4cli.serve.loop import EngineLoop
     from dsv4cli.serve.metrics import ServerMetrics
+    from dsv4cli.serve.server import ApiServer, ServerOptions
 
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
@@ -426,7 +427,7 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
     parser = BodyParser(tok, SamplingParams(temperature=0, max_tokens=4), 128)
     loop.start()
     try:
-        with TestClient(create_app(loop, parser, tok, "tiny", metrics, None, False)) as client:
+        with TestClient(create_app(ApiServer(loop, parser, ServerOptions("tiny")))) as client:
             for _ in range(2):
                 r = client.post("/v1/completions", json={"prompt": "Hi"})
                 assert r.status_code == 500 and r.json()["error"]["message"].startswith("engine step failed:")

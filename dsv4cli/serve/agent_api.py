@@ -5,7 +5,7 @@ onto the chat request parser and ChunkStream: they run as chat completions do, o
 stream as named server-sent events (`event: NAME`)."""
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -14,12 +14,11 @@ from starlette.types import Receive, Scope, Send
 
 from dsv4cli.engine import Sequence
 from dsv4cli.openai import anthropic, responses_api
-from dsv4cli.openai.requests import BodyParser
-from dsv4cli.tokenizer import Tokenizer
 
 from .errors import Refusal, anthropic_error
 from .jobs import disconnect, failure, finished, next_delta
 from .loop import EngineLoop, Job
+from .server import ApiServer
 
 
 class NamedEventStream:
@@ -65,62 +64,62 @@ class NamedEventStream:
             await send({"type": "http.response.body", "body": data.encode(), "more_body": True})
 
 
-def agent_routes(loop: EngineLoop, parser: BodyParser, tok: Tokenizer, model: str, endpoint: Callable,
-                 parsed: Callable, submit: Callable, number: Callable[[], str],
-                 store: responses_api.ResponseStore) -> list[Route]:
-    """`endpoint` wraps a handler (key, errors), `parsed(request, parse)` reads a JSON body, `submit(req)` runs
-    a request, `number()` numbers a reply: the app's own; `store` keeps the Responses stored."""
+def routes(server: ApiServer) -> list[Route]:
+    """The agent APIs' routes; Anthropic's answer refusals in its own error shape."""
+    return [server.route(anthropic.MESSAGES_URL, "POST", messages, answer=anthropic_error),
+            server.route(anthropic.MESSAGES_URL + "/count_tokens", "POST", count_tokens, answer=anthropic_error),
+            server.route(responses_api.RESPONSES_URL, "POST", responses),
+            server.route(responses_api.RESPONSES_URL + "/{id}", "GET", stored_response)]
 
-    async def reply(request: Request, req, events, body: Callable[[Sequence], dict],
-                    after: Callable[[Sequence], None] | None = None) -> Response | NamedEventStream:
-        job = submit(req)
-        gone = asyncio.ensure_future(disconnect(request.receive))
-        if req.stream:
-            return NamedEventStream(loop, job, events, gone, after)
-        seqs = await finished(loop, job, gone, 1)
-        if seqs is None:
-            return Response(status_code=499)
-        if after is not None:
-            after(seqs[0])
-        return JSONResponse(body(seqs[0]))
 
-    async def messages(request: Request) -> Response | NamedEventStream:
-        req = await parsed(request, lambda body: anthropic.parse(parser, body))
-        n = number()
-        return await reply(request, req, anthropic.MessageEvents(req, tok, model, n),
-                           lambda seq: anthropic.message(req, seq, model, tok, n))
+async def reply(server: ApiServer, request: Request, req, events, body: Callable[[Sequence], dict],
+                after: Callable[[Sequence], None] | None = None) -> Response | NamedEventStream:
+    """`req` run as one sequence: streamed as `events`, or answered with `body(seq)`; `after(seq)` once it ended."""
+    job = server.submit(req)
+    gone = asyncio.ensure_future(disconnect(request.receive))
+    if req.stream:
+        return NamedEventStream(server.loop, job, events, gone, after)
+    seqs = await finished(server.loop, job, gone, 1)
+    if seqs is None:
+        return Response(status_code=499)
+    if after is not None:
+        after(seqs[0])
+    return JSONResponse(body(seqs[0]))
 
-    async def count_tokens(request: Request) -> Response:
-        req = await parsed(request, lambda body: anthropic.parse(parser, body, counting=True))
-        return JSONResponse({"input_tokens": len(req.prompt_ids)})
 
-    async def responses(request: Request) -> Response | NamedEventStream:
-        turn = await parsed(request, lambda body: responses_api.parse(parser, store, body))
-        n = number()
-        events = responses_api.ResponseEvents(turn, tok, model, n)
+async def messages(server: ApiServer, request: Request) -> Response | NamedEventStream:
+    req = await server.parsed(request, lambda body: anthropic.parse(server.parser, body))
+    n = server.run + server.number()
+    return await reply(server, request, req, anthropic.MessageEvents(req, server.tok, server.model, n),
+                       lambda seq: anthropic.message(req, seq, server.model, server.tok, n))
 
-        def body(seq: Sequence) -> dict:
-            return events.body or responses_api.response(turn, seq, model, tok, n, events.created)
 
-        def keep(seq: Sequence) -> None:
-            events.body = body(seq)
-            if turn.store:
-                store.put(events.body["id"], events.body, responses_api.conversation(turn, seq, tok, n))
+async def count_tokens(server: ApiServer, request: Request) -> Response:
+    req = await server.parsed(request, lambda body: anthropic.parse(server.parser, body, counting=True))
+    return JSONResponse({"input_tokens": len(req.prompt_ids)})
 
-        return await reply(request, turn.req, events, body, keep)
 
-    async def stored_response(request: Request) -> Response:
-        stored = store.get(request.path_params["id"])
-        if stored is None:
-            raise Refusal(404, f"{request.path_params['id']}: no such response stored (not with store false; a "
-                               f"restart forgets, and the least recently used go when the store is full)",
-                          "not_found", "id")
-        return JSONResponse(stored[0])
+async def responses(server: ApiServer, request: Request) -> Response | NamedEventStream:
+    store, tok, model = server.responses, server.tok, server.model
+    turn = await server.parsed(request, lambda body: responses_api.parse(server.parser, store, body))
+    n = server.run + server.number()
+    events = responses_api.ResponseEvents(turn, tok, model, n)
 
-    def in_anthropic_shape(handler: Callable[[Request], Awaitable[Response]]) -> Callable:
-        return endpoint(handler, answer=anthropic_error)
+    def body(seq: Sequence) -> dict:
+        return events.body or responses_api.response(turn, seq, model, tok, n, events.created)
 
-    return [Route(anthropic.MESSAGES_URL, in_anthropic_shape(messages), methods=["POST"]),
-            Route(anthropic.MESSAGES_URL + "/count_tokens", in_anthropic_shape(count_tokens), methods=["POST"]),
-            Route(responses_api.RESPONSES_URL, endpoint(responses), methods=["POST"]),
-            Route(responses_api.RESPONSES_URL + "/{id}", endpoint(stored_response), methods=["GET"])]
+    def keep(seq: Sequence) -> None:
+        events.body = body(seq)
+        if turn.store:
+            store.put(events.body["id"], events.body, responses_api.conversation(turn, seq, tok, n))
+
+    return await reply(server, request, turn.req, events, body, keep)
+
+
+async def stored_response(server: ApiServer, request: Request) -> Response:
+    stored = server.responses.get(request.path_params["id"])
+    if stored is None:
+        raise Refusal(404, f"{request.path_params['id']}: no such response stored (not with store false; a "
+                           f"restart forgets, and the least recently used go when the store is full)",
+                      "not_found", "id")
+    return JSONResponse(stored[0])

@@ -10,7 +10,7 @@ from dsv4cli.config import Settings
 from dsv4cli.errors import RunError, UsageError, install_hint
 from dsv4cli.options import CliOptions, model_options
 
-LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "[::1]"}
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 SWITCH_INTERVAL = 0.0005    # seconds a thread holds the interpreter lock while another waits for it
 
 
@@ -27,11 +27,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def answered_hosts(s: Settings, address: str) -> set[str] | None:
+def answered_hosts(s: Settings, address: str) -> frozenset[str] | None:
     """The Host names the server answers to (None: any): --allowed-host, else on a loopback address only
     loopback names (so no page of another site reaches it by DNS rebinding), else any."""
     if s.allowed_hosts:
-        return None if "*" in s.allowed_hosts else {h.lower() for h in s.allowed_hosts}
+        return None if "*" in s.allowed_hosts else frozenset(h.lower() for h in s.allowed_hosts)
     ip = ipaddress.ip_address(address.partition("%")[0])
     return LOOPBACK_HOSTS | {f"[{ip}]" if ip.version == 6 else str(ip)} if ip.is_loopback else None
 
@@ -42,6 +42,7 @@ def run_serve(s: Settings) -> int:
 
         from .app import create_app
         from .http import BACKLOG, Server, connection_limit, protocol
+        from .server import ApiServer, ServerOptions
         if s.batch_dir:
             import python_multipart  # noqa: F401 - the Batch API's uploads
     except ImportError as e:
@@ -68,8 +69,10 @@ def run_serve(s: Settings) -> int:
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True),
                       batch_slots=min(s.batch_slots or max(1, engine.max_batch // 4), engine.max_batch))
     host, port = sock.getsockname()[:2]
-    app = create_app(loop, parser, engine.tok, s.model_name, metrics, s.api_key, s.log_prompts, s.max_body_bytes,
-                     answered_hosts(s, host), s.cors_origins, store, s.max_file_bytes, s.stored_responses_bytes)
+    options = ServerOptions(s.model_name, s.api_key, s.log_prompts, max_body_bytes=s.max_body_bytes,
+                            hosts=answered_hosts(s, host), cors_origins=tuple(s.cors_origins),
+                            max_file_bytes=s.max_file_bytes, stored_responses_bytes=s.stored_responses_bytes)
+    app = create_app(ApiServer(loop, parser, options, store))
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", backlog=BACKLOG,
                             http=protocol(s.read_timeout, connection_limit(s.max_connections)))
     server = Server(config, loop, s.shutdown_timeout)
