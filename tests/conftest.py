@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,14 @@ os.environ.setdefault("DSV4_COMPILE", "off")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))          # `scripts` (corpus, tokenizer training) for tests
+
+
+def pytest_sessionfinish(session):
+    """Free a worker's garbage (compiled graphs, models) before pytest-xdist reports the worker finished:
+    pytest collects it again at its exit, and execnet gives that exit 5 s before it SIGINTs the worker, whose
+    KeyboardInterrupt then lands in some weakref callback and prints a traceback under a green run."""
+    torch._dynamo.reset()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

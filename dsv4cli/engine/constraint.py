@@ -151,16 +151,14 @@ class Constraints:
             seq.finish_reason = "constraint"
         return tokens[:legal]
 
-    def read(self, packed: list[list], key, firsts: list[Sequence], at: int) -> int:
-        """After a masked call (`key`), the drafts each slot's next step verifies, from the packed rows of the
-        call (decode slots [0, key.batch), then the prompts that ended, `firsts`), columns from `at`.
-        Returns the column after them."""
-        if not key.masked:
-            return at
-        for slot, row in zip([*range(key.batch), *(seq.slot for seq in firsts)], packed):
+    def read(self, rows: list, key, firsts: list[Sequence]) -> None:
+        """After a masked call (`key`), the drafts each slot's next step verifies, from the call's rows
+        (`step_result.RowResult`: decode slots [0, key.batch), then the prompts that ended, `firsts`)."""
+        if not (key.masked and self.depth):
+            return
+        for slot, row in zip([*range(key.batch), *(seq.slot for seq in firsts)], rows):
             if self.matchers[slot] is not None:
-                self.drafts[slot] = [int(t) for t in row[at: at + self.depth]]
-        return at + self.depth
+                self.drafts[slot] = row.drafts
 
 
 # the Constraints whose masks the running step waits for: one step runs at a time

@@ -106,14 +106,6 @@ class TokenLogprob:
     top: list[tuple[int, float]]       # (token id, logprob), most likely first
     given: list[float] = field(default_factory=list)    # a scored prompt's: its `score_ids`' logprobs there
 
-    @classmethod
-    def from_scored(cls, token: int, scored: list[float], n_top: int, given: int = 0) -> "TokenLogprob":
-        """One row of sampling.token_logprobs, read back on the host, with the request's n_top alternatives (and
-        the logprobs of its `given` ids, last)."""
-        w = (len(scored) - 1 - given) // 2
-        top = [(int(t), v) for v, t in zip(scored[1: 1 + n_top], scored[1 + w: 1 + w + n_top])]
-        return cls(token, scored[0], top, scored[1 + 2 * w:])
-
 
 @dataclass
 class Sequence:

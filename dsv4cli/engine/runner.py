@@ -16,7 +16,6 @@ import functools
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from dsv4cli.model import Segment, Transformer
 from dsv4cli.model.model import join, rows_at, split
@@ -27,8 +26,9 @@ from .drafter import Drafter, DraftRows
 from .dspark import DSparkDrafter
 from .graphs import DecodeGraphs
 from .mtp import MTPDrafter
-from .sampling import SamplingParams, token_logprobs
+from .sampling import SamplingParams
 from .slots import SlotState, SlotView
+from .step_result import Rows, StepLayout, token_logprobs
 from .verify import commit_rows
 
 
@@ -41,13 +41,9 @@ class ChunkKey(NamedTuple):
 
 
 class StepKey(NamedTuple):
-    """A step's static arguments. The packed tensor it returns holds a row per decode slot [0, batch) (its
-    L+1 candidate tokens, then the number of accepted drafts), then a row per chunk that ends its prompt
-    (its first token as candidate 0, no drafts accepted); each row padded to the drafter's D+1 candidates.
-    Where the runner reports confidences, float64, each row followed by its next drafts' D confidences;
-    when `masked`, then its next D drafts (the host computes their rows' masks); with `logprobs`, float64,
-    then what token_logprobs gives for each candidate. A step with `scored` chunks also returns their rows'
-    scores: what token_logprobs gives for each row's next token under the model's raw logits, chunk after chunk."""
+    """A step's static arguments. What the step returns: `step_result.py` (its layout: `StepLayout.of`). A
+    step with `scored` chunks also returns their rows' scores: the logprob row of each row's next token under
+    the model's raw logits, chunk after chunk."""
     chunks: tuple[ChunkKey, ...]
     batch: int        # decode rows for slots [0, batch); 0: none
     drafts: int       # L: the drafts the decode rows verify (at most the drafter's D a step)
@@ -240,25 +236,16 @@ class StepRunner:
         put(confidence, proposal.confidence)
 
     def _packed(self, key: StepKey, decoded, firsts) -> torch.Tensor:
-        """The step's one packed result (StepKey)."""
-        st, d = self.state, self.depth
-        packed = ([F.pad(torch.cat([decoded[0], decoded[1][:, None]], 1), (0, d - key.drafts))] if key.batch
-                  else []) + [F.pad(first, (0, d + 1)) for _, first, _ in firsts]
-        if not packed:
-            return torch.empty(0, d + 2, dtype=torch.long, device=self.device)
-        packed = torch.cat(packed)
-        if self.confidences:          # the next drafts' confidences, for the scheduler's choice of L
-            slots = ([st.confidence[:key.batch]] if key.batch else []) + [c.slot.confidence for c, _, _ in firsts]
-            packed = torch.cat([packed.double(), torch.cat(slots).double()], 1)
-        if key.masked and d:          # the next drafts, whose rows the next step's masks are for
-            slots = ([st.drafts[:key.batch]] if key.batch else []) + [c.slot.drafts for c, _, _ in firsts]
-            packed = torch.cat([packed, torch.cat(slots)[:, :d].to(packed.dtype)], 1)
-        if not key.logprobs:
-            return packed
-        lps = ([decoded[2]] if key.batch else []) + [lp for _, _, lp in firsts]     # [B, candidates, W1] each
-        width = (d + 1) * lps[0].shape[-1]                 # every row as wide as D+1 candidates' logprobs
-        scored = torch.cat([F.pad(lp.flatten(1), (0, width - lp[0].numel())) for lp in lps])
-        return torch.cat([packed.double(), scored], 1)
+        """The step's one packed result (`step_result.py`): the decode rows, then the prompts that ended."""
+        st, parts = self.state, []
+        if key.batch:
+            b = slice(0, key.batch)
+            parts.append(Rows(decoded[0], decoded[1], st.confidence[b] if self.confidences else None, st.drafts[b],
+                              decoded[2]))
+        for c, first, lp in firsts:
+            parts.append(Rows(first, torch.zeros_like(first[:, 0]), c.slot.confidence if self.confidences else None,
+                              c.slot.drafts, lp))
+        return StepLayout.of(key, self.depth, self.confidences).pack(parts, self.device)
 
     def example_inputs(self, key: StepKey) -> tuple:
         """Tensor inputs to trace the step `key` with: each chunk's rows, start and real length, and slot

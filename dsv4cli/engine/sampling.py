@@ -227,16 +227,6 @@ def target_probs(logits: torch.Tensor, sp: SlotParams, b: slice, sort: bool = Tr
     return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, given: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed logits [B,R,V] and the token taken at each row [B,R] -> [B,R,1+2W(+G)] float64: the token's
-    logprob, then the W = TOP_LOGPROBS highest logprobs and their ids (exact in float64), so they travel in
-    the step's one packed tensor; then the logprobs of the `given` ids [B,R,G] of each row."""
-    lp = logits.log_softmax(-1).clamp(min=MASKED_LOGPROB)     # a token a grammar forbids: -inf, which JSON lacks
-    top = lp.topk(min(TOP_LOGPROBS, lp.shape[-1]), -1)
-    parts = [lp.gather(-1, tokens[..., None]), top.values, top.indices.to(lp.dtype)]
-    return torch.cat(parts + ([lp.gather(-1, given)] if given is not None else []), -1).double()
-
-
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [..., V], u [...] -> token ids [...]."""
     cdf = probs.cumsum(-1)

@@ -15,8 +15,6 @@ import random
 import time
 from typing import NamedTuple
 
-import torch
-
 from dsv4cli.model import Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
@@ -29,6 +27,7 @@ from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingParams, needs_sort, plain_greedy
+from .step_result import RowResult, StepLayout, read_logprob, read_step
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
 # failed): `step` then raises EngineFailed, and a server exits so its supervisor restarts it.
@@ -90,17 +89,6 @@ def streams_to_decode(running: list[Sequence], chunks: list[tuple[Sequence, int,
     return running
 
 
-def read_step(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> tuple[list[list], list[list[float]]]:
-    """A step's results on the host in one read: the packed rows (StepKey), and the scored chunks' rows (none
-    unless a chunk is scored)."""
-    if not isinstance(out, tuple):
-        return out.tolist(), []
-    packed, scores = out
-    (n, w), width = packed.shape, scores.shape[1]
-    flat = torch.cat([packed.double().flatten(), scores.flatten()]).tolist()
-    return [flat[i:i + w] for i in range(0, n * w, w)], [flat[i:i + width] for i in range(n * w, len(flat), width)]
-
-
 def chunk_key(chunk: tuple[Sequence, int, int], longest: int) -> ChunkKey:
     """A prefill chunk (request, a, b) as a step's chunk key; `longest` (compiled steps): its rows padded to a
     bucket of at most that many, its context to a bucket."""
@@ -125,8 +113,8 @@ def score_chunks(chunks: list[tuple[Sequence, int, int]], keys: list[ChunkKey], 
     at = 0
     for (seq, a, b), ck in zip(chunks, keys):
         if ck.scored:
-            seq.prompt_logprobs += [TokenLogprob.from_scored(seq.prompt_ids[i + 1], scores[at + i - a],
-                                                             seq.params.prompt_logprobs, ck.given)
+            seq.prompt_logprobs += [read_logprob(seq.prompt_ids[i + 1], scores[at + i - a], seq.params.prompt_logprobs,
+                                                 ck.given)
                                     for i in range(a, min(b, len(seq.prompt_ids) - 1))]
             at += ck.rows
 
@@ -160,29 +148,27 @@ class CallPlanning:
                        decode is not None and decode.limits is not None,
                        any(p.grammar is not None for p in committing))
 
-    def _events(self, packed: list[list], key: StepKey, decoding: list[bool], ending: list[Sequence],
+    def _events(self, rows: list[RowResult], key: StepKey, decoding: list[bool], ending: list[Sequence],
                 limits: list[int] | None, now: float) -> list[Event]:
-        """The step's packed rows (StepKey) into its requests: first tokens of the prompts that ended, each
+        """The step's rows (`step_result.py`) into its requests: first tokens of the prompts that ended, each
         decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
-        d, nb, drafts = self.mtp_depth, key.batch, key.drafts
-        base = self.constraints.read(packed, key, ending, d + 2 + (d if self.runner.confidences else 0))  # logprobs
-        width = (len(packed[0]) - base) // (d + 1)                 # per candidate, when logprobs are on
+        nb, drafts = key.batch, key.drafts
+        self.constraints.read(rows, key, ending)
         events = []
-        for seq, row in zip(ending, packed[nb:]):
+        for seq, row in zip(ending, rows[nb:]):
             if self.lengths is not None:
-                self.lengths.confidence[seq.slot] = row[d + 2: base]
-            events.append(self._first_event(seq, int(row[0]), row[base: base + width]
+                self.lengths.confidence[seq.slot] = row.confidence
+            events.append(self._first_event(seq, row.tokens[0], row.logprobs[0]
                                             if seq.params.logprobs is not None else None))
-        for i, row in enumerate(packed[:nb]):
+        for i, row in enumerate(rows[:nb]):
             seq = self.slots[i]
             if not decoding[i]:                 # free or prefilling
                 continue
-            tokens, n = [int(t) for t in row[: drafts + 1]], int(row[drafts + 1])
+            tokens, n = row.tokens[: drafts + 1], row.accepted
             if self.lengths is not None:
-                self.lengths.confidence[i] = row[d + 2: base]
+                self.lengths.confidence[i] = row.confidence
             scored = None if seq.params.logprobs is None else [
-                TokenLogprob.from_scored(tokens[j], row[base + j * width: base + (j + 1) * width], seq.params.logprobs)
-                for j in range(n + 1)]
+                read_logprob(tokens[j], row.logprobs[j], seq.params.logprobs) for j in range(n + 1)]
             seq.metrics.count_drafts(drafts if limits is None else limits[i], n)
             seq.metrics.t_last = now
             self.prefixes.record(i, tokens[: n + 1])
@@ -382,7 +368,7 @@ class Engine(CallPlanning):
         self.prefixes.chunks_ran(chunks)
         if not (ending or key.batch or isinstance(out, tuple)):
             return []                       # nothing committed or scored: nothing to read
-        packed, scores = read_step(out)     # the one host read
+        rows, scores = read_step(out, StepLayout.of(key, self.mtp_depth, self.runner.confidences))  # one host read
         score_chunks(chunks, key.chunks, scores)
         if not (ending or key.batch):
             return []
@@ -393,14 +379,14 @@ class Engine(CallPlanning):
             if decode is not None and not chunks and steady and (key.drafts > 0) == key.propose:
                 self.lengths.observe(decode.batch, key.drafts, now - t0)
             self.lengths.stepped(decoding, key.propose, [seq.slot for seq in ending])
-        return self._events(packed, key, decoding, ending, decode.limits if decode else None, now)
+        return self._events(rows, key, decoding, ending, decode.limits if decode else None, now)
 
     # ---- host bookkeeping --------------------------------------------------------------------
 
     def _first_event(self, seq: Sequence, first: int, scored: list[float] | None) -> Event:
         self.prefilling.remove(seq)
         self.prefixes.record(seq.slot, seq.prompt_ids + [first])
-        logprobs = None if scored is None else [TokenLogprob.from_scored(first, scored, seq.params.logprobs)]
+        logprobs = None if scored is None else [read_logprob(first, scored, seq.params.logprobs)]
         seq.metrics.t_first = seq.metrics.t_last = time.perf_counter()
         event = self._emit(seq, [first], logprobs)
         event.first = True

@@ -20,9 +20,9 @@ from .sampling import (
     processed_logits,
     sample_from,
     target_probs,
-    token_logprobs,
     uniform,
 )
+from .step_result import token_logprobs
 
 
 def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
