@@ -103,10 +103,9 @@ class Leader:
 
     def _dead_rank(self) -> str | None:
         for _ in range(20):
-            for rank, p in enumerate(self.procs, 1):
-                if p.exitcode is not None:
-                    self.watchdog.set()       # this thread reports it; the watchdog stays quiet
-                    return f"tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks"
+            if dead := dead_rank(self.procs):
+                self.watchdog.set()       # this thread reports it; the watchdog stays quiet
+                return dead
             time.sleep(0.1)
         return None
 
@@ -179,16 +178,22 @@ def exit_with_parent() -> None:
     threading.Thread(target=wait, name="parent", daemon=True).start()
 
 
+def dead_rank(procs) -> str | None:
+    """What the run says when one of the ranks 1.. (`procs`) has exited, or None while they all run."""
+    for rank, p in enumerate(procs, 1):
+        if p.exitcode is not None:
+            return f"tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks"
+    return None
+
+
 def watch(procs, stop: threading.Event) -> None:
     """End rank 0 at once, with one line, when another rank dies: its peers would wait forever."""
     while not stop.wait(0.2):
-        for rank, p in enumerate(procs, 1):
-            if p.exitcode is not None:
-                print(f"error: tensor-parallel rank {rank} exited with code {p.exitcode}; stopping all ranks",
-                      file=sys.stderr, flush=True)
-                for q in procs:
-                    q.kill()
-                os._exit(1)
+        if dead := dead_rank(procs):
+            print(f"error: {dead}", file=sys.stderr, flush=True)     # as the CLI says a RunError
+            for p in procs:
+                p.kill()
+            os._exit(1)
 
 
 def launch_leader(world: int, device: torch.device, build):

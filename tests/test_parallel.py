@@ -7,16 +7,21 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 from test_fp8 import write_official
-from tiny import tiny_config, write_checkpoint
+from tiny import tiny_config, tiny_dspark_config, write_checkpoint
 
 from dsv4cli import parallel
-from dsv4cli.model import load_model
+from dsv4cli.model import ModelConfig, Transformer, load_model
+from dsv4cli.model import model as model_module
+from dsv4cli.model.footprint import SPLIT_NAMES, split_by_tp, tp_problem
+from dsv4cli.model.model import TP_COUNTS
 
 # 4 heads, 2 output groups, 4 indexer heads, 8 experts, vocab 256: all divisible by 2
 CFG = tiny_config(index_n_heads=4)
@@ -85,6 +90,33 @@ def test_tp_that_does_not_divide_is_refused(tiny_model_dir):
     assert r.stderr.count("\n") == 1 and "--tp 3" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_what_tp_splits_is_what_the_modules_tag(monkeypatch):
+    """The model built for each of 2 ranks against the whole one: the tensors the ranks hold in parts (rows,
+    columns, or the routed experts each its own) are those the modules' `tp_split` tags, by which the footprint
+    counts a card's bytes; every tag names some of them; `tp_problem` checks every count of TP_COUNTS, so each
+    is one the tags split."""
+    def tensors(cfg, rank, ranks):
+        monkeypatch.setattr(model_module, "world", lambda: (rank, ranks))
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        return {name: t.numel() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+
+    split_parts = set()
+    mtp, dspark = ModelConfig.from_dict(CFG), ModelConfig.from_dict(tiny_dspark_config(index_n_heads=4))
+    for cfg in (mtp, dspark, replace(dspark, dspark_vocab_copies=True)):
+        whole, ranks = tensors(cfg, 0, 1), [tensors(cfg, rank, 2) for rank in (0, 1)]
+        split = {name for name, n in whole.items() if any(held.get(name) != n for held in ranks)}
+        assert split == {name for name in whole if split_by_tp(name)}
+        assert all(sum(held.get(name, 0) for held in ranks) == whole[name] for name in split)
+        assert all(2 * sum(held.get(name, 0) for name in split) == sum(whole[name] for name in split)
+                   for held in ranks)                    # each card half of them, as the footprint counts
+        split_parts |= {part for name in split for part in name.split(".")}
+    assert not SPLIT_NAMES - split_parts           # a tag that names no split tensor
+    for count, what in TP_COUNTS.items():
+        odd = getattr(mtp, count) + 1
+        assert tp_problem(replace(mtp, **{count: odd}), 2) == f"does not divide the {odd} {what}"
+
+
 def children(pid: int) -> list[int]:
     kids = []
     for entry in os.listdir("/proc"):
@@ -117,6 +149,13 @@ def test_killed_rank_ends_the_run(tiny_model_dir):
         assert rc == 1 and "rank 1 exited" in err and "Traceback" not in err
     finally:
         proc.kill()
+
+
+def test_a_dead_rank_is_named_with_its_exit_code():
+    """What both the step that fails and the watchdog say (`parallel.dead_rank`)."""
+    running, killed = SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=-9)
+    assert parallel.dead_rank([running, running]) is None
+    assert parallel.dead_rank([running, killed]) == "tensor-parallel rank 2 exited with code -9; stopping all ranks"
 
 
 def rank_processes(pid: int) -> list[int]:

@@ -3,19 +3,16 @@ parallelism, and the decode state's bytes, from config.json and the safetensors 
 is read), by arithmetic: building the model even on the meta device takes seconds at V4 Flash's size, and a
 decode state there imports torch's symbolic shapes (its rope tables are the process's first meta ops)."""
 import math
-import re
 from typing import NamedTuple
 
 from .config import LARGEST_RATIO, ModelConfig
 from .loader import Checkpoint, keep_fp32, open_checkpoint, weights_mode
-from .model import block_span
+from .model import TP_COUNTS, TP_SPLIT, block_span
 from .quant import is_w8a8_linear
 
-# What model.py splits across tensor-parallel ranks (heads, output groups, experts, vocabulary rows: the
-# trunk's embed and head, the drafter's copies of them and DSpark's Markov tables); everything else is
-# replicated on every card.
-TP_SPLIT = re.compile(r"(^|\.)(embed|head|markov_w1|markov_w2)\.|\.(wq_b|wo_a|wo_b|weights_proj)\.|attn_sink"
-                      r"|\.experts\.")
+# The name parts of the tensors model.py splits across tensor-parallel ranks (its modules' `tp_split`);
+# everything else is replicated on every card.
+SPLIT_NAMES = frozenset().union(*TP_SPLIT.values())
 
 
 class ModelTensor(NamedTuple):
@@ -29,12 +26,15 @@ class ModelTensor(NamedTuple):
 
 def tp_problem(cfg: ModelConfig, tp: int) -> str | None:
     """Why `tp` ranks can't split this model (a count it does not divide), or None."""
-    for what, n in (("attention heads", cfg.n_heads), ("output groups", cfg.o_groups),
-                    ("indexer heads", cfg.index_n_heads), ("routed experts", cfg.n_routed_experts),
-                    ("vocabulary rows", cfg.vocab_size)):
-        if n % tp:
+    for count, what in TP_COUNTS.items():
+        if count in TP_SPLIT and (n := getattr(cfg, count)) % tp:
             return f"does not divide the {n} {what}"
     return None
+
+
+def split_by_tp(name: str) -> bool:
+    """Whether tensor parallelism splits the model tensor `name` (held in part by each rank)."""
+    return not SPLIT_NAMES.isdisjoint(name.split("."))
 
 
 def count_parameters(cfg: ModelConfig) -> tuple[int, int]:
@@ -152,7 +152,7 @@ def tensor_bytes(ckpt: Checkpoint, tensors: list[ModelTensor], tp: int, float_by
         prefix = name.rpartition(".")[0]
         float_only, holds_fp8 = linear or (False, False)
         stored = ckpt.dtype(name) if name in ckpt.tensors else None
-        split = tp if TP_SPLIT.search(name) else 1
+        split = tp if split_by_tp(name) else 1
         numel = math.prod(shape)
         rows, cols = shape if len(shape) == 2 else (0, 0)
         if linear is None:

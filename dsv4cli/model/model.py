@@ -42,11 +42,29 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# The config's counts `--tp` may divide among the ranks, as an error names them, in the order it checks them.
+TP_COUNTS = {"n_heads": "attention heads", "o_groups": "output groups", "index_n_heads": "indexer heads",
+             "n_routed_experts": "routed experts", "vocab_size": "vocabulary rows"}
+# What `--tp` splits: each count the ranks divide and the tensors split along it, by a part of their names. Filled
+# from the modules' `tp_split` as they are defined, so the footprint and `tp_problem` know it without building a
+# model.
+TP_SPLIT: dict[str, set[str]] = {}
+
+
 class OpModule(nn.Module):
     """A module that runs the kernel seam's ops as `self.ops.<op>`: the reference until `Transformer.prepare`
     binds the device's kernel module to every module, once. Copied or pickled, the binding travels by
     the module's name (a module object can't be)."""
     ops = reference
+    # what of the module `--tp` splits: {config count: its attributes split along it}; an attribute holding a
+    # module stands for all of that module's tensors
+    tp_split: dict[str, tuple[str, ...]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for count, names in cls.tp_split.items():
+            assert count in TP_COUNTS, f"{cls.__name__}.tp_split: {count} is not one of TP_COUNTS"
+            TP_SPLIT.setdefault(count, set()).update(names)
 
     def __getstate__(self):
         state = self.__dict__.copy()
@@ -479,6 +497,7 @@ class Compressor(OpModule):
 
 class Indexer(OpModule):
     """Lightning indexer: picks the top-k ratio-4 blocks per query by sum_h w_h * relu(q_h . k)."""
+    tp_split = {"index_n_heads": ("wq_b", "weights_proj")}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -507,6 +526,8 @@ class Indexer(OpModule):
 
 
 class Attention(OpModule):
+    tp_split = {"n_heads": ("wq_b", "attn_sink"), "o_groups": ("wo_a", "wo_b")}   # wo_b: its columns
+
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         ws = world()[1]
@@ -631,6 +652,7 @@ class MoE(OpModule):
     platform); or, after `stack_experts`, grouped GEMMs over the stacked weights with the routing kept
     on the device (static shapes, no sync). A compiled step can't read the routing on the host: with
     stacked experts it keeps it on the device there too, else the host path is one opaque op."""
+    tp_split = {"n_routed_experts": ("experts",)}     # a rank holds its experts whole, the others' not at all
 
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
@@ -871,6 +893,7 @@ class DSparkAttention(Attention):
 class MarkovHead(OpModule):
     """A token's Markov embedding (markov_w1, looked up by the previous token) and the bias it adds to the
     next slot's logits (markov_w2, stored [vocab, rank]); both split along the vocabulary."""
+    tp_split = {"vocab_size": ("markov_w1", "markov_w2")}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -902,6 +925,7 @@ class DSparkStage(Block):
     first stage also projects the target features (main_proj, main_norm); the last holds the drafter's
     hc_head and norm, the Markov and confidence heads; W8A8 checkpoints give the first its own embedding
     and the last its own head (unrotated copies of the trunk's)."""
+    tp_split = {"vocab_size": ("embed", "head")}
 
     def __init__(self, stage: int, cfg: ModelConfig):
         super().__init__(cfg.n_layers + stage, cfg, DSparkAttention)
@@ -928,6 +952,8 @@ class DSparkStage(Block):
 
 
 class Transformer(OpModule):
+    tp_split = {"vocab_size": ("embed", "head")}
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
