@@ -176,23 +176,180 @@ def test_the_server_stays_in_small_parts():
     assert not big, big
 
 
+# Backticked dotted names in the architecture doc (`Class.attr`, `module.function`, `pkg.module.Class.method`)
+DOTTED = re.compile(r"[A-Za-z_][\w/]*(?:\.[A-Za-z_]\w*)+")
+FILE_SUFFIXES = {"py", "md", "json", "jsonl", "toml", "c", "cpp", "h", "bin", "safetensors", "txt"}
+
+
+def type_names(node: ast.AST | None) -> set[str]:
+    """The names an annotation or a call's callee mentions (forward references in strings included)."""
+    if node is None:
+        return set()
+    names = set()
+    for n in ast.walk(node.func if isinstance(node, ast.Call) else node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            names |= set(re.findall(r"[A-Za-z_]\w*", n.value))
+    return names
+
+
+def is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def class_members(cls: ast.ClassDef) -> dict[str, set[str]]:
+    """A class's own members -> the type names they may hold: methods and properties (their return annotation),
+    class-level names and fields (NamedTuple, dataclass, Protocol), and `self.x = ...` in its methods (the
+    annotation, the class called or the method whose result is assigned)."""
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    found = {name: type_names(fn.returns) for name, fn in methods.items()}
+
+    def value_types(value: ast.AST | None) -> set[str]:
+        if isinstance(value, ast.IfExp):        # `X(...) if on else None`
+            return value_types(value.body) | value_types(value.orelse)
+        if not isinstance(value, ast.Call):
+            return set()
+        callee = value.func
+        if isinstance(callee, ast.Attribute) and is_self(callee.value) and callee.attr in methods:
+            return type_names(methods[callee.attr].returns)
+        return type_names(callee)
+
+    statements = [(n, True) for n in cls.body] + [(n, False) for fn in methods.values() for n in ast.walk(fn)]
+    for node, in_body in statements:
+        if isinstance(node, ast.Assign):
+            pairs = [(t, None, node.value) for t in node.targets]
+        elif isinstance(node, ast.AnnAssign):
+            pairs = [(node.target, node.annotation, node.value)]
+        else:
+            continue
+        for target, annotation, value in pairs:
+            several = isinstance(target, ast.Tuple)
+            for t in target.elts if several else [target]:
+                name = t.id if in_body and isinstance(t, ast.Name) else \
+                    t.attr if not in_body and isinstance(t, ast.Attribute) and is_self(t.value) else None
+                if name is not None:
+                    kinds = type_names(annotation) | (set() if several else value_types(value))
+                    found.setdefault(name, set()).update(kinds)
+    return found
+
+
+class SourceIndex:
+    """dsv4cli's modules, their top-level names and their classes' members, read with ast (nothing imported):
+    resolves a dotted reference the way a reader looks it up."""
+
+    def __init__(self):
+        self.modules: dict[str, ast.Module] = {}
+        self.packages: set[str] = set()
+        self.classes: dict[str, list[ast.ClassDef]] = {}
+        self.members: dict[int, dict[str, set[str]]] = {}      # by id of the class: `class_members`
+        for path in PACKAGE.rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            self.modules[name] = tree = ast.parse(path.read_text())
+            if path.name == "__init__.py":
+                self.packages.add(name)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    self.classes.setdefault(node.name, []).append(node)
+
+    def in_class(self, cls: ast.ClassDef, rest: list[str], seen: frozenset = frozenset()) -> bool:
+        """Whether `rest` names a member of `cls` or its bases (then a member of that member's type)."""
+        if not rest:
+            return True
+        if id(cls) in seen:
+            return False
+        seen |= {id(cls)}
+        if id(cls) not in self.members:
+            self.members[id(cls)] = class_members(cls)
+        members = self.members[id(cls)]
+        if rest[0] in members:
+            return len(rest) == 1 or any(self.in_class(c, rest[1:], seen) for kind in members[rest[0]]
+                                         for c in self.classes.get(kind, []))
+        return any(self.in_class(base, rest, seen) for kind in type_names(ast.Tuple(cls.bases))
+                   for base in self.classes.get(kind, []))
+
+    def in_module(self, module: str, rest: list[str]) -> bool:
+        """Whether `rest` names something of `module`: a submodule, a class (and its members), a function or a
+        module-level name defined there; a package's imports count too (they are its API), a module's don't."""
+        if not rest:
+            return True
+        name, more = rest[0], rest[1:]
+        if f"{module}.{name}" in self.modules:
+            return self.in_module(f"{module}.{name}", more)
+        for node in self.modules[module].body:
+            if isinstance(node, ast.ClassDef) and node.name == name:
+                return self.in_class(node, more)
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
+                return not more
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return not more
+            if module in self.packages and isinstance(node, ast.ImportFrom) and node.level:
+                package = module.split(".")[: len(module.split(".")) - node.level + 1]
+                source = ".".join(package + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if (alias.asname or alias.name) == name:
+                        return self.in_module(source, [alias.name, *more])
+        return False
+
+    def resolves(self, ref: str) -> bool | None:
+        """Whether a dotted reference names something in dsv4cli: after its longest prefix that names a module
+        (`dsv4cli.serve.app`, `serve.app`, `app`, `batch/runner`), else after a class named by its first part;
+        None where it is another package's (`torch.compile`, `os._exit`)."""
+        import importlib.util
+
+        parts = ref.replace("/", ".").split(".")
+        ours = parts[0] in self.classes
+        for n in range(len(parts), 0, -1):
+            dotted = ".".join(parts[:n])
+            for module in [m for m in self.modules if m == dotted or m.endswith("." + dotted)]:
+                ours = True
+                if self.in_module(module, parts[n:]):
+                    return True
+        if any(self.in_class(c, parts[1:]) for c in self.classes.get(parts[0], [])):
+            return True
+        return False if ours or importlib.util.find_spec(parts[0]) is None else None
+
+
+def dotted_references(doc: str) -> set[str]:
+    """The backticked dotted names of a markdown text outside its code blocks (a call's arguments dropped:
+    `kernels.module_for(device)`), file names left out."""
+    spans = re.findall(r"`([^`\s]+)`", re.sub(r"```.*?```", "", doc, flags=re.S))
+    return {ref for ref in (span.split("(")[0] for span in spans)
+            if DOTTED.fullmatch(ref) and ref.rsplit(".", 1)[1] not in FILE_SUFFIXES}
+
+
 def test_the_architecture_doc_names_what_is_there():
-    """docs/architecture.md: at most 250 lines, and every module, file and class it names exists; history
-    stays in git ("stop N" nowhere in the docs or the code)."""
+    """docs/architecture.md: at most 250 lines, and every module, file and class it names exists, and every
+    `Class.attr` or `module.function` it names resolves in the source (`SourceIndex`); history stays in git
+    ("stop N" nowhere in the docs or the code)."""
     import builtins
+    import os
     import re
 
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert len(doc.splitlines()) <= 250
     text = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py")])
     missing = []
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]        # .venv, .git
+        files += [f"{folder}/{name}" for name in names if name.endswith((".py", ".md"))]
     for name in set(re.findall(r"`([\w/]+\.(?:py|md))`", doc)):
-        if not any(p.as_posix().endswith(name) for p in [*ROOT.glob("**/*.py"), *ROOT.glob("**/*.md")]
-                   if ".venv" not in p.parts):
+        if not any(f.endswith(name) for f in files):
             missing.append(name)
     for name in set(re.findall(r"`([A-Z][A-Za-z]+)(?:[.(`])", doc)) - set(dir(builtins)):
         if not re.search(rf"^\s*(class|def) {name}\b|^{name} = ", text, re.M):
             missing.append(name)
+    # `Class.attr`, `module.function`, `module.Class.method`: looked up in the source as a reader would
+    index = SourceIndex()
+    assert index.resolves("Engine.step") and index.resolves("SlotState.cache.mtp")     # the lookup finds what is
+    assert index.resolves("Engine.confidence") is False and index.resolves("torch.compile") is None    # ... not
+    missing += sorted(ref for ref in dotted_references(doc) if index.resolves(ref) is False)
     assert not missing, missing
     for path in [ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "benchmarks" / "README.md",
                  *PACKAGE.rglob("*.py")]:
