@@ -100,8 +100,9 @@ def decode_step(engine: Engine, batch: int, depth: int, bound: int):
     """(the slots' device state, a call of the engine's decode step for slots [0, batch) with greedy rows, as
     the engine runs them, its compile key, and its owner); an older checkout's engine was all of them."""
     if hasattr(engine, "runner"):
-        from dsv4cli.engine.runner import StepKey
-        key = StepKey((), batch, depth, bound, False, False, True)
+        from dsv4cli.engine import runner
+        key = (runner.StepKey(batch=batch, context=bound, plan=runner.DraftPlan(drafts=depth))
+               if hasattr(runner, "DraftPlan") else runner.StepKey((), batch, depth, bound, False, False, True))
         return engine.runner.state, lambda: engine.runner.step(key), key, engine.runner
     greedy = {"greedy": True} if "greedy" in inspect.signature(Engine._fused_decode).parameters else {}
     key = ("_fused_decode", batch, bound, False, False, *greedy.values())

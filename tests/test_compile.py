@@ -18,7 +18,7 @@ from dsv4cli import platforms
 from dsv4cli.bench import kernel_calls
 from dsv4cli.config import resolve
 from dsv4cli.engine import Engine, SamplingParams, compiled
-from dsv4cli.engine.runner import ChunkKey, StepKey
+from dsv4cli.engine.runner import ChunkKey, DraftPlan, StepKey
 from dsv4cli.kernels import native
 from dsv4cli.loading import BATCH_COMPILE_TOKENS, LONG_RUNNING, choose_compile, load_engine
 from dsv4cli.model.model import PackedWeight
@@ -109,7 +109,7 @@ def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer
         want = eager.generate([prompt], params)[0].prompt_logprobs
         engine = eager.resized(1, 0, compile=True)
         got = engine.generate([prompt], params)[0].prompt_logprobs
-    assert list(engine.compiled.ready) == [StepKey((ChunkKey(16, 512, True, True, 2),), 0, 0, 0, False, False, True)]
+    assert list(engine.compiled.ready) == [StepKey(chunks=(ChunkKey(16, 512, True, True, 2),))]
     assert engine.compiled.eager_steps == 0 and [e.token for e in got] == prompt
     for a, b in zip(got[1:], want[1:]):
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
@@ -141,8 +141,8 @@ def reaped_while_idle(pid: int, timeout: float = 600) -> bool:
     return False
 
 
-STEP = StepKey((), 2, 2, 512, False, False, True)    # decode rows of batch 2 verifying 2 drafts, context 512, greedy
-CHUNK = StepKey((ChunkKey(16, 512, True),), 0, 0, 0, False, False, True)    # a prompt's last chunk, 16 rows, greedy
+STEP = StepKey(batch=2, context=512, plan=DraftPlan(drafts=2))   # decode rows of batch 2 verifying 2 drafts, greedy
+CHUNK = StepKey(chunks=(ChunkKey(16, 512, True),))    # a prompt's last chunk, 16 rows, greedy
 
 
 def settings_for(model_dir, **flags):
@@ -179,8 +179,8 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     assert poll_until(lambda: os.sched_getscheduler(child.pid) == os.SCHED_IDLE)
     assert reaped_while_idle(child.pid)              # no zombie while the engine takes no step
     engine.compiled.wait()
-    step = StepKey((), 2, 0, 512, False, False, True)
-    chunk = StepKey((ChunkKey(32, 512, True),), 0, 0, 0, False, False, True)
+    step = StepKey(batch=2, context=512)
+    chunk = StepKey(chunks=(ChunkKey(32, 512, True),))
     assert run(engine) == want         # the prompts' chunks compile now, the decode step's key being ready
     engine.compiled.wait()
     assert engine.compiled.built[step][0] == engine.compiled.built[chunk][0] == "compiled apart"

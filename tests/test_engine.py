@@ -10,7 +10,7 @@ from tiny import prompts
 from dsv4cli import parallel
 from dsv4cli.engine import Engine, EngineAPI, EngineFailed, ModelInfo
 from dsv4cli.engine.runner import StepRunner
-from dsv4cli.engine.sampling import SamplingParams, SlotParams, processed_logits, target_probs
+from dsv4cli.engine.sampling import NEUTRAL, SamplingParams, SlotParams, plain_greedy, processed_logits, target_probs
 from dsv4cli.engine.verify import verify, verify_greedy
 from dsv4cli.kernels import cpu, native
 from dsv4cli.model.quant import quantize_model, release_model
@@ -259,6 +259,17 @@ def test_verify_greedy_is_verify_on_one_hot_rows():
         assert k == 0 or set(got[1].tolist()) == set(range(k + 1))
 
 
+def test_every_field_that_changes_logits_keeps_a_greedy_request_off_the_argmax_path():
+    """A field declared as changing logits (`sampling._logits`), set, makes a greedy request compute its
+    distribution; the declaration is the one place to add such a field."""
+    changed = {"repetition_penalty": 1.2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "min_tokens": 3,
+               "logit_bias": {5: 2.0}}
+    assert set(NEUTRAL) == set(changed)
+    assert plain_greedy([SamplingParams(temperature=0)])
+    for name, value in changed.items():
+        assert not plain_greedy([SamplingParams(temperature=0, **{name: value})]), name
+
+
 @torch.no_grad()
 def test_plain_greedy_steps_take_the_argmax_and_give_the_distributions_tokens(model, tok, monkeypatch):
     """A step whose rows are all greedy with no penalty or bias takes the logits' argmax (no softmax,
@@ -267,8 +278,8 @@ def test_plain_greedy_steps_take_the_argmax_and_give_the_distributions_tokens(mo
     ps = prompts([6, 40], tok.vocab_size, seed=3)
     steps = []                    # each decode call's `greedy`
     step = StepRunner.step
-    monkeypatch.setattr(StepRunner, "step",
-                        lambda self, key, *chunks: (key.batch and steps.append(key.greedy)) or step(self, key, *chunks))
+    monkeypatch.setattr(StepRunner, "step", lambda self, key, *chunks: (
+        key.batch and steps.append(key.sampling.greedy)) or step(self, key, *chunks))
     sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)   # 20+ steps
     for k in (0, 2):
         steps.clear()

@@ -207,7 +207,7 @@ def test_unconstrained_requests_and_steps_are_untouched(tok, dspark):
         eng.step()
     assert unconstrained.output_ids == alone
     # prefill chunks commit nothing (unmasked), then masked steps while the constrained request commits, then not
-    masked = "".join("m" if k.masked else "." for k in keys)
+    masked = "".join("m" if k.sampling.masked else "." for k in keys)
     assert re.fullmatch(r"\.+m+\.+", masked), masked
     assert len(constrained.output_ids) < 80                  # it ended first: the later steps had no grammar
 
@@ -228,7 +228,7 @@ def test_the_compiled_step_masks_as_the_eager_one(tok, tmp_path, monkeypatch):
     for how in ("compiled", "loaded"):
         engine = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True)
         assert engine.generate([[5, 6, 7, 8, 9]], params)[0].output_ids == want.output_ids
-        assert all(k.masked for k in engine.compiled.ready) and len(engine.compiled.ready) == 2
+        assert all(k.sampling.masked for k in engine.compiled.ready) and len(engine.compiled.ready) == 2
         assert {b[0] for b in engine.compiled.built.values()} == {how}
         assert engine.compiled.eager_steps == 0 and engine.compiled.recompiles == 0
 

@@ -154,7 +154,7 @@ class Constraints:
     def read(self, rows: list, key, firsts: list[Sequence]) -> None:
         """After a masked call (`key`), the drafts each slot's next step verifies, from the call's rows
         (`step_result.RowResult`: decode slots [0, key.batch), then the prompts that ended, `firsts`)."""
-        if not (key.masked and self.depth):
+        if not (key.sampling.masked and self.depth):
             return
         for slot, row in zip([*range(key.batch), *(seq.slot for seq in firsts)], rows):
             if self.matchers[slot] is not None:

@@ -12,7 +12,7 @@ import torch
 
 from dsv4cli.model import DecodeState
 
-from .sampling import SlotParams
+from .sampling import SamplingMode, SlotParams
 
 
 class DraftRows(NamedTuple):
@@ -53,8 +53,7 @@ class Proposal(NamedTuple):
 class Drafter(Protocol):
     depth: int      # drafts a step proposes (at most that many are verified)
 
-    def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
+    def propose(self, rows: list[DraftRows], mode: SamplingMode) -> list[Proposal]:
         """Write this step's rows into the drafter's state and return a Proposal for each segment that
-        wants one, in order. `greedy`: every request drafting is plain greedy; `sort`: some filters by
-        rank or mass (as StepKey)."""
+        wants one, in order, drafting as the step's `mode` says (greedy: argmaxes)."""
         ...

@@ -14,7 +14,7 @@ from dsv4cli.model import Segment, Transformer
 from dsv4cli.model.model import join, rows_at, split
 
 from .drafter import DraftRows, Proposal
-from .sampling import RNG_DRAFT, draft_probs, sample_from, uniform
+from .sampling import RNG_DRAFT, SamplingMode, draft_probs, sample_from, uniform
 
 
 class DSparkDrafter:
@@ -26,14 +26,14 @@ class DSparkDrafter:
     def __init__(self, model: Transformer, depth: int):
         self.model, self.depth = model, depth
 
-    def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
+    def propose(self, rows: list[DraftRows], mode: SamplingMode) -> list[Proposal]:
         model = self.model
         main_x = split(model.dspark_context(join([r.features for r in rows])), [r.next_ids.shape for r in rows])
         for r, x in zip(rows, main_x):      # committed rows only: a rejected draft leaves no trace
             model.dspark_write(x, Segment(r.next_ids, r.start, r.cache, length=r.committed))
-        return [self._block(r, greedy, sort) for r in rows if r.wanted]
+        return [self._block(r, mode) for r in rows if r.wanted]
 
-    def _block(self, r: DraftRows, greedy: bool, sort: bool) -> Proposal:
+    def _block(self, r: DraftRows, mode: SamplingMode) -> Proposal:
         """The drafts of one segment's block after its newest committed token (the anchor, at position n)."""
         anchor, n = rows_at(r.next_ids, r.committed - 1)[:, 0], r.start + r.committed
         logits, hidden = self.model.dspark_block(anchor, n, r.cache, self.depth)
@@ -42,10 +42,10 @@ class DSparkDrafter:
         for i in range(self.depth):        # slot i drafts position n+i+1, biased by the token before it
             e, bias = markov(prev)
             biased = logits[:, i] + bias
-            if greedy:
+            if mode.greedy:
                 prev = biased.argmax(-1)
             else:
-                q = draft_probs(biased, r.sampling, r.rows, sort)
+                q = draft_probs(biased, r.sampling, r.rows, mode.sort)
                 prev = sample_from(q, uniform(r.sampling.seed[r.rows], n + i + 1, RNG_DRAFT))
                 qs.append(q)
             drafts.append(prev)

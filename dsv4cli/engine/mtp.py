@@ -11,6 +11,7 @@ from dsv4cli.model import Segment, Transformer
 from dsv4cli.model.model import join, rows_at, split
 
 from .drafter import DraftRows, Proposal
+from .sampling import SamplingMode
 
 
 class MTPDrafter:
@@ -19,7 +20,7 @@ class MTPDrafter:
     def __init__(self, model: Transformer, depth: int):
         self.model, self.depth = model, depth
 
-    def propose(self, rows: list[DraftRows], greedy: bool, sort: bool) -> list[Proposal]:
+    def propose(self, rows: list[DraftRows], mode: SamplingMode) -> list[Proposal]:
         """Every row of every segment through the MTP layer in one pass (rejected rows leave
         position-addressed garbage the next step rewrites), then the chained drafts of those that want them
         (argmaxes whatever the requests' settings)."""

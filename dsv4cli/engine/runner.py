@@ -26,7 +26,7 @@ from .drafter import Drafter, DraftRows
 from .dspark import DSparkDrafter
 from .graphs import DecodeGraphs
 from .mtp import MTPDrafter
-from .sampling import SamplingParams
+from .sampling import SamplingMode, SamplingParams
 from .slots import SlotState, SlotView
 from .step_result import Rows, StepLayout, token_logprobs
 from .verify import commit_rows
@@ -40,20 +40,21 @@ class ChunkKey(NamedTuple):
     given: int = 0          # ids each scored row scores besides its token and the top ones (`score_ids`)
 
 
+class DraftPlan(NamedTuple):
+    """What a step's decode rows verify and draft."""
+    drafts: int = 0         # L: the drafts each row verifies (at most the drafter's D)
+    propose: bool = True    # the rows get next drafts (False: the drafter only takes their rows in)
+    limits: bool = False    # each row verifies as many drafts as its slot's `limit` says (at most L)
+
+
 class StepKey(NamedTuple):
-    """A step's static arguments. What the step returns: `step_result.py` (its layout: `StepLayout.of`). A
-    step with `scored` chunks also returns their rows' scores: the logprob row of each row's next token under
-    the model's raw logits, chunk after chunk."""
-    chunks: tuple[ChunkKey, ...]
-    batch: int        # decode rows for slots [0, batch); 0: none
-    drafts: int       # L: the drafts the decode rows verify (at most the drafter's D a step)
-    context: int      # a bound on the decode rows' positions + 1
-    sort: bool        # some committing request filters by top-k / top-p / min-p (the vocabulary is sorted)
-    logprobs: bool    # some committing request asked for logprobs
-    greedy: bool      # every committing request is `plain_greedy`: its tokens are the logits' argmax
-    propose: bool = True    # the decode rows get next drafts (False: the drafter only takes their rows in)
-    limits: bool = False    # each decode row verifies as many drafts as its slot's `limit` says (at most L)
-    masked: bool = False    # some committing request has a grammar: its rows' logits are masked (`constraint.py`)
+    """A step's static arguments (what `StepRunner.step` says each changes). What the step returns:
+    `step_result.py` (its layout: `StepLayout.of`)."""
+    chunks: tuple[ChunkKey, ...] = ()
+    batch: int = 0                          # decode rows for slots [0, batch); 0: none
+    context: int = 0                        # a bound on the decode rows' positions + 1
+    sampling: SamplingMode = SamplingMode()     # how the committing rows choose their tokens
+    plan: DraftPlan = DraftPlan()           # what the decode rows verify and draft
 
 
 class ChunkInputs(NamedTuple):
@@ -129,39 +130,36 @@ class StepRunner:
         compiled with its key ready (decode rows only, not masked: a masked step waits for the host mid-way;
         no compile running beside the capture: a worker's device work would spoil it)."""
         fused = functools.partial(self.compiled, key) if compiled else functools.partial(self.step, key)
-        if chunks or self.graphs is None or key.masked or (self.compiled is not None and not (
+        if chunks or self.graphs is None or key.sampling.masked or (self.compiled is not None and not (
                 compiled and self.compiled.is_ready(key) and not self.compiled.busy)):
             return fused(*chunks)
         return self.graphs.run(key, fused)
 
     def step(self, key: StepKey, *chunks: ChunkInputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """One step on the device (see StepKey for what it returns: the packed tensor, and the scores when a
-        chunk is scored). Without chunks it reads and writes only preallocated tensors, so it can be captured as
-        a graph.
+        """One step on the device: the packed result (`step_result.py`), and the scored chunks' logprob rows
+        (each row's next token under the model's raw logits) when a chunk is `scored`. Without chunks it reads
+        and writes only preallocated tensors, so it can be captured as a graph.
+
+        What each part of the key changes: `chunks`, the prompt segments and their rows (`ChunkKey`: padded
+        rows, context bound, whether a chunk ends its prompt and gives its first token, whether its rows are
+        scored); `batch` and `context`, the decode segment's rows and the attention bound; `sampling`, how
+        tokens are committed (`SamplingMode`: argmax or a draw, sorted for rank filters, logprob rows packed,
+        the host's grammar masks awaited and applied); `plan`, the drafts verified, whether the drafter
+        proposes, and per-row limits (`DraftPlan`).
 
         A chunk runs before the decode rows in every layer, and its slot's `pos` moves to the chunk's end
         first: the decode rows [0, batch) include inactive slots (free, or prefilling), which act as a
         slot whose drafts were all rejected and write only positions pos..pos+L, rewritten before
         anything reads them (position-addressed state); run before the chunk, or at its start, they would
         land on rows the chunk reads or writes."""
-        st = self.state
-        ends = [c.length if c.length is not None else torch.full_like(c.start, ck.rows)
-                for ck, c in zip(key.chunks, chunks)]
-        for c, n in zip(chunks, ends):
-            c.slot.pos.copy_(c.start + n)
-        segments = [Segment(c.ids[:, :ck.rows], c.start, c.slot.cache, ck.context, c.length)
-                    for ck, c in zip(key.chunks, chunks)]
-        b = slice(0, key.batch)
-        if key.batch:
-            segments.append(Segment(torch.cat([st.last[b, None], st.drafts[b, :key.drafts]], 1), st.pos[b], st.cache,
-                                    key.context))
+        segments, ends = self._segments(key, chunks)
         trunk = self.model.forward_segments(segments)
         hidden = [t.hidden for t in trunk]
         # one head call over the rows that commit: a prompt's last real row, every decode row
         ending = [i for i, ck in enumerate(key.chunks) if ck.last]
         scored = [rows_at(hidden[i], ends[i] - 1) for i in ending] + hidden[len(chunks):]
         logits = self.model.logits(join(scored)) if scored else None
-        if key.masked:            # the host's masks, computed while the trunk ran
+        if key.sampling.masked:   # the host's masks, computed while the trunk ran
             logits = apply_masks(logits, await_masks(logits))
         logits = split(logits, [x.shape[:2] for x in scored]) if scored else []
         # a scored chunk's rows, each scoring the prompt's next token: [rows, V] logits at most, never a prompt's
@@ -172,7 +170,7 @@ class StepRunner:
             nxt = c.ids[:, 1:ck.rows + 1]
             if ck.last:
                 first, _, lp = commit_rows(logits[ending.index(i)], nxt[:, :0], c.slot.sampling, slice(0, 1),
-                                           c.start + ends[i] - 1, key.sort, key.logprobs, key.greedy)
+                                           c.start + ends[i] - 1, key.sampling)
                 firsts.append((c, first, lp))
                 nxt = nxt.scatter(1, (ends[i] - 1)[:, None], first)
             rows.append(DraftRows(hidden[i], trunk[i].features, nxt, c.start, c.slot.cache, ends[i], c.length, ck.last,
@@ -180,35 +178,53 @@ class StepRunner:
         decoded = self._verify(key, trunk[-1], logits[-1], rows) if key.batch else None
         # a proposal for each segment that wants one: each prompt that ends, the decode rows unless the key
         # says not (None: none, and plain decoding)
-        made = iter(self.drafter.propose(rows, key.greedy, key.sort) if self.drafter is not None else ())
+        made = iter(self.drafter.propose(rows, key.sampling) if self.drafter is not None else ())
         proposed = [next(made, None) if r.wanted else None for r in rows]
         if key.batch:       # the decode rows are the last segment the drafter saw
-            self._advance(b, *decoded[:2], proposed[-1] if self.drafter is not None else None)
-        ended = [proposed[i] for i in ending]
-        for (c, first, _), proposal in zip(firsts, ended):     # after the decode rows': the slot joins them
-            c.slot.last.copy_(first[:, 0])
-            c.slot.active.fill_(True)
-            if proposal is not None:
-                self._keep(proposal, c.slot.drafts, c.slot.draft_q, c.slot.confidence)
-            c.slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
+            self._advance(slice(0, key.batch), *decoded[:2], proposed[-1] if self.drafter is not None else None)
+        for (c, first, _), i in zip(firsts, ending):     # after the decode rows': the slot joins them
+            self._join(c.slot, first, proposed[i])
         packed = self._packed(key, decoded, firsts)
         return (packed, torch.cat(scores)) if scores else packed
+
+    def _segments(self, key: StepKey, chunks: tuple[ChunkInputs, ...]) -> tuple[list[Segment], list[torch.Tensor]]:
+        """The step's segments [chunks; decode rows] and each chunk's real end, each chunk's slot `pos` moved to
+        its end first (`step`)."""
+        st = self.state
+        ends = [c.length if c.length is not None else torch.full_like(c.start, ck.rows)
+                for ck, c in zip(key.chunks, chunks)]
+        for c, n in zip(chunks, ends):
+            c.slot.pos.copy_(c.start + n)
+        segments = [Segment(c.ids[:, :ck.rows], c.start, c.slot.cache, ck.context, c.length)
+                    for ck, c in zip(key.chunks, chunks)]
+        if key.batch:
+            b = slice(0, key.batch)
+            segments.append(Segment(torch.cat([st.last[b, None], st.drafts[b, :key.plan.drafts]], 1), st.pos[b],
+                                    st.cache, key.context))
+        return segments, ends
+
+    def _join(self, slot: SlotView, first: torch.Tensor, proposal) -> None:
+        """A slot whose prompt ended joins the decode rows: its first token [1,1], its first drafts."""
+        slot.last.copy_(first[:, 0])
+        slot.active.fill_(True)
+        if proposal is not None:
+            self._keep(proposal, slot.drafts, slot.draft_q, slot.confidence)
+        slot.sampling.output_counts.scatter_add_(1, first, torch.ones_like(first, dtype=torch.float32))
 
     def _verify(self, key: StepKey, trunk, logits, rows: list[DraftRows]):
         """The decode rows' committed tokens [B,L+1], accepted drafts [B] and logprobs, and their rows for the
         drafter (appended to `rows`). Inactive rows commit nothing: they act as all drafts rejected."""
-        st, b, L = self.state, slice(0, key.batch), key.drafts
+        st, b, L = self.state, slice(0, key.batch), key.plan.drafts
         pos, drafts = st.pos[b], st.drafts[b, :L]
         # the draws' distributions: a greedy step's drafts are argmaxes (and its rows one-hot)
-        q = st.draft_q[b, :L] if st.draft_q is not None and not key.greedy else None
-        limit = st.limit[b] if key.limits else None
-        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sort, key.logprobs, key.greedy, q,
-                                            limit)
+        q = st.draft_q[b, :L] if st.draft_q is not None and not key.sampling.greedy else None
+        limit = st.limit[b] if key.plan.limits else None
+        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sampling, q=q, limit=limit)
         n_acc = torch.where(st.active[b], n_acc, 0)
         if self.drafter is not None:
             # row i's next token: draft i+1, the committed one at row n_acc (past it, garbage the next step rewrites)
             nxt = torch.cat([drafts, tokens[:, -1:]], 1).scatter(1, n_acc[:, None], tokens.gather(1, n_acc[:, None]))
-            rows.append(DraftRows(trunk.hidden, trunk.features, nxt, pos, st.cache, n_acc + 1, None, key.propose,
+            rows.append(DraftRows(trunk.hidden, trunk.features, nxt, pos, st.cache, n_acc + 1, None, key.plan.propose,
                                   st.sampling, b))
         return tokens, n_acc, scored
 

@@ -10,7 +10,8 @@ Randomness is counter-based: a request's uniforms are a hash of (seed, position,
 request gives the same tokens whatever else is in the batch, with no generator state to carry.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 
@@ -20,21 +21,27 @@ FLOAT32_MAX = 3.4e38
 INT64_MAX = (1 << 63) - 1
 
 
+def _logits(default=MISSING, **kwargs):
+    """A field that changes a row's logits unless at its default: a greedy request with one set is no longer
+    `plain_greedy` (its token is not the raw logits' argmax)."""
+    return field(default=default, **kwargs, metadata={"changes_logits": True})
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float = _logits(1.0)
+    presence_penalty: float = _logits(0.0)
+    frequency_penalty: float = _logits(0.0)
     seed: int | None = None
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = 0             # EOS, stop_token_ids and stop strings end no reply shorter than this
+    min_tokens: int = _logits(0)    # EOS, stop_token_ids and stop strings end no reply shorter than this
     logprobs: int | None = None     # None: off; N: the committed token's logprob and the N most likely (<= 20)
     # None: off; N: each prompt token's logprob under the model (its raw logits, after the tokens before it) and
     # the N most likely there (<= 20); the prompt is then prefilled whole (no reused prefix: `prefix.py`)
@@ -42,7 +49,7 @@ class SamplingParams:
     # with prompt_logprobs: per prompt position (0 unused), ids whose logprobs are reported there too, as many at
     # each (another run's top ids, for a KL divergence: `dsv4 perplexity`)
     score_ids: list[list[int]] | None = None
-    logit_bias: dict[int, float] = field(default_factory=dict)    # token id -> added to its logit
+    logit_bias: dict[int, float] = _logits(default_factory=dict)    # token id -> added to its logit
     # a background request (an API batch's) gives way: a step that prefills a foreground prompt while only
     # background requests decode runs the prefill alone (`scheduler.streams_to_decode`); its tokens are the same
     background: bool = False
@@ -168,14 +175,41 @@ def needs_sort(params: list[SamplingParams]) -> bool:
     return any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params)
 
 
+# the fields that change logits (`_logits`), at the values that leave them as they are
+NEUTRAL = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(SamplingParams)
+           if f.metadata.get("changes_logits")}
+
+
 def plain_greedy(params: list[SamplingParams]) -> bool:
-    """Whether every request is greedy with nothing that changes its logits (penalties, logit bias) and
-    no logprobs: its token is then the raw logits' argmax, and a step needs no distribution at all (at
-    V4 Flash's vocabulary the penalties, softmax and draw were ~10 passes over 129k logits per row).
-    Decided on the host for a step's requests, as `needs_sort` is."""
-    return all(p.temperature == 0 and p.repetition_penalty == 1 and p.presence_penalty == 0
-               and p.frequency_penalty == 0 and not p.logit_bias and p.logprobs is None and not p.min_tokens
+    """Whether every request is greedy with nothing that changes its logits (`NEUTRAL`) and no logprobs: its
+    token is then the raw logits' argmax, and a step needs no distribution at all (at V4 Flash's vocabulary
+    the penalties, softmax and draw were ~10 passes over 129k logits per row). Decided on the host for a
+    step's requests, as `needs_sort` is."""
+    return all(p.temperature == 0 and p.logprobs is None and all(getattr(p, k) == v for k, v in NEUTRAL.items())
                for p in params)
+
+
+class SamplingMode(NamedTuple):
+    """How a step's committing rows choose their tokens, decided on the host from their requests: static in the
+    step (each mode a compiled graph of its own)."""
+    rule: str = "greedy"      # "greedy": every request is `plain_greedy` (its token the logits' argmax, no
+    #                           distribution computed); "sample": drawn from the processed distribution;
+    #                           "ranked": drawn, and some request filters by rank or mass (the vocabulary sorted)
+    logprobs: bool = False    # some request asked for logprobs
+    masked: bool = False      # some request has a grammar: the rows' logits are masked (`constraint.py`)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams]) -> "SamplingMode":
+        rule = "greedy" if plain_greedy(params) else "ranked" if needs_sort(params) else "sample"
+        return cls(rule, any(p.logprobs is not None for p in params), any(p.grammar is not None for p in params))
+
+    @property
+    def greedy(self) -> bool:
+        return self.rule == "greedy"
+
+    @property
+    def sort(self) -> bool:
+        return self.rule == "ranked"
 
 
 def processed_logits(logits: torch.Tensor, sp: SlotParams, b: slice, counts: torch.Tensor) -> torch.Tensor:

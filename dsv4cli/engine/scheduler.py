@@ -25,8 +25,8 @@ from .output import append_output
 from .pace import PrefillPace
 from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
-from .runner import ChunkKey, StepKey, StepRunner, drafter_depth, remade
-from .sampling import SamplingParams, needs_sort, plain_greedy
+from .runner import ChunkKey, DraftPlan, StepKey, StepRunner, drafter_depth, remade
+from .sampling import SamplingMode, SamplingParams
 from .step_result import RowResult, StepLayout, read_logprob, read_step
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
@@ -139,20 +139,20 @@ class CallPlanning:
         committing = ([s.params for s, d in zip(self.slots, decode.decoding) if d] if decode else []) + \
             [s.params for s in ending]
         longest = min(self.prefill_chunk, self.prefill_budget) if bucketed else 0
-        nb, context = (decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)) if decode else (0, 0)
+        chunk_keys = tuple(chunk_key(chunk, longest) for chunk in chunks)
+        if decode is None:
+            return StepKey(chunks=chunk_keys, sampling=SamplingMode.of(committing))
+        nb, context = decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)
         if bucketed and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
-        return StepKey(tuple(chunk_key(chunk, longest) for chunk in chunks), nb, decode.drafts if decode else 0,
-                       context, needs_sort(committing), any(p.logprobs is not None for p in committing),
-                       plain_greedy(committing), decode.propose if decode else True,
-                       decode is not None and decode.limits is not None,
-                       any(p.grammar is not None for p in committing))
+        return StepKey(chunks=chunk_keys, batch=nb, context=context, sampling=SamplingMode.of(committing),
+                       plan=DraftPlan(drafts=decode.drafts, propose=decode.propose, limits=decode.limits is not None))
 
     def _events(self, rows: list[RowResult], key: StepKey, decoding: list[bool], ending: list[Sequence],
                 limits: list[int] | None, now: float) -> list[Event]:
         """The step's rows (`step_result.py`) into its requests: first tokens of the prompts that ended, each
         decoding slot's committed tokens, their logprobs, the next drafts' confidences, the metrics."""
-        nb, drafts = key.batch, key.drafts
+        nb, drafts = key.batch, key.plan.drafts
         self.constraints.read(rows, key, ending)
         events = []
         for seq, row in zip(ending, rows[nb:]):
@@ -349,9 +349,9 @@ class Engine(CallPlanning):
         key = self._key(chunks, decode, bucketed=compiled)
         ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
         decoding = decode.decoding if decode else [False] * self.max_batch
-        if key.masked:        # the masks start computing on the worker thread
+        if key.sampling.masked:        # the masks start computing on the worker thread
             committing = [s.params for s, d in zip(self.slots, decoding) if d] + [s.params for s in ending]
-            self.constraints.plan(committing, ending, decoding[:key.batch], key.drafts)
+            self.constraints.plan(committing, ending, decoding[:key.batch], key.plan.drafts)
         inputs = []
         for (seq, a, b), ck in zip(chunks, key.chunks):
             seq.prefilled = b
@@ -376,9 +376,9 @@ class Engine(CallPlanning):
         if steady:
             self.pace.ran(sum(b - a for _, a, b in chunks), key.batch > 0, now - t0)
         if self.lengths is not None:
-            if decode is not None and not chunks and steady and (key.drafts > 0) == key.propose:
-                self.lengths.observe(decode.batch, key.drafts, now - t0)
-            self.lengths.stepped(decoding, key.propose, [seq.slot for seq in ending])
+            if decode is not None and not chunks and steady and (key.plan.drafts > 0) == key.plan.propose:
+                self.lengths.observe(decode.batch, key.plan.drafts, now - t0)
+            self.lengths.stepped(decoding, key.plan.propose, [seq.slot for seq in ending])
         return self._events(rows, key, decoding, ending, decode.limits if decode else None, now)
 
     # ---- host bookkeeping --------------------------------------------------------------------

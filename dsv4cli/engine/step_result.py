@@ -65,7 +65,7 @@ class StepLayout(NamedTuple):
     @classmethod
     def of(cls, key, depth: int, confidences: bool) -> "StepLayout":
         """The layout of the step `key` (a StepKey) of a runner drafting `depth`, reporting `confidences`."""
-        return cls(depth, confidences, key.masked and depth > 0, key.logprobs)
+        return cls(depth, confidences, key.sampling.masked and depth > 0, key.sampling.logprobs)
 
     def pack(self, parts: list[Rows], device: torch.device) -> torch.Tensor:
         """The parts' rows in one tensor, on the `device`."""

@@ -15,6 +15,7 @@ import torch
 from .sampling import (
     RNG_ACCEPT,
     RNG_DRAW,
+    SamplingMode,
     SlotParams,
     hold_stops,
     processed_logits,
@@ -26,17 +27,16 @@ from .step_result import token_logprobs
 
 
 def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
-                sort: bool, logprobs: bool, greedy: bool, q: torch.Tensor | None = None,
-                limit: torch.Tensor | None = None):
+                mode: SamplingMode, *, q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
     """The tokens K drafts commit: logits [B,K+1,V] of the rows [last, drafts] at positions pos.. of the
-    slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token). `greedy`: every row is `plain_greedy`,
-    so its tokens are the logits' argmax (the tokens its distributions give); `sort`: some row filters by
-    rank or mass; `logprobs`: score each candidate by its own row's processed distribution (a correction
-    token reports its probability under the model, not under the residual it was drawn from).
+    slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token), chosen as `mode` says: greedy rows take
+    the logits' argmax (the tokens their distributions give); with logprobs, each candidate is scored by its
+    own row's processed distribution (a correction token reports its probability under the model, not under
+    the residual it was drawn from).
     `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes); `limit` [B]: the
     drafts each row verifies, at most K (None: K).
     Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
-    if greedy:
+    if mode.greedy:
         return (*verify_greedy(logits.argmax(-1), drafts, limit), None)
     k = drafts.shape[1]
     # row i is conditioned on drafts 1..i as output tokens: count them for the penalties
@@ -45,8 +45,8 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
         onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
         counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
     processed = hold_stops(processed_logits(logits, sp, b, counts), sp, b, pos)
-    tokens, n_acc = verify(target_probs(processed, sp, b, sort), drafts, sp.seed[b], pos, q, limit)
-    return tokens, n_acc, token_logprobs(processed, tokens) if logprobs else None
+    tokens, n_acc = verify(target_probs(processed, sp, b, mode.sort), drafts, sp.seed[b], pos, q, limit)
+    return tokens, n_acc, token_logprobs(processed, tokens) if mode.logprobs else None
 
 
 def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
