@@ -18,7 +18,7 @@ from meta import stamp
 
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import encode_messages, parse_completion
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
 
@@ -43,8 +43,9 @@ def main() -> None:
     tok = Tokenizer.from_dir(args.model)
     model = load_model(args.model, "cpu", torch.float32)
     params = SamplingParams(temperature=0, max_tokens=args.reply_tokens)
-    engines = {"fresh": Engine(model, tok, max_batch=1, max_seq_len=4096, mtp=args.mtp),
-               "reuse": Engine(model, tok, max_batch=1, max_seq_len=4096, mtp=args.mtp, reuse_prefix=True)}
+    engines = {"fresh": Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=4096, mtp=args.mtp)),
+               "reuse": Engine(model, tok,
+                               EngineOptions(max_batch=1, max_seq_len=4096, mtp=args.mtp, reuse_prefix=True))}
     for eng in engines.values():      # warm-up: first-call allocations and kernel selection
         eng.generate([tok.encode(encode_messages([{"role": "user", "content": "Hi"}]))], params)
     messages, turns = [], []

@@ -154,9 +154,9 @@ def paged_steps(model, path: Path, steps: int) -> dict:
     import torch
     from real_width import decode_step
 
-    from dsv4cli.engine import Engine
+    from dsv4cli.engine import Engine, EngineOptions
 
-    engine = Engine(model, None, max_batch=1, max_seq_len=256, mtp=0, graphs=False)
+    engine = Engine(model, None, EngineOptions(max_batch=1, max_seq_len=256, mtp=0, graphs=False))
     state, step, _, _ = decode_step(engine, 1, 0, 256)
     reads, times = [], []
     with torch.no_grad():

@@ -53,7 +53,7 @@ from torch import nn
 
 import dsv4cli.kernels
 from dsv4cli import platforms
-from dsv4cli.engine import Engine
+from dsv4cli.engine import Engine, EngineOptions
 from dsv4cli.model import ModelConfig, Transformer
 from dsv4cli.model.loader import keep_fp32
 from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
@@ -467,7 +467,7 @@ def compiled_step_times(engine, batch, depth, context_bound, reps) -> tuple[list
 
 
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_peak, compile_too=False) -> dict:
-    engine = Engine(model, None, max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False)
+    engine = Engine(model, None, EngineOptions(max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False))
     context_bound = -(-(context + depth + 1) // 512) * 512
     state, step, _, _ = decode_step(engine, batch, depth, context_bound)
     g = torch.Generator(DEVICE).manual_seed(1)

@@ -28,7 +28,7 @@ from meta import stamp
 
 from dsv4cli.bench import LOAD_TEXT, first_token_s, under_load
 from dsv4cli.config import BUNDLED_MODEL_DIR
-from dsv4cli.engine import Engine
+from dsv4cli.engine import Engine, EngineOptions
 from dsv4cli.engine.pace import SHARE as PACE_SHARE
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
@@ -59,14 +59,15 @@ def main() -> None:
     result = {"meta": stamp(vars(args)),
               "prompt_tokens": len(prompt), "streams": len(streams), "mtp": args.mtp, "threads": 1,
               "prefill_chunk": 256, "repeat": args.repeat, "budgets": {}}
-    idle_engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=512)
+    idle_engine = Engine(model, tok, EngineOptions(max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=512))
     first_token_s(idle_engine, streams[0][:8])                                 # warm-up
     with torch.no_grad():
         runs = {b: [] for b in args.budgets}
         for _ in range(args.repeat):
             for budget in args.budgets:
                 idle = first_token_s(idle_engine, prompt)
-                engine = Engine(model, tok, max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=budget)
+                engine = Engine(model, tok,
+                                EngineOptions(max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=budget))
                 run = under_load(engine, streams, [prompt], args.around)
                 run.update(idle_ttft_s=idle, ttft_vs_idle=run["ttft_s"] / idle)
                 runs[budget].append(run)
@@ -89,7 +90,8 @@ def pace(model, tok, args, mtps) -> None:
               "prompt_tokens": args.prompt_tokens, "budget": 160, "threads": 1, "mtp": {}}
     with torch.no_grad():
         for mtp in mtps:
-            engine = Engine(model, tok, max_batch=args.streams + args.arrivals, max_seq_len=4608, mtp=mtp)
+            engine = Engine(model, tok,
+                            EngineOptions(max_batch=args.streams + args.arrivals, max_seq_len=4608, mtp=mtp))
             under_load(engine, streams, arriving[:1], 4)                         # warm-up, and the costs measured
             runs = {"tokens": [], "time": []}
             for _ in range(args.repeat):

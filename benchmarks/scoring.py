@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dsv4cli.config import BUNDLED_MODEL_DIR  # noqa: E402
-from dsv4cli.engine import Engine, SamplingParams  # noqa: E402
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams  # noqa: E402
 from dsv4cli.model import load_model  # noqa: E402
 from dsv4cli.tokenizer import Tokenizer  # noqa: E402
 from scripts.corpus import BOS, EOS, build_corpus  # noqa: E402
@@ -56,7 +56,8 @@ def heldout_text(chars: int) -> str:
 def speed(tokens: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
-    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=1, max_seq_len=4096, mtp=0)
+    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
+                    EngineOptions(max_batch=1, max_seq_len=4096, mtp=0))
     text = heldout_text(tokens * 8)
     prompt = [tok.bos_id, *tok.encode(text)][:tokens]
     cases = {"prefill": SamplingParams(temperature=0, max_tokens=1),

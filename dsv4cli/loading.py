@@ -10,7 +10,7 @@ import torch
 from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, EngineAPI, SamplingParams
+from dsv4cli.engine import Engine, EngineAPI, EngineOptions, SamplingParams
 from dsv4cli.engine.compiled import COMPILE_BUDGET
 from dsv4cli.engine.prefix import SPARE_RING_ROWS
 from dsv4cli.engine.runner import drafter_depth
@@ -206,11 +206,12 @@ def build_engine(s: Settings, device: torch.device, compile_apart: bool = False,
         raise UsageError(f"--mtp {s.mtp}: above the checkpoint's DSpark block size {cfg.dspark_block_size} (one "
                          f"pass drafts {cfg.dspark_block_size} tokens; verifying more can't use them)")
     # A chat turn resumes the previous turn's state; every prompt resumes the longest prefix in the store.
-    return Engine(model, tokenizer, max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
-                  prefill_budget=s.prefill_budget, reuse_prefix=s.mode == "chat", compile=s.compile == "on",
-                  compile_in_background=compile_apart, isolate_failures=s.tp == 1,
-                  reload=functools.partial(load_weights, s, device) if compile_apart else None,
-                  prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)), swap=swap)
+    options = EngineOptions(max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
+                            prefill_budget=s.prefill_budget,
+                            reuse_prefix=s.mode == "chat", prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)),
+                            compile=s.compile == "on", compile_in_background=compile_apart, swap=swap,
+                            isolate_failures=s.tp == 1)
+    return Engine(model, tokenizer, options, functools.partial(load_weights, s, device) if compile_apart else None)
 
 
 def spill_bytes(s: Settings, device: torch.device) -> int:

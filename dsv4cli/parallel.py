@@ -76,7 +76,7 @@ class Leader:
     def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Leader":
         """Every rank swaps in an engine of another batch size / MTP depth (on the next step)."""
         leader = Leader(self.engine.resized(max_batch, mtp, compile), self.control, self.procs, self.watchdog)
-        leader.pending = [*self.pending, ("resize", max_batch, mtp, compile)]
+        leader.pending = [*self.pending, ("rebuild", leader.engine.options)]
         self.pending = []
         return leader
 
@@ -139,8 +139,8 @@ def follow(engine, control) -> None:
                 seqs[rid] = engine.submit(ids, params, rid)
             elif cmd[0] == "cancel":
                 engine.cancel(seqs.pop(cmd[1]))
-            elif cmd[0] == "resize":
-                engine = engine.resized(*cmd[1:])
+            elif cmd[0] == "rebuild":
+                engine = engine.rebuilt(cmd[1])
         engine.step()
         seqs = {k: s for k, s in seqs.items() if not s.finished}
 

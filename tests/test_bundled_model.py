@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import encode_messages, parse_completion
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams
 from dsv4cli.model import load_model
 from dsv4cli.model.quant import W8A8_DESCRIPTION
 from dsv4cli.tokenizer import Tokenizer
@@ -99,7 +99,8 @@ def heldout(model_dir, mtp):
     """Greedy replies to training.json's held-out set (unseen operand pairs, question phrasings, greetings)
     through the engine at `mtp`: (the items, whether each was right, the engine's totals)."""
     tok = Tokenizer.from_dir(model_dir)
-    engine = Engine(load_model(model_dir, "cpu", torch.float32), tok, max_batch=8, max_seq_len=256, mtp=mtp)
+    engine = Engine(load_model(model_dir, "cpu", torch.float32), tok,
+                    EngineOptions(max_batch=8, max_seq_len=256, mtp=mtp))
     report = json.loads((model_dir / "training.json").read_text())
     items = heldout_set(seed=report["heldout_seed"], n=report["heldout_items"])
     prompts = [tok.encode(encode_messages([{"role": "user", "content": it["question"]}], encoding=tok.encoding))
@@ -143,7 +144,8 @@ def test_dspark_drafts_most_of_each_reply():
 def test_raw_prompt_continues_a_story():
     """`generate --raw -p "Once upon a time"` tells a story like the corpus's (README)."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
-    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=1, max_seq_len=256, mtp="auto")
+    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
+                    EngineOptions(max_batch=1, max_seq_len=256, mtp="auto"))
     opening = "Once upon a time"
     [seq] = engine.generate([[tok.bos_id, *tok.encode(opening)]], SamplingParams(temperature=0, max_tokens=96))
     story = opening + seq.text
@@ -157,7 +159,8 @@ def test_story_requests_get_stories():
     """Chat-form story requests: the held-out phrasings behind training.json's story rate, answered
     greedily through the engine with DSpark, and the README's examples."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
-    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok, max_batch=8, max_seq_len=256, mtp="auto")
+    engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
+                    EngineOptions(max_batch=8, max_seq_len=256, mtp="auto"))
     report = json.loads((BUNDLED_MODEL_DIR / "training.json").read_text())["stories"]["w8a8"]
     requests = story_requests("heldout")
     readme = ["Tell me a story.", "Can you tell me a short story?"]

@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from dsv4cli import platforms
 from dsv4cli.bench import kernel_calls
 from dsv4cli.config import resolve
-from dsv4cli.engine import Engine, SamplingParams, compiled
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams, compiled
 from dsv4cli.engine.runner import ChunkKey, DraftPlan, StepKey
 from dsv4cli.kernels import native
 from dsv4cli.loading import BATCH_COMPILE_TOKENS, LONG_RUNNING, choose_compile, load_engine
@@ -69,7 +69,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         return [s.output_ids for s in engine.generate(prompts, params)]
 
     with torch.no_grad():
-        eager = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2)
+        eager = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2))
         want = run(eager)
         engine = eager.resized(2, 2, compile=True)
         assert run(engine) == want
@@ -80,7 +80,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         assert len(list(compiled.steps_dir().iterdir())) == 2
 
         # a later launch loads the saved steps (its first step of each key waits for the load)
-        later = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True)
+        later = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2, compile=True))
         assert later.compiled.status == "eager"
         assert run(later) == want
         assert later.compiled.built[STEP][0] == later.compiled.built[CHUNK][0] == "loaded"
@@ -105,7 +105,7 @@ def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer
     prompt = [5 + i % 40 for i in range(14)]
     params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3, score_ids=[[7, 9]] * len(prompt))
     with torch.no_grad():
-        eager = Engine(model, tok, max_batch=1, max_seq_len=512, mtp=0)
+        eager = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=0))
         want = eager.generate([prompt], params)[0].prompt_logprobs
         engine = eager.resized(1, 0, compile=True)
         got = engine.generate([prompt], params)[0].prompt_logprobs

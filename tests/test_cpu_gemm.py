@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import chunk_logits, prompts, random_model, tiny_config
 
-from dsv4cli.engine import Engine, SamplingParams
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams
 from dsv4cli.kernels import cpu, native, reference
 from dsv4cli.model import DecodeState
 from dsv4cli.model.model import Linear, PackedWeight, ParallelHead
@@ -168,8 +168,10 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     runs = prompts([5, 31, 12], 320, seed=4)
     with torch.no_grad():
-        want = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=0).generate(runs, params)]
-        got = [s.output_ids for s in Engine(model, tok, max_batch=3, max_seq_len=128, mtp=2).generate(runs, params)]
+        want = [s.output_ids for s in Engine(model, tok,
+                                             EngineOptions(max_batch=3, max_seq_len=128, mtp=0)).generate(runs, params)]
+        got = [s.output_ids for s in Engine(model, tok,
+                                            EngineOptions(max_batch=3, max_seq_len=128, mtp=2)).generate(runs, params)]
     assert got == want
 
 

@@ -244,7 +244,7 @@ def test_native_greedy_speculative_output_is_plain_greedy(tmp_path, dtype):
     """The release's kernels give each row what it gets alone (bf16: the fast kernels, int8 activations for FP4),
     so verifying drafts reproduces plain decoding's tokens at every depth."""
     from dsv4cli.config import BUNDLED_MODEL_DIR
-    from dsv4cli.engine import Engine, SamplingParams
+    from dsv4cli.engine import Engine, EngineOptions, SamplingParams
     from dsv4cli.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     write_official(tmp_path, tiny_config(vocab_size=tok.vocab_size, index_n_heads=16), seed=3)
@@ -252,6 +252,8 @@ def test_native_greedy_speculative_output_is_plain_greedy(tmp_path, dtype):
     prompts = [torch.randint(21, tok.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                for n in (5, 40)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outs = {k: [s.output_ids for s in Engine(model, tok, max_batch=1, max_seq_len=256, mtp=k).generate(prompts, greedy)]
+    outs = {k: [s.output_ids for s in Engine(model, tok,
+                                             EngineOptions(max_batch=1, max_seq_len=256, mtp=k)).generate(prompts,
+                                                                                                          greedy)]
             for k in (0, 1, 3)}
     assert outs[1] == outs[0] and outs[3] == outs[0]

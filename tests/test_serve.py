@@ -413,7 +413,7 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
     makes the engine give up, the server is told to stop (so a supervisor restarts it) and /health says 503."""
     from starlette.testclient import TestClient
 
-    from dsv4cli.engine import Engine
+    from dsv4cli.engine import Engine, EngineOptions
     from dsv4cli.serve.app import create_app
     from dsv4cli.serve.loop import EngineLoop
     from dsv4cli.serve.metrics import ServerMetrics
@@ -421,7 +421,8 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
 
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
-    engine, metrics, stopped = Engine(broken, tok, max_batch=2, max_seq_len=128, mtp=0), ServerMetrics(), \
+    engine, metrics, stopped = Engine(broken, tok,
+                                      EngineOptions(max_batch=2, max_seq_len=128, mtp=0)), ServerMetrics(), \
         threading.Event()
     loop = EngineLoop(engine, 4, metrics, on_fatal=stopped.set)
     parser = BodyParser(tok, SamplingParams(temperature=0, max_tokens=4), 128)

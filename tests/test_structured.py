@@ -20,7 +20,7 @@ from benchmarks.structured import TOOLS, check_answers, schema_requests, tool_re
 from dsv4cli import platforms
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.encoding import DSML, TOOL_CALLS_END, TOOL_CALLS_OPENING, parse_completion, tool_calls_so_far
-from dsv4cli.engine import Engine, SamplingParams, Sequence
+from dsv4cli.engine import Engine, EngineOptions, SamplingParams, Sequence
 from dsv4cli.engine.grammar import Grammar, new_matcher
 from dsv4cli.kernels import cpu
 from dsv4cli.model import load_model
@@ -89,7 +89,7 @@ def test_constrained_greedy_is_the_same_with_drafts_as_without(kind, tok, dspark
     assert params[3].grammar.after == tok.special_ids["</think>"] and params[0].grammar.after is None
 
     def run(mtp):
-        eng = Engine(model, tok, max_batch=3, max_seq_len=1024, mtp=mtp)
+        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=1024, mtp=mtp))
         seqs = [eng.submit(ids, p) for ids, p in requests]
         while eng.has_work():
             eng.step()
@@ -117,7 +117,7 @@ def test_sampled_constrained_tokens_follow_the_masked_distribution(tok):
     grammar = text_grammar('start: (<[3]> | <[4]> | <[5]> | <[8]>) " says " /[a-z]+/', tok, tok.vocab_size, False)
     prompt = tok.encode("Once upon a time")
     params = [SamplingParams(temperature=1.5, seed=s, max_tokens=3, grammar=grammar) for s in range(1000)]
-    eng = Engine(model, tok, max_batch=16, max_seq_len=64, mtp=5)
+    eng = Engine(model, tok, EngineOptions(max_batch=16, max_seq_len=64, mtp=5))
     seqs = [eng.submit(prompt, p) for p in params]
     while eng.has_work():
         eng.step()
@@ -155,7 +155,7 @@ def test_one_host_read_per_masked_step(tok, dspark, monkeypatch):
     monkeypatch.setattr(cpu, "routed_experts", spy(cpu.routed_experts, moe_calls))
     monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
     monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
-    eng = Engine(dspark, tok, max_batch=2, max_seq_len=512, mtp=3)
+    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=3))
     for question in QUESTIONS[:2]:
         ids, params = chat_request(tok, question, CITY)
         eng.submit(ids, params)
@@ -182,7 +182,7 @@ def test_a_dead_end_ends_the_request_with_finish_reason_constraint(tok, dspark):
     assert grammar.problem(tok, dspark.cfg.vocab_size) is None
     outs = []
     for mtp in (0, 3, "auto"):
-        eng = Engine(dspark, tok, max_batch=2, max_seq_len=256, mtp=mtp)
+        eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=mtp))
         seq = eng.generate([tok.encode("hello there")], SamplingParams(temperature=0, max_tokens=20,
                                                                        grammar=grammar))[0]
         assert seq.finish_reason == "constraint" and len(seq.output_ids) == 3 and seq.text.isalpha()
@@ -196,9 +196,9 @@ def test_unconstrained_requests_and_steps_are_untouched(tok, dspark):
     constrained request commits, the steps are unmasked ones again (the same key as without grammars)."""
     ids, params = chat_request(tok, QUESTIONS[0], CITY)
     free = tok.encode("Once upon a time")
-    alone = Engine(dspark, tok, max_batch=2, max_seq_len=1024, mtp=3).generate(
+    alone = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, mtp=3)).generate(
         [free], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))[0].output_ids
-    eng = Engine(dspark, tok, max_batch=2, max_seq_len=1024, mtp=3)
+    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, mtp=3))
     keys, run = [], eng.runner.run
     eng.runner.run = lambda key, *chunks, **kw: keys.append(key) or run(key, *chunks, **kw)
     constrained = eng.submit(ids, params)
@@ -223,10 +223,10 @@ def test_the_compiled_step_masks_as_the_eager_one(tok, tmp_path, monkeypatch):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "b": {"enum": ["x", "yy"]}}, "required": ["a", "b"]}
     params = SamplingParams(temperature=0, max_tokens=30, grammar=json_grammar(schema, tok, tok.vocab_size, False))
-    want = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2).generate([[5, 6, 7, 8, 9]], params)[0]
+    want = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2)).generate([[5, 6, 7, 8, 9]], params)[0]
     jsonschema.validate(json.loads(want.text), schema)
     for how in ("compiled", "loaded"):
-        engine = Engine(model, tok, max_batch=2, max_seq_len=512, mtp=2, compile=True)
+        engine = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2, compile=True))
         assert engine.generate([[5, 6, 7, 8, 9]], params)[0].output_ids == want.output_ids
         assert all(k.sampling.masked for k in engine.compiled.ready) and len(engine.compiled.ready) == 2
         assert {b[0] for b in engine.compiled.built.values()} == {how}

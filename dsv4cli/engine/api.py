@@ -19,6 +19,31 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class EngineOptions:
+    """What an engine is built with: once, from the run's settings (`loading.build_engine`); replaced, not
+    re-listed, by a resize (`Engine.resized`), and sent whole to the other ranks of --tp."""
+    max_batch: int = 8
+    max_seq_len: int = 4096
+    # drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step verifying as
+    # many as pay off (`draft_length.py`); the MTP layer drafts 1
+    mtp: int | str = 1
+    prefill_chunk: int = 256        # a prompt's rows in one chunk at most
+    prefill_budget: int = 160       # prefill tokens per step: running streams wait at most this much between tokens
+    graphs: bool = True             # decode-only steps captured as graphs where the platform can
+    reuse_prefix: bool = False      # a new prompt starts where a free slot's state stops matching it (chat turns)
+    prefix_cache: tuple[int, int] = (0, 0)  # the prefix store's device and host bytes (`prefix_store.py`; 0: none)
+    # steps compiled per key; in the background (a process of its own, given the engine's `reload`), a saved
+    # step swapping in when the engine idles (`swap` "idle": a stream never waits for it) or at once ("ready":
+    # a job that never idles)
+    compile: bool = False
+    compile_in_background: bool = False
+    swap: str = "idle"
+    # a step that raises fails the requests in it and the engine goes on; off, it raises (the ranks of --tp
+    # must all take the same steps)
+    isolate_failures: bool = True
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the loaded model is, as a front end shows it."""
     parameters: int     # those this process holds (a rank's slice under --tp), weight scales not counted

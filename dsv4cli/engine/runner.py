@@ -13,6 +13,7 @@ A step's static arguments are its StepKey, so a compiled engine compiles one gra
 decode-only ones (`graphs.py`); the tensors a chunk reads and writes come in as its slot's views.
 """
 import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -65,25 +66,33 @@ class ChunkInputs(NamedTuple):
     given: torch.Tensor | None = None     # [1, rows, G]: the ids each row also scores (ChunkKey.given)
 
 
-class StepRunner:
-    """The device side of an engine for `max_batch` slots of `max_seq_len` tokens with the checkpoint's
-    drafter drafting `depth` (D) tokens a step (0: plain decoding); `confidences`: the packed result carries
-    the next drafts' confidences (the scheduler chooses how many to verify). `compile`: steps compiled per
-    key, in the `background` (eager until ready, built by a process of its own made with `remake`, a
-    picklable call that builds this runner again compiling in the foreground: `remade`; `swap`: when a saved
-    step loads, `CompiledSteps`); `graphs`: decode-only steps captured where the platform can."""
+@dataclass(frozen=True)
+class RunnerShape:
+    """What a runner's device state and steps are built for."""
+    max_batch: int              # slots
+    max_seq_len: int            # tokens a slot holds
+    depth: int                  # D: the tokens the checkpoint's drafter drafts a step (0: plain decoding)
+    reuse_prefix: bool = False  # slots keep their state for the next prompt (`SlotState`)
+    confidences: bool = False   # the result carries the next drafts' confidences (the scheduler chooses L)
+    graphs: bool = True         # decode-only steps captured where the platform can
 
-    def __init__(self, model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool = False,
-                 confidences: bool = False, graphs: bool = True, compile: bool = False, background: bool = False,
+
+class StepRunner:
+    """The device side of an engine of the given `shape`. `compile`: steps compiled per key, in the
+    `background` (eager until ready, built by a process of its own made with `remake`, a picklable call that
+    builds this runner again compiling in the foreground: `remade`; `swap`: when a saved step loads,
+    `CompiledSteps`)."""
+
+    def __init__(self, model: Transformer, shape: RunnerShape, compile: bool = False, background: bool = False,
                  remake=None, swap: str = "idle"):
-        self.drafter = make_drafter(model, depth)
-        self.model, self.max_batch, self.swap = model, max_batch, swap
+        self.drafter = make_drafter(model, shape.depth)
+        self.model, self.max_batch, self.swap = model, shape.max_batch, swap
         self.depth = self.drafter.depth if self.drafter is not None else 0
-        self.confidences = confidences and self.depth > 0 and model.cfg.drafter == "dspark"
+        self.confidences = shape.confidences and self.depth > 0 and model.cfg.drafter == "dspark"
         self.device = model.embed.weight.device
-        self.state = SlotState(model, max_batch, max_seq_len, self.depth, reuse_prefix)
-        self.graphs = DecodeGraphs.for_device(self.device) if graphs else None
-        self.compile_tag = (self.depth, max_batch, max_seq_len, self.state.cache.ring, self.confidences)
+        self.state = SlotState(model, shape.max_batch, shape.max_seq_len, self.depth, shape.reuse_prefix)
+        self.graphs = DecodeGraphs.for_device(self.device) if shape.graphs else None
+        self.compile_tag = (self.depth, shape.max_batch, shape.max_seq_len, self.state.cache.ring, self.confidences)
         self.compiled = CompiledSteps(self, self.device, background, remake, swap) if compile else None
 
     def __getstate__(self) -> dict:
@@ -297,7 +306,7 @@ def make_drafter(model: Transformer, depth: int) -> Drafter | None:
     return MTPDrafter(model, depth)
 
 
-def remade(reload, options: dict) -> StepRunner:
+def remade(reload, shape: RunnerShape) -> StepRunner:
     """In a compiling process: this runner again, on a fresh load of its model, compiling in the foreground."""
     model, _ = reload()
-    return StepRunner(model, **options, compile=True)
+    return StepRunner(model, shape, compile=True)

@@ -9,6 +9,7 @@ shapes. The host reads each call's packed tensor once and does the bookkeeping: 
 and stop rules (`output.py`). Requests join and leave between steps.
 """
 import contextlib
+import dataclasses
 import functools
 import itertools
 import random
@@ -18,14 +19,14 @@ from typing import NamedTuple
 from dsv4cli.model import Transformer
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
-from .api import ModelInfo
+from .api import EngineOptions, ModelInfo
 from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
 from .pace import PrefillPace
 from .prefix import PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
-from .runner import ChunkKey, DraftPlan, StepKey, StepRunner, drafter_depth, remade
+from .runner import ChunkKey, DraftPlan, RunnerShape, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingMode, SamplingParams
 from .step_result import RowResult, StepLayout, read_logprob, read_step
 
@@ -138,7 +139,7 @@ class CallPlanning:
         ending = [seq for seq, _, b in chunks if b == len(seq.prompt_ids)]
         committing = ([s.params for s, d in zip(self.slots, decode.decoding) if d] if decode else []) + \
             [s.params for s in ending]
-        longest = min(self.prefill_chunk, self.prefill_budget) if bucketed else 0
+        longest = min(self.options.prefill_chunk, self.options.prefill_budget) if bucketed else 0
         chunk_keys = tuple(chunk_key(chunk, longest) for chunk in chunks)
         if decode is None:
             return StepKey(chunks=chunk_keys, sampling=SamplingMode.of(committing))
@@ -181,43 +182,31 @@ class EngineFailed(RuntimeError):
 
 
 class Engine(CallPlanning):
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, max_batch: int = 8, max_seq_len: int = 4096,
-                 mtp: int | str = 1, prefill_chunk: int = 256, prefill_budget: int = 160, graphs: bool = True,
-                 reuse_prefix: bool = False, compile: bool = False, compile_in_background: bool = False,
-                 reload=None, isolate_failures: bool = True, prefix_cache: tuple[int, int] = (0, 0),
-                 swap: str = "idle"):
-        """`mtp`: drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step
-        verifying as many as pay off (`draft_length.py`); the MTP layer drafts 1. `reuse_prefix`: a new prompt
-        starts where a free slot's state stops matching it (a chat turn resumes the previous one). `prefix_cache`:
-        the prefix store's bytes of device and of host memory (`prefix_store.py`; 0 device bytes: none).
-        `compile`: steps compiled per key, in the background when `compile_in_background` (in a process of its
-        own given `reload`, a picklable call that loads this model and tokenizer again: `loading.load_weights`),
-        a saved step swapping in when the engine idles (`swap` "idle": a stream never waits for it) or at once
-        ("ready": a job that never idles). `isolate_failures`: a step that raises fails the requests in it and
-        the engine goes on (`step`); off, it raises (the ranks of --tp must all take the same steps)."""
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, options: EngineOptions | None = None,
+                 reload=None):
+        """An engine for `model` as `options` say (None: the defaults); `reload`: a picklable call that loads
+        this model and tokenizer again (`loading.load_weights`), for a compile in a process of its own."""
+        o = self.options = options or EngineOptions()
         self.tok, self.reload = tokenizer, reload
-        self.max_batch, self.max_seq_len, self.mtp = max_batch, max_seq_len, mtp
-        # prefill tokens per step: running streams wait at most this much prefill between tokens
-        self.prefill_chunk, self.prefill_budget = prefill_chunk, prefill_budget
-        self.reuse_prefix, self.isolate_failures, self.prefix_cache = reuse_prefix, isolate_failures, prefix_cache
-        shape = dict(max_batch=max_batch, max_seq_len=max_seq_len, depth=drafter_depth(model.cfg, mtp),
-                     reuse_prefix=reuse_prefix, confidences=mtp == "auto" and model.cfg.drafter == "dspark")
-        remake = (functools.partial(remade, reload, {**shape, "graphs": False})
-                  if compile and compile_in_background and reload is not None else None)
-        self.runner = StepRunner(model, **shape, graphs=graphs, compile=compile, background=compile_in_background,
-                                 remake=remake, swap=swap)
+        self.max_batch, self.max_seq_len, self.mtp = o.max_batch, o.max_seq_len, o.mtp
+        shape = RunnerShape(o.max_batch, o.max_seq_len, drafter_depth(model.cfg, o.mtp), o.reuse_prefix,
+                            confidences=o.mtp == "auto" and model.cfg.drafter == "dspark", graphs=o.graphs)
+        background = o.compile and o.compile_in_background
+        remake = (functools.partial(remade, reload, dataclasses.replace(shape, graphs=False))
+                  if background and reload is not None else None)
+        self.runner = StepRunner(model, shape, compile=o.compile, background=background, remake=remake, swap=o.swap)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
         self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
-        self.verified = drafter_depth(model.cfg, mtp)   # the drafts a step verifies, but under auto: --mtp L
-        self.lengths = DraftLength(self.mtp_depth, self.device, max_batch) if self.runner.confidences else None
-        self.graphs, self.constraints = graphs, Constraints(tokenizer, self.runner.state, self.mtp_depth)
-        self.slots: list[Sequence | None] = [None] * max_batch
-        self.prefixes = PrefixReuse(model, self.runner.state.cache, max_batch, reuse_prefix, prefix_cache,
+        self.verified = drafter_depth(model.cfg, o.mtp)   # the drafts a step verifies, but under auto: --mtp L
+        self.lengths = DraftLength(self.mtp_depth, self.device, o.max_batch) if self.runner.confidences else None
+        self.constraints = Constraints(tokenizer, self.runner.state, self.mtp_depth)
+        self.slots: list[Sequence | None] = [None] * o.max_batch
+        self.prefixes = PrefixReuse(model, self.runner.state.cache, o.max_batch, o.reuse_prefix, o.prefix_cache,
                                     self.mtp_depth)
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
         self.totals, self.failed_steps = Metrics(), 0          # failed steps: in a row
-        self.pace = PrefillPace(prefill_budget)       # a step's prefill while streams decode: in time
+        self.pace = PrefillPace(o.prefill_budget)       # a step's prefill while streams decode: in time
         self._ids = itertools.count()
 
     # ---- API ---------------------------------------------------------------------------------
@@ -247,11 +236,14 @@ class Engine(CallPlanning):
             self._free(seq.slot)
 
     def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
-        """A new engine on the same loaded model with another batch size or MTP depth."""
-        return Engine(self.model, self.tok, max_batch, self.max_seq_len, mtp, self.prefill_chunk, self.prefill_budget,
-                      self.graphs, self.reuse_prefix, self.compiled is not None if compile is None else compile,
-                      self.compiled is not None and self.compiled.background, self.reload, self.isolate_failures,
-                      self.prefix_cache, self.runner.swap)
+        """A new engine on the same loaded model with another batch size or MTP depth (compiled or not; None:
+        as this one)."""
+        compile = self.options.compile if compile is None else compile
+        return self.rebuilt(dataclasses.replace(self.options, max_batch=max_batch, mtp=mtp, compile=compile))
+
+    def rebuilt(self, options: EngineOptions) -> "Engine":
+        """A new engine on the same loaded model with other options."""
+        return Engine(self.model, self.tok, options, self.reload)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s is not None for s in self.slots)
@@ -289,14 +281,15 @@ class Engine(CallPlanning):
             try:
                 self._assign(seq)
             except Exception as e:      # noqa: BLE001 - this request fails, the others go on
-                if not self.isolate_failures:
+                if not self.options.isolate_failures:
                     raise
                 events.append(self._fail(seq, e))
         decodable = [s for s in self.slots if s is not None and s not in self.prefilling]
-        chunks = prefill_chunks(self.prefilling, self.prefill_budget, self.prefill_chunk, self.prefixes.boundary)
+        chunks = prefill_chunks(self.prefilling, self.options.prefill_budget, self.options.prefill_chunk,
+                                self.prefixes.boundary)
         running = streams_to_decode(decodable, chunks)
-        if running and (paced := self.pace.tokens(decoding=True)) < self.prefill_budget:   # streams wait on it
-            fewer = prefill_chunks(self.prefilling, paced, self.prefill_chunk, self.prefixes.boundary)
+        if running and (paced := self.pace.tokens(decoding=True)) < self.options.prefill_budget:   # streams wait on it
+            fewer = prefill_chunks(self.prefilling, paced, self.options.prefill_chunk, self.prefixes.boundary)
             if streams_to_decode(decodable, fewer):
                 chunks = fewer
         try:
@@ -311,7 +304,7 @@ class Engine(CallPlanning):
                 elif calls:
                     events += self._call(chunks, decode, compiled=False)
         except Exception as e:          # noqa: BLE001 - the step's requests fail, the engine goes on
-            if not self.isolate_failures:
+            if not self.options.isolate_failures:
                 raise
             self.failed_steps += 1
             if self.failed_steps >= MAX_FAILED_STEPS:
