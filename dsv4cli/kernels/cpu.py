@@ -10,8 +10,8 @@ native kernels can't be built (no C compiler, no AVX-512 VNNI, `DSV4_NATIVE_KERN
 take oneDNN's prepacked layout where torch has it, else `cpu_pairs.cpp`'s pair GEMMs read them
 (`torch._int_mm` is slow there: small experts as a stack, the rest weight by weight), float weights
 `cpu_float.cpp`'s few-row GEMM (AVX2), and the reference's ops run the rest. Inside a compiled graph every
-native call is a custom op (inductor can't lower the layouts); in eager the kernel is called directly (a
-Python op's dispatch costs ~20 us a call). The AVX2 ops are C++ ops, called the same way in both.
+native call is a custom op (inductor can't lower the layouts); in eager the kernel is called directly, saving
+an op's dispatch on every call (docs/decisions.md). The AVX2 ops are C++ ops, called the same way in both.
 """
 import dataclasses
 import functools
@@ -32,8 +32,8 @@ from .reference import quantize_per_token as reference_quantize_per_token
 from .reference import rope as reference_rope
 from .reference import routed_experts as reference_routed_experts
 
-# Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost (up to ~1 ms
-# for oneDNN with a single row of a tiny weight) outweighs the bandwidth it saves; measured crossover 1-2 MiB.
+# Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost outweighs the bandwidth
+# it saves (the crossover: docs/decisions.md, Big weights are packed at load).
 PACK_MIN_BYTES = 2 << 20
 # int8 x int8 sums of at most this many products are exact in fp32: |sum| <= 128 * 128 * 1024 = 2^24
 EXACT_FP32_IN = 1024
@@ -51,9 +51,8 @@ def pack_w8a8(weight: torch.Tensor):
     GEMMs are slow (an AVX2-only CPU) every weight takes `widen_w8a8`'s form. All give `torch._int_mm`'s
     int32 sums, so the same results, bit for bit.
 
-    `torch._int_mm` reads a weight at about 0.4 of the memory bandwidth for any row count with VNNI, oneDNN's
-    prepacked GEMM at 0.3-0.75 (bimodal from run to run), the native one at 0.8-1.0 for 1 to 16 rows
-    (`benchmarks/cpu_gemm.py`)."""
+    `torch._int_mm` and oneDNN's prepacked GEMM read a weight well below the memory bandwidth at decode's few
+    rows, the native one near it (benchmarks/README.md: `cpu_gemm.py`)."""
     if weight.numel() < PACK_MIN_BYTES or slow_int8():
         return widen_w8a8(weight)
     if native.packable(weight):
@@ -63,10 +62,10 @@ def pack_w8a8(weight: torch.Tensor):
 
 def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
     """An int8 weight where int8 GEMMs are slow (`slow_int8`): packed as a one-expert stack for the pair
-    GEMMs where they run (int8 [1, N/16, K/2, 16, 2], any width: exact int32 sums; a small weight's fp32 copy
-    for MKL took 2.5x its single row's time at 6 rows, and torch._int_mm of a 4096 x 4096 weight 180 ms
-    here, the pair GEMMs 0.5-2 ms at 1-6 rows), else, if small and its sums are exact in fp32, held as fp32
-    of the same values. All give `torch._int_mm`'s sums, bit for bit. Else None."""
+    GEMMs where they run (int8 [1, N/16, K/2, 16, 2], any width: exact int32 sums; faster than a small weight's
+    fp32 copy for MKL at a few rows, and than torch._int_mm on a large one: docs/decisions.md), else, if small
+    and its sums are exact in fp32, held as fp32 of the same values. All give `torch._int_mm`'s sums, bit for
+    bit. Else None."""
     if not slow_int8():
         return None
     if native.avx2_available() and weight.shape[0] % native.PAIRS_COLS == 0 and weight.shape[1] % 2 == 0:
@@ -79,8 +78,8 @@ def widen_w8a8(weight: torch.Tensor) -> torch.Tensor | None:
 @functools.cache
 def slow_int8() -> bool:
     """No native kernels and no exact oneDNN int8 (an AVX2-only CPU): `torch._int_mm` is all there is, and
-    it takes ~29 us per row of a 128 x 320 weight (linear in the rows) where an fp32 GEMM of 1-8 rows takes
-    10-20 us: 6-12x on a DSpark step's 4-5 rows."""
+    its time grows linearly in the rows, several times an fp32 GEMM's at a DSpark step's 4-5 rows
+    (docs/decisions.md: Small int8 weights widened where int8 GEMMs are slow)."""
     return not native.available() and not _onednn_int8()
 
 
@@ -97,10 +96,11 @@ def unpack_w8a8(packed) -> torch.Tensor:
 
 def pack_linear_fp32(weight: torch.Tensor, groups: int = 1):
     """A float weight [out, in] packed for the few-row GEMM (the native one, or the AVX2 op), or None (neither
-    here, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight at
-    0.9 of the memory bandwidth with 1-2 rows but 0.3-0.45 with 4-16 (0.1-0.2 with 6-48 on an AVX2 CPU); the
-    native one at 0.9-1.0 with 1-4 rows, 0.7 with 8 (`benchmarks/cpu_gemm.py`). A bf16 weight (a bf16 run's) is
-    packed as bf16: unpacked, each call widened all of it (a V4 Flash head: 1 s a step)."""
+    here, a small weight, or `groups` whose rows don't fill whole blocks). MKL's fp32 GEMM reads a weight near
+    the memory bandwidth with 1-2 rows only; the packed kernels stay closer to it at decode's few rows
+    (benchmarks/README.md: `cpu_gemm.py`).
+    A bf16 weight (a bf16 run's) is packed as bf16: unpacked, each call widened all of it (a V4 Flash head's
+    cost: benchmarks/README.md, The official release's bytes held as stored)."""
     if (weight.dtype not in (torch.float32, torch.bfloat16) or weight.numel() * 4 < PACK_MIN_BYTES
             or not native.float_packable(weight, groups)):
         return None
@@ -230,8 +230,8 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 # ---- the release's FP8 linears and FP4 experts, read as stored -------------------------------------
 
-# An fp32 run reads the release's bytes in exact fp32 sums (`native.fp8_mm`, `fp4_mm`: multiply-add bound on a CPU
-# core, ~0.4-0.55 of the memory bandwidth at one row); a bf16 run, whose activations are bf16 already, takes the fast
+# An fp32 run reads the release's bytes in exact fp32 sums (`native.fp8_mm`, `fp4_mm`: bound by decoding and
+# multiply-adds on a CPU core, docs/decisions.md); a bf16 run, whose activations are bf16 already, takes the fast
 # kernels where the CPU has AVX-512 VNNI and BF16: FP8 in bf16 pair products (`fp8_mm_bf16`: the same products,
 # E4M3 subnormals read as 0), FP4 against activations quantised per token to int8 as W8A8's are (`fp4_mm_q8`).
 # Both keep each row's result independent of the other rows: verification gives plain decoding's numbers.
@@ -295,7 +295,7 @@ native_indexer_scores = indexer_scan_op("native_indexer_scores", native.indexer_
 
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Heads in whole AVX-512 vectors take `native.indexer_scores` (one pass, the relu and weighted sum in
-    registers: 2-3x torch's bmm at V4 Flash's widths); the rest torch's scan in cache-sized slices."""
+    registers, faster than torch's bmm: docs/decisions.md); the rest torch's scan in cache-sized slices."""
     if native.scannable(q, keys):
         return native_indexer_scores(q, keys, weights)
     return indexer_scores_bmm(q, keys, weights, INDEXER_SLICE)
@@ -429,7 +429,7 @@ def paired(stack: ExpertStack) -> ExpertStack:
 
 def widened(stack: ExpertStack) -> ExpertStack:
     """The stack with its int8 weights also held as fp32 of their values, [in, E*out]: a GEMM of a few rows
-    reads that layout ~1.5x as fast as its transpose."""
+    reads that layout faster than its transpose (docs/decisions.md)."""
     wide = tuple(w.float().flatten(0, 1).t().contiguous() for w in (stack.w13, stack.w2))
     return dataclasses.replace(stack, wide=wide)
 

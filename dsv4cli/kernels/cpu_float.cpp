@@ -3,15 +3,16 @@
 
    y = x W^T, x fp32 [M, K], W packed as `native.pack_float` lays it out: blocks of 32 output columns, each
    block's k steps one after another ([N/32][K][32]), in fp32 or bf16 (a weight whose values are bf16, read
-   as half the bytes and widened exactly). MKL's fp32 GEMM reads V4 Flash's LM head [129280 x 4096] at 1.1x
-   the streaming read with one row but 0.53x with two and 0.1-0.2x with 6-48: a DSpark step verifies 2-6
-   rows a slot and drafts 6, so the head took most of it. Here a block is one sequential read, taken KC k
-   steps at a time so that every pass over it (tiles of rows, halves of 16 columns) after the first reads the
-   chunk from cache: the weight leaves memory once for up to ROWS rows. Blocks split across torch's threads.
+   as half the bytes and widened exactly). MKL's fp32 GEMM reads V4 Flash's LM head [129280 x 4096] near the
+   streaming read with one row but far below it with two or more (docs/decisions.md: Float weights take an
+   AVX2 few-row GEMM): a DSpark step verifies 2-6 rows a slot and drafts 6, so the head took most of it.
+   Here a block is one sequential read, taken KC k steps at a time so that every pass over it (tiles of rows,
+   halves of 16 columns) after the first reads the chunk from cache: the weight leaves memory once for up to
+   ROWS rows. Blocks split across torch's threads.
 
    A bf16 tile of 2 or more rows spends long enough on each line that the hardware prefetcher falls behind:
-   it asks for the block AHEAD lines ahead (Zen 4: the LM head 1.15x faster at 2 rows, 1.3-1.4x at 4-8; fp32
-   and one row gained nothing).
+   it asks for the block AHEAD lines ahead (fp32 and one row gained nothing: docs/decisions.md, Software
+   prefetch).
 
    Each output sums the same fp32 multiply-add chains in the same order whatever the row count, tile or thread
    count: a row's logits don't depend on which other rows share its step. */
@@ -98,8 +99,8 @@ INLINE void tile(const float *x, int64_t K, const W *w, int64_t k0, int64_t k1, 
 }
 
 /* n rows of a block's chunk: 1-3 as one tile of 32 columns; 4-6 fp32 as 3 rows and the rest, bf16 as two
-   tiles of 16 columns (bf16's widening made its 3-row tiles the slower: 0.33 against 0.48 of the streaming
-   read at 6 rows; fp32 0.63 against 0.44 the other way, `benchmarks/cpu_gemm.py`). */
+   tiles of 16 columns (bf16's widening made its 3-row tiles the slower, while fp32's are the faster:
+   docs/decisions.md, Float weights take an AVX2 few-row GEMM). */
 template <typename W, int n>
 INLINE void rows_tile(const float *x, int64_t K, const W *wb, int64_t k0, int64_t k1, float *y, int64_t N) {
     if constexpr (n <= 3) {

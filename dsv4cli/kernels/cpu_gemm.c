@@ -14,8 +14,8 @@
    float: wp [N/32][K][32] fp32, or bf16 (a weight whose values are bf16, as the checkpoints store
           them: half the bytes to read, widened exactly in registers, the same sums) as [N/32][K][16][2],
           channels j and 16 + j side by side: a 32-bit lane widens to both with one shift and one mask,
-          where unpacking 16-bit values to 32 bits took three shuffles that share the FMAs' ports (Zen 4:
-          5 rows 87 -> 103 GFLOP/s from L2, 2 rows 63 -> 96). */
+          where unpacking 16-bit values to 32 bits took three shuffles that share the FMAs' ports (the gain:
+          docs/decisions.md, Our own few-row GEMMs). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -23,17 +23,16 @@
 
 #define BLOCK 32
 #define TILE_ROWS 8
-/* Tiles of 5-8 rows read one block and spend long on each line: they ask for the weight PREFETCH bytes ahead
-   (8 rows read 12 GB/s with 4 KiB, 8 with 1 KiB on Sapphire Rapids; on Zen 4, 5-8 rows of bf16 1.2-1.4x
-   faster than without). Tiles of 1-4 rows read 2-4 blocks side by side, which the hardware prefetchers
-   follow by themselves: there the instructions cost (Zen 4: 1-4 rows 1.04-1.23x faster without them). */
+/* Tiles of 5-8 rows read one block and spend long on each line: they ask for the weight PREFETCH bytes ahead.
+   Tiles of 1-4 rows read 2-4 blocks side by side, which the hardware prefetchers follow by themselves: there
+   the instructions cost. Measured on Sapphire Rapids and Zen 4: docs/decisions.md, Software prefetch. */
 #define PREFETCH 4096
 #define PREFETCH_ROWS 5
 
 #define INLINE static inline __attribute__((always_inline))
 
 /* A tile: `rows` rows of x against `streams` blocks read side by side (a few concurrent streams read
-   faster than one: 1 row of fp32 went from 0.84 to 0.96 of MKL's GEMV with 4), rows * streams <= 8 so
+   faster than one: docs/decisions.md, Our own few-row GEMMs), rows * streams <= 8 so
    the 2 * rows * streams accumulators stay in registers. Blocks are `stride` elements apart. */
 INLINE void int8_tile(const int8_t *x, int64_t K, const uint8_t *w, int64_t stride, const int32_t *xsum,
                       float *y, int64_t N, const int rows, const int streams) {
@@ -65,8 +64,8 @@ INLINE void int8_tile(const int8_t *x, int64_t K, const uint8_t *w, int64_t stri
 }
 
 /* fp32 sums run in chunks of FLOAT_CHUNK k steps, each added to the row's total: one chain of K
-   additions had 4x the rms error of MKL's GEMM at K = 8192; chunks of 32 have 0.65-1.15x its error
-   (K = 4096 and 600) at the same speed as longer ones. */
+   additions had several times the rms error of MKL's GEMM at large K; chunks of 32 keep it near MKL's at
+   the same speed as longer ones (docs/decisions.md: Our own few-row GEMMs, Exactness). */
 #define FLOAT_CHUNK 32
 
 /* The 32 weights of one k step of a block, as fp32: read as they are, or bf16 widened (exactly): each lane
@@ -125,7 +124,7 @@ INLINE void float_tile(const float *x, int64_t K, const void *w, int64_t stride,
 
 /* Blocks read side by side for a tile of this many rows, a block `block_bytes` long. One float row over blocks
    under 64 KiB reads them one after another: four such short streams never get going (the Markov head's
-   [129280 x 256] bf16, 16 KiB blocks: 23 GB/s with four, 31 with one, on Zen 4). */
+   [129280 x 256] bf16, 16 KiB blocks; docs/decisions.md: One float row over short blocks). */
 static int streams_for(int64_t rows, int64_t block_bytes) {
     return rows == 1 && block_bytes < (64 << 10) ? 1 : rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
 }
@@ -273,7 +272,7 @@ void dsv4_int8_mm(const int8_t *x, int64_t M, int64_t K, const uint8_t *wp, int6
 #endif
 #define INT8_TILE(r, s) int8_tile(x + m0 * K, K, wp + b * K * BLOCK, K * BLOCK, xsum + m0, \
                                   y + m0 * N + b * BLOCK, N, r, s)
-    GEMM_BLOCKS(INT8_TILE, INT64_MAX)      /* int8: one row took 25-31 GB/s either way */
+    GEMM_BLOCKS(INT8_TILE, INT64_MAX)      /* int8: one row reads as fast with one stream as with four */
 }
 
 void dsv4_float_mm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N, float *y, int threads) {

@@ -3,10 +3,10 @@
 
    At long contexts a CSA layer's decode step is mostly this scan (64 heads x 128 dims against every
    closed block's key), and on a CPU core it is compute-bound (32 flops per fp32 key byte). torch runs
-   it as a bmm into a [heads x keys] product, a relu, and a second bmm for the weighted sum: 0.35-0.5
-   of the core's fp32 peak at V4 Flash's widths. Here the heads lie across the vector lanes (q held
-   transposed, [D][H]), each key's dims are broadcast in turn, and the relu and weighted sum run in
-   registers, so only the scores are written.
+   it as a bmm into a [heads x keys] product, a relu, and a second bmm for the weighted sum, well below
+   the core's fp32 peak (docs/decisions.md: The indexer's scan in one native pass). Here the heads lie
+   across the vector lanes (q held transposed, [D][H]), each key's dims are broadcast in turn, and the
+   relu and weighted sum run in registers, so only the scores are written.
 
    Every key's score is the same chain of operations whatever the call: its dims in order, one fused
    multiply-add per head per dim; then the heads' relu(dot) * w summed vector by vector and the lanes

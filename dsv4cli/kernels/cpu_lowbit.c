@@ -5,9 +5,9 @@
    A decode step multiplies 1-16 rows by weights far larger than the caches: R weight rows are read side by side
    and each weight vector, decoded once in registers, goes into the sums of up to MR rows of x (past MR rows the
    same R weight rows are decoded again, from L1), so the weight is read once. R rows read side by side are R
-   short streams (a row is 1-8 KiB) that the hardware prefetchers follow badly (Zen 4: a plain read of 8 rows of
-   1 KiB side by side, 11 GB/s; of one row after another, 19), so while a unit of R rows is read, the next unit's
-   rows are asked into L2 line by line in address order, at the pace the unit is read (then 23 GB/s; into L1, 10).
+   short streams (a row is 1-8 KiB) that the hardware prefetchers follow badly, so while a unit of R rows is read,
+   the next unit's rows are asked into L2 line by line in address order, at the pace the unit is read (into L1
+   was slower; the reads measured: docs/decisions.md, The release's FP8 and FP4 are multiplied as stored).
 
    FP8: for a byte b, the fp16 with bits ((b & 0x7f) << 7) | ((b & 0x80) << 8) is e4m3(b) * 2^-8 exactly
         (normals and subnormals; 0x7f and 0xff, NaN in E4M3, come out finite): a sign extension, a shift, a mask

@@ -2,7 +2,7 @@
 
    In torch, mHC is ~150 ops a sub-layer (the Sinkhorn alone ~120: a sum, an add and a divide per
    normalisation), two sub-layers a layer; at decode's 1-6 rows each op costs its dispatch, not its
-   arithmetic (~0.3 ms for the Sinkhorn). Here each is one call:
+   arithmetic (docs/decisions.md: mHC in three native calls). Here each is one call:
    - `dsv4_mhc_pre_tail`: from the mixing GEMM's output (torch's), the RMS scaling, the pre / post
      sigmoids, the comb logits, and the collapsed input x = sum_i pre_i h_i (`reference.mhc_pre`);
    - `dsv4_mhc_sinkhorn`: each token's n x n comb through the same steps in the same order as

@@ -5,23 +5,24 @@
    y[p] = x[rows[p]] W[group[p]]^T for (row, expert) pairs sorted by expert, x int8, W [E, N, K] the int8
    stack packed in blocks of 16 output columns, each block's k steps side by side in pairs
    ([E][N/16][K/2][16][2]): an expert's blocks are one sequential read (the fp32 [K, E*N] layout torch's
-   GEMMs read strides across pages, and its 4x bytes fell out of the caches between layers: 244 us a
-   projection in a step where the kernel alone took 39). Only the routed pairs are computed: torch's
+   GEMMs read strides across pages, and its 4x bytes fell out of the caches between layers: the profile
+   in benchmarks/README.md, `dsv4 bench`). Only the routed pairs are computed: torch's
    dense GEMM against every expert does E/k times the work, and its gather copies each pair's weight. A
    run of pairs on one expert goes block by block, each block through every tile of TILE rows (from cache
    after the first), the tile's 2 * TILE accumulators in registers.
 
    Each k pair of 8 columns is one vpmaddwd of the weights widened to int16 against the row's two x
    values: int32 sums, exact up to K = MAX_K, converted to fp32 as torch's .float() of torch._int_mm's
-   int32 sums, so the result is that bit for bit (exact in fp32 up to K = 1024). 2.5x the fp32 FMAs of
+   int32 sums, so the result is that bit for bit (exact in fp32 up to K = 1024). Faster than fp32 FMAs of
    the weights widened in registers, which spent four conversions on every 16 weights where a tile's one
-   or two rows then used them twice.
+   or two rows then used them twice (docs/decisions.md: Small int8 weights widened).
 
    Tiles of 3 or more rows spend long enough on each line that the hardware prefetcher falls behind: they ask
-   for the weight AHEAD k pairs ahead (Zen 4: 1.15-1.45x at 3-6 rows; 1-2 rows were 1.1x slower with it).
+   for the weight AHEAD k pairs ahead (1-2 rows were slower with it: docs/decisions.md, Software prefetch).
 
    A C++ op, not a Python custom op: a step calls it a dozen times or more, and a Python op's dispatch
-   cost ~60 us a call inside a compiled graph, twice the kernel's own time then. */
+   inside a compiled graph cost more than the kernel's own time (docs/decisions.md: Small int8 weights
+   widened). */
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

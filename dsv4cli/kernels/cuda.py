@@ -39,7 +39,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
 
 def graph_op(name: str, run, fake):
     """`run` called directly in eager and as the custom op `dsv4::<name>` inside a compiled graph (opaque to the
-    compiler, which takes its output's shape from `fake`); in eager an op's dispatch would cost ~20 us a call."""
+    compiler, which takes its output's shape from `fake`); in eager it is called directly, without an op's
+    dispatch cost (docs/decisions.md: Eager steps call the native kernels directly)."""
     op = torch.library.custom_op(f"dsv4::{name}", run, mutates_args=())
     op.register_fake(fake)
     return lambda *args: op(*args) if torch.compiler.is_compiling() else run(*args)

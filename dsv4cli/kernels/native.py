@@ -5,10 +5,9 @@ headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pai
 linears' few-row GEMM (`cpu_float.cpp`).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
-cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM
-reads a weight at 0.3 of the streaming read with 8 rows, 0.9-1.0 with one; oneDNN's prepacked int8 at
-0.3-0.8, swinging from run to run), so weights of 2 MiB and more are packed into these kernels' layouts
-at load: 1-4 rows read at 0.8-1.0 of the streaming read, AMX (where the CPU has it) takes int8 GEMMs of
+cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM;
+oneDNN's prepacked int8 swings from run to run), so weights of 2 MiB and more are packed into these kernels'
+layouts at load: 1-4 rows read near the streaming read, AMX (where the CPU has it) takes int8 GEMMs of
 8 rows and more, prefill's included, and float weights whose values are bf16 are held in bf16 (half the
 bytes, the same fp32 sums). benchmarks/README.md has the numbers (`benchmarks/cpu_gemm.py`).
 
@@ -52,13 +51,14 @@ AVX2_CPU_FLAGS = ("avx2", "fma")
 PAIRS_COLS = 16    # output columns per block of the pair GEMMs (cpu_pairs.cpp); an expert's width must be a multiple
 BLOCK = 32         # output channels per packed block (cpu_gemm.c)
 # int8 GEMMs with this many rows or more take AMX where the CPU has it: from 8 rows it reads the weight
-# faster than VNNI (13 against 12 GB/s at 8 rows, 12.5 against 8 at 16, 2.8 against 1.0 at 160)
+# faster than VNNI, which is compute-bound there (benchmarks/README.md: `cpu_gemm.py`)
 AMX_MIN_ROWS = 8
 
 
 def constant_when_traced(fn):
     """`torch.compiler.assume_constant_result`'s mark, set without it: the public call imports torch._dynamo
-    (~1 s of every start-up, compiled or not); the mark is the attribute dynamo reads while tracing."""
+    (a large part of every start-up, compiled or not: benchmarks/README.md, `startup.py`); the mark is the
+    attribute dynamo reads while tracing."""
     fn._dynamo_marked_constant = True
     return fn
 
@@ -199,9 +199,9 @@ def _libc() -> ctypes.CDLL | None:
 
 def weight_buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor for a packed weight, asked onto 2 MiB pages (madvise, before anything is written, so its
-    pages fault in huge where Linux's transparent huge pages allow). With 4 KiB pages a 1-row GEMM through
-    experts chosen at random read 19 GB/s on a Zen 4 core, with 2 MiB pages 28 (the TLB's reach, and the
-    hardware prefetchers stop at each page's end). Nothing changes where Linux says no."""
+    pages fault in huge where Linux's transparent huge pages allow): a 1-row GEMM through experts chosen at
+    random reads faster (the TLB's reach, and the hardware prefetchers stop at each page's end;
+    docs/decisions.md: Packed weights on 2 MiB pages). Nothing changes where Linux says no."""
     out = torch.empty(*shape, dtype=dtype)
     start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE          # the whole huge pages inside the buffer
     end = (out.data_ptr() + out.numel() * out.element_size()) // HUGE_PAGE * HUGE_PAGE
@@ -280,7 +280,8 @@ class ExpertTable:
     their channel scales per routed expert, then the shared expert's with `shared`.
 
     A table is found again by its first weight (`find`) while it lives: a compiled graph's host-experts
-    op gets the experts' tensors, not the table, and building one costs ~1 ms per 64 experts."""
+    op gets the experts' tensors, not the table, and building one again at every call would add its cost to
+    every step (docs/decisions.md: Routed experts in one native call per layer)."""
     _live: "weakref.WeakValueDictionary[tuple[int, int], ExpertTable]" = weakref.WeakValueDictionary()
 
     def __init__(self, weights: list[tuple], scales: list[tuple], shared: bool):

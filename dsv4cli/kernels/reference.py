@@ -206,7 +206,8 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float)
         # of the logits costs several times more on the CPU
         logits.append(s.add_(torch.where(mask, 0.0, float("-inf"))[:, :, None]))
     # the sink is one more logit with no value: a single softmax over [logits; sink]. torch's softmax
-    # also keeps masked (-inf) logits fast, where a plain exp of them takes a slow path (~14x on the CPU)
+    # also keeps masked (-inf) logits fast, where a plain exp of them takes a slow path on the CPU
+    # (docs/decisions.md: One softmax over [logits; sink])
     logits.append(sink.float().view(1, 1, -1, 1).expand(*qf.shape[:3], 1))
     p = torch.cat(logits, dim=-1).softmax(-1)
     parts = p.split([t.shape[-1] for t in logits], dim=-1)[:-1]
@@ -239,8 +240,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, s
 
 def indexer_scan_op(name: str, scan):
     """A platform's own scan `scan(q, keys, weights) -> [B,S,T] fp32`, called directly in eager and as the
-    custom op `dsv4::<name>` inside a compiled graph (opaque to the compiler; in eager an op's dispatch
-    would cost ~20 us a call)."""
+    custom op `dsv4::<name>` inside a compiled graph (opaque to the compiler; in eager it is called directly,
+    without an op's dispatch cost: docs/decisions.md, Eager steps call the native kernels directly)."""
     def run(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return scan(q, keys, weights)
 
@@ -262,7 +263,8 @@ def topk_blocks(scores: torch.Tensor, closed: torch.Tensor, k: int) -> torch.Ten
     bits = scores.view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)                        # monotone in the score
     # the key's two 32-bit halves side by side, read as one little-endian int64 (every torch device):
-    # one int32 copy, where widening, shifting and or-ing int64s took 3 passes (1.4x at 160 x 896)
+    # one int32 copy, where widening, shifting and or-ing int64s took 3 passes
+    # (docs/decisions.md: Deterministic top-k)
     key = torch.stack([(T - 1 - t).expand_as(ordered), ordered], -1).view(torch.int64)[..., 0]
     return key.topk(k, dim=-1).indices
 
@@ -418,7 +420,7 @@ def mhc_sinkhorn(logits: torch.Tensor, eps: float, iters: int) -> torch.Tensor:
     a column normalisation, then iters-1 rounds of row then column normalisation, every
     denominator + eps."""
     # tokens last ([n, n, tokens]): each of the ~120 small ops then runs over contiguous vectors of
-    # tokens, where an inner dim of n = 4 doesn't vectorise (2x at a 256-token chunk on the CPU)
+    # tokens, where an inner dim of n = 4 doesn't vectorise (docs/decisions.md: mHC on the CPU tokens-last)
     shape = logits.shape
     comb = logits.reshape(-1, *shape[-2:]).permute(1, 2, 0).softmax(1).contiguous() + eps
     comb = comb / (comb.sum(0, keepdim=True) + eps)

@@ -409,7 +409,8 @@ class BodyParser:
 
     def _refuse_long(self, chars: int, ids: int) -> None:
         """Refuse a prompt of `ids` tokens and a text of `chars` characters when its length alone makes it too
-        long: before the work of rendering and tokenising it (a 5 MB prompt takes the tokenizer seconds)."""
+        long: before the work of rendering and tokenising it, which is long for a prompt of megabytes
+        (docs/decisions.md: Server)."""
         if chars + ids > self.max_prompt_tokens:       # else even a token per character fits
             least = -(-chars // self._longest_token) + ids
             if least > self.max_prompt_tokens:

@@ -9,8 +9,8 @@ server answers to (bound to a loopback address: loopback names only, so no web p
 rebinding), browser origins on the CORS allow-list only (none by default), POST bodies whose Content-Type is
 application/json (a page may send text/plain anywhere unasked; JSON needs a CORS preflight) and whose size is
 at most max_body_bytes (refused by their Content-Length before a byte is read). JSON decoding and tokenising
-run in a worker thread, never on the event loop (the JSON decoder still holds the interpreter lock: a body
-under the limit can delay other requests by up to about 10 ms per MB).
+run in a worker thread, never on the event loop (the JSON decoder still holds the interpreter lock, so a large
+body under the limit still delays other requests a little: docs/decisions.md, Server).
 
 Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad body (the
 batch parser's code and message, which names the field), 401 for a missing or wrong key, 403 for a Host not
