@@ -24,12 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from dsv4cli import platforms
-from dsv4cli.config import BUNDLED_MODEL_DIR, SPEC
+from dsv4cli.config import BUNDLED_MODEL_DIR, SPEC, Settings
 from dsv4cli.encoding import encode_messages
-from dsv4cli.engine import EngineAPI, SamplingParams
+from dsv4cli.engine import EngineAPI, ModelInfo, SamplingParams
 from dsv4cli.engine.compiled import cache_dir
 from dsv4cli.errors import UsageError
-from dsv4cli.loading import cpu_cores, load_engine, pick_device
+from dsv4cli.loading import cpu_cores, load_engine, load_weights, pick_device
 from dsv4cli.model.checkpoint import save_checkpoint
 from dsv4cli.model.quant import dequantized
 from dsv4cli.options import CliOptions, model_options
@@ -141,11 +141,12 @@ def bench_under_load(engine: EngineAPI, streams: int, prompt_tokens: int, around
             "idle_ttft_s": idle, "ttft_vs_idle": run["ttft_s"] / idle}
 
 
-def float_copy(engine: EngineAPI, out_dir) -> None:
-    """The engine's trunk in the official float layout (W8A8 linears dequantised), for transformers (which has
+def float_copy(settings: Settings, out_dir) -> None:
+    """The model's trunk in the official float layout (W8A8 linears dequantised), for transformers (which has
     no DSpark drafter: a 0731 checkpoint goes without its stages)."""
-    cfg = engine.model.cfg
-    state = dequantized(engine.model.state_dict())
+    model, _ = load_weights(settings, torch.device("cpu"))
+    cfg = model.cfg
+    state = dequantized(model.state_dict())
     if cfg.drafter == "dspark":
         state = {name: t for name, t in state.items() if not name.startswith("mtp.")}
     config = {k: v for k, v in cfg.raw.items() if k != "quantization_config" and not k.startswith("dspark_")}
@@ -154,14 +155,14 @@ def float_copy(engine: EngineAPI, out_dir) -> None:
     save_checkpoint({name: t.float() for name, t in state.items()}, config, out_dir)
 
 
-def run_transformers(engine: EngineAPI, prompts, max_tokens: int) -> dict | None:
+def run_transformers(settings: Settings, prompts, max_tokens: int) -> dict | None:
     try:
         import transformers
     except ImportError:
         return None
     transformers.logging.set_verbosity_error()
     with tempfile.TemporaryDirectory() as tmp:
-        float_copy(engine, tmp)
+        float_copy(settings, tmp)
         model = transformers.DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     total, elapsed = 0, 0.0
     for p in prompts:
@@ -201,29 +202,28 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
     compiled (C++ / Triton kernels, library GEMMs, custom ops: the host-routed experts count as one)."""
     seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     engine.step()                                  # admission (the first token)
-    if engine.compiled is None:
+    if engine.status().compile is None:
         n = eager_launches(engine)
     else:
         engine.step()
-        n = max(kernel_calls(engine.compiled.sources[key]) for key in engine.compiled.ready if key.batch)
+        n = max(kernel_calls(list(code)) for code in engine.status().decode_code)
     engine.cancel(seq)
     return n
 
 
-def depths_for(model, depths: list) -> list:
+def depths_for(info: ModelInfo, depths: list) -> list:
     """The depths a checkpoint's drafter runs at: DSpark's up to its block and auto, the MTP layer's numbers
     (its auto is 1), none but 0 without a drafter."""
-    cfg = model.cfg
-    if cfg.drafter == "dspark":
-        return [d for d in depths if d == "auto" or d <= cfg.dspark_block_size]
-    return [d for d in depths if d != "auto" and (d == 0 or cfg.drafter)]
+    if info.drafter == "dspark":
+        return [d for d in depths if d == "auto" or d <= info.block_size]
+    return [d for d in depths if d != "auto" and (d == 0 or info.drafter)]
 
 
 def configurations(engine: EngineAPI, peer: EngineAPI | None, depths, batch: int, compile_modes):
     """(engine, compile, depth) for one batch size, in the order they run."""
     for model_engine in [engine, *([peer] if peer is not None else [])]:
         for compile_on in compile_modes:
-            for depth in depths_for(model_engine.model, depths):
+            for depth in depths_for(model_engine.model_info, depths):
                 if model_engine is not peer or depth != 0:   # the peer's trunk is the same: plain ran above
                     yield model_engine, compile_on, depth
 
@@ -271,19 +271,20 @@ def progress(total: int):
         yield Progress(total, bar)
 
 
-def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, with_hf: bool,
+def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, hf: Settings | None,
           compile_modes=(False,), peer: EngineAPI | None = None) -> list[dict]:
+    """Every configuration's row; `hf`: the settings whose model transformers also runs (None: it doesn't)."""
     rows = []
-    total = sum(len(list(configurations(engine, peer, depths, b, compile_modes))) + (with_hf and b == 1)
+    total = sum(len(list(configurations(engine, peer, depths, b, compile_modes))) + (hf is not None and b == 1)
                 for b in batches) * len(kinds)
     with progress(total) as shown:
         for kind in kinds:
             for batch in batches:
-                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, with_hf, compile_modes, shown)
+                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, hf, compile_modes, shown)
     return rows
 
 
-def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, with_hf: bool, compile_modes,
+def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, hf: Settings | None, compile_modes,
                 shown: Progress) -> list[dict]:
     """One batch size and prompt kind: every configuration, then transformers at batch 1."""
     rows, base = [], None
@@ -295,8 +296,8 @@ def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, wi
         eng = model_engine.resized(batch, depth, compile_on)
         if compile_on:      # each step shape compiles at its first step: say which
             shapes = itertools.count(1)
-            eng.compiled.on_build = lambda key, how, shapes=shapes: shown.note(
-                f"{how} step shape {next(shapes)} ({'decode' if key.batch else 'prefill'})")
+            eng.on_compile(lambda decode, how, shapes=shapes: shown.note(
+                f"{how} step shape {next(shapes)} ({'decode' if decode else 'prefill'})"))
         t0 = time.perf_counter()
         # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
         # measures them (a step that compiles is not a measure)
@@ -305,20 +306,21 @@ def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, wi
         r = run_config(eng, prompts, max_tokens)
         base = r["tokens_per_s"] if depth == 0 and not compile_on else base
         launches = launches_per_step(eng, prompts[0])
-        layers = eng.model.cfg.n_layers + (eng.model.cfg.n_mtp_layers if eng.mtp_depth else 0)
+        info, status = eng.model_info, eng.status()
+        layers = info.layers + (info.mtp_layers if eng.mtp_depth else 0)
         r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, mtp=depth,
                  batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
                  speedup=r["tokens_per_s"] / base if base else None, warmup_s=warmup_s,
                  launches_per_step=launches, launches_per_layer=launches / layers,
-                 recompiles=eng.compiled.recompiles if compile_on else None,
-                 draft_lengths=eng.lengths.report() if getattr(eng, "lengths", None) else None)
+                 recompiles=status.recompiles, draft_lengths=status.draft_lengths)
         rows.append(r)
-    if with_hf and batch == 1:
+    if hf is not None and batch == 1:
         shown.start(f"transformers generate, batch 1, {kind} prompt")
-        hf = run_transformers(engine, prompts, max_tokens)
-        if hf:
-            rows.append({**hf, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
-                         "prompt": kind, "prompt_tokens": len(prompts[0]), "speedup": hf["tokens_per_s"] / base})
+        peer_run = run_transformers(hf, prompts, max_tokens)
+        if peer_run:
+            rows.append({**peer_run, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
+                         "prompt": kind, "prompt_tokens": len(prompts[0]),
+                         "speedup": peer_run["tokens_per_s"] / base})
     return rows
 
 
@@ -419,10 +421,10 @@ def bench_command(
     compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
-        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens, not no_hf and settings.tp == 1,
-                     compile_modes, peer)
+        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens,
+                     settings if not no_hf and settings.tp == 1 else None, compile_modes, peer)
     meta = {"model": str(settings.model_dir), "peer_model": peer_model, "device": str(engine.device),
-            "dtype": str(engine.model.dtype),
+            "dtype": engine.model_info.dtype,
             "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens,
             "compile_cache": str(cache_dir()) if True in compile_modes else None}
     if as_json:
@@ -450,7 +452,7 @@ def bench_command_under_load(settings, prompt_tokens: int, streams: int, as_json
     engine = load_engine(settings, "bench", compile_in_background=False)
     with torch.no_grad():
         result = bench_under_load(engine, streams, prompt_tokens, settings.max_tokens)
-    result.update(prefill_budget=settings.prefill_budget, compile=engine.compiled is not None)
+    result.update(prefill_budget=settings.prefill_budget, compile=engine.status().compile is not None)
     meta = {"model": str(settings.model_dir), "device": str(engine.device), "threads": torch.get_num_threads()}
     if as_json:
         print(json.dumps({"meta": meta, "under_load": result}, indent=2))

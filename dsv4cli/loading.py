@@ -10,14 +10,11 @@ import torch
 from dsv4cli import platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
-from dsv4cli.engine import Engine, EngineAPI, EngineOptions, SamplingParams
-from dsv4cli.engine.compiled import COMPILE_BUDGET
-from dsv4cli.engine.prefix import SPARE_RING_ROWS
-from dsv4cli.engine.runner import drafter_depth
+from dsv4cli.engine import COMPILE_BUDGET, Engine, EngineAPI, EngineOptions, SamplingParams, decode_state_bytes
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
 from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
-from dsv4cli.model.footprint import footprint, state_bytes, tp_problem
+from dsv4cli.model.footprint import footprint, tp_problem
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_bytes
 
@@ -75,12 +72,6 @@ def pick_threads(s: Settings, parameters: int) -> int:
     return 1 if parameters < SMALL_MODEL_PARAMETERS else max(1, cpu_cores() // s.tp)
 
 
-def decode_state_bytes(cfg: ModelConfig, s: Settings, dtype: torch.dtype) -> int:
-    """What the engine's DecodeState will take (`SlotState.decode_state`'s), from the config alone."""
-    return state_bytes(cfg, s.max_batch, s.max_seq_len, max_draft=max(drafter_depth(cfg, s.mtp), 1) + 1,
-                       spare=SPARE_RING_ROWS if s.mode == "chat" else 0, float_bytes=dtype.itemsize)
-
-
 def model_config(s: Settings) -> ModelConfig:
     """The model's config.json; a missing directory or config is one line (with how to download an id)."""
     if not s.model_dir.is_dir():
@@ -91,10 +82,10 @@ def model_config(s: Settings) -> ModelConfig:
         raise UsageError(str(e)) from None
 
 
-def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
-    """Refuse settings the model cannot run before loading it (sequence length, stop ids, memory: weights, decode
-    state and the prefix store's device memory); returns the model's parameter count and weight bytes (a
-    card's, under --tp)."""
+def check_limits(s: Settings, cfg: ModelConfig, device: torch.device, verb: str) -> int:
+    """Refuse settings the model cannot run for `verb` before loading it (sequence length, stop ids, memory:
+    weights, decode state and the prefix store's device memory); returns the model's parameter count and weight
+    bytes (a card's, under --tp)."""
     if s.max_seq_len > cfg.max_position_embeddings:
         raise UsageError(f"--max-seq-len {s.max_seq_len}: above the model's max_position_embeddings "
                          f"({cfg.max_position_embeddings})")
@@ -110,7 +101,7 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device) -> int:
     platform = platforms.for_device(device)
     # the release's bytes, mapped on the host: the page cache holds them, and pages the OS drops are read again
     mapped = held["fp4"] + held["fp8"] if s.mmap and platform.on_host_cores else 0
-    state = decode_state_bytes(cfg, s, dtype)
+    state = decode_state_bytes(cfg, shape_options(s, verb), dtype.itemsize)
     free, store = platform.free_memory(device), s.prefix_cache_bytes
     need = weights - mapped + state + store
     if need > free:
@@ -194,7 +185,13 @@ def idle_cores_now() -> str:
     return f"{idle:.1f} of {cores} idle now"
 
 
-def build_engine(s: Settings, device: torch.device, compile_apart: bool = False, swap: str = "idle") -> Engine:
+def shape_options(s: Settings, verb: str) -> EngineOptions:
+    """The engine options that shape its decode state, for `verb` (a chat keeps its state for the next turn)."""
+    return EngineOptions(max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp, reuse_prefix=verb == "chat")
+
+
+def build_engine(s: Settings, device: torch.device, verb: str, compile_apart: bool = False,
+                 swap: str = "idle") -> Engine:
     """This process's engine: tokenizer, model (its tensor-parallel slice when in a group), state.
     `compile_apart`: step shapes compile beside the run in a process of its own (`compiles_apart`),
     swapped in as `swap` says (`Engine`); else a shape's first step compiles it."""
@@ -206,11 +203,10 @@ def build_engine(s: Settings, device: torch.device, compile_apart: bool = False,
         raise UsageError(f"--mtp {s.mtp}: above the checkpoint's DSpark block size {cfg.dspark_block_size} (one "
                          f"pass drafts {cfg.dspark_block_size} tokens; verifying more can't use them)")
     # A chat turn resumes the previous turn's state; every prompt resumes the longest prefix in the store.
-    options = EngineOptions(max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp,
-                            prefill_budget=s.prefill_budget,
-                            reuse_prefix=s.mode == "chat", prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)),
-                            compile=s.compile == "on", compile_in_background=compile_apart, swap=swap,
-                            isolate_failures=s.tp == 1)
+    options = dataclasses.replace(shape_options(s, verb), prefill_budget=s.prefill_budget,
+                                  prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)),
+                                  compile=s.compile == "on", compile_in_background=compile_apart, swap=swap,
+                                  isolate_failures=s.tp == 1)
     return Engine(model, tokenizer, options, functools.partial(load_weights, s, device) if compile_apart else None)
 
 
@@ -235,7 +231,7 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     check_tp(s, cfg)
     if verb not in PREFIX_VERBS:        # one prompt (generate), or decode timed alone (bench): no store
         s = dataclasses.replace(s, prefix_cache_bytes=0)
-    parameters, weights = check_limits(s, cfg, device)
+    parameters, weights = check_limits(s, cfg, device, verb)
     if platforms.for_device(device).on_host_cores:
         s = dataclasses.replace(s, threads=pick_threads(s, parameters))
     apart = compile_in_background and s.tp == 1 and compiles_apart(weights, device)
@@ -246,6 +242,6 @@ def load_engine(s: Settings, verb: str, compile_in_background: bool = True, job_
     s = dataclasses.replace(s, compile="on" if compile_on else "off")    # every rank decides alike
     if s.tp == 1:
         # a batch job never idles: its saved steps swap in at once, where a stream would wait for a pause
-        return build_engine(s, device, compile_apart=apart, swap="ready" if verb == "batch" else "idle")
+        return build_engine(s, device, verb, compile_apart=apart, swap="ready" if verb == "batch" else "idle")
     from dsv4cli import parallel
-    return parallel.launch_leader(s.tp, device, functools.partial(build_engine, s))
+    return parallel.launch_leader(s.tp, device, functools.partial(build_engine, s, verb=verb))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dsv4cli import platforms
-from dsv4cli.engine import Engine, Event, ModelInfo, SamplingParams, Sequence
+from dsv4cli.engine import Engine, EngineStatus, Event, ModelInfo, SamplingParams, Sequence
 from dsv4cli.errors import RunError
 
 TIMEOUT = timedelta(minutes=10)   # a generous bound for a collective; rank deaths are caught earlier
@@ -54,14 +54,19 @@ class Leader:
         self.pending: list[tuple] = []
         self.closed = False
         # the local engine's (totals is its object, which it updates in place)
-        self.tok, self.device, self.model, self.totals = engine.tok, engine.device, engine.model, engine.totals
+        self.tok, self.device, self.totals = engine.tok, engine.device, engine.totals
         self.max_batch, self.max_seq_len, self.mtp_depth = engine.max_batch, engine.max_seq_len, engine.mtp_depth
-        self.mtp, self.lengths = engine.mtp, engine.lengths
-        self.compiled = engine.compiled
+        self.mtp = engine.mtp
 
     @property
     def model_info(self) -> ModelInfo:
         return self.engine.model_info
+
+    def status(self) -> EngineStatus:
+        return self.engine.status()
+
+    def on_compile(self, note) -> None:
+        self.engine.on_compile(note)
 
     def has_work(self) -> bool:
         return self.engine.has_work()

@@ -167,9 +167,9 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     def run(engine):
         return [s.output_ids for s in engine.generate(prompts, params)]
 
-    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512), "chat"))
+    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512), "serve"))
     graphs = dict(dynamo_counters["stats"])
-    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "chat")
+    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "serve")
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
@@ -193,7 +193,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
 
     # a later launch finds them saved: it loads each on a thread of its own once the engine idles (a load holds
     # the GIL for stretches: never during a reply), and the next step swaps it in
-    later = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "chat")
+    later = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "serve")
     assert run(later) == want and later.compiled.eager_steps > 0
     assert not later.compiled.ready and later.compiled.apart is None       # nothing loaded during steps
     assert poll_until(lambda: not later.compiled._to_load)                 # the decode step's, loaded while idle
@@ -207,7 +207,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
 
     # a compiling process that fails (here: the model gone before it loads) says so in one line; its step
     # shape stays eager, and no request fails for it
-    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "chat")
+    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "serve")
     shutil.rmtree(path)
     assert run(failing) == want
     with pytest.raises(RuntimeError, match="compiling process failed"):

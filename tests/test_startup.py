@@ -14,9 +14,10 @@ from tiny import tiny_config, tiny_dspark_config
 
 from dsv4cli.cli import main
 from dsv4cli.config import BUNDLED_MODEL_DIR, Settings
+from dsv4cli.engine import decode_state_bytes
 from dsv4cli.engine.runner import drafter_depth
 from dsv4cli.engine.slots import SlotState
-from dsv4cli.loading import decode_state_bytes
+from dsv4cli.loading import shape_options
 from dsv4cli.model import LoadError, ModelConfig, Transformer
 from dsv4cli.model.footprint import ModelTensor, footprint, model_tensors, state_bytes, tensor_bytes
 from dsv4cli.model.loader import open_checkpoint, plan, weights_mode
@@ -155,10 +156,10 @@ def test_the_decode_state_bytes_by_arithmetic_are_the_allocated_ones(cfg):
         for mode in ("chat", "generate"):
             for dtype in (torch.bfloat16, torch.float32):
                 for batch, max_len in ((1, 4096), (3, 1000)):
-                    s = Settings(mode=mode, mtp=mtp, max_batch=batch, max_seq_len=max_len)
+                    options = shape_options(Settings(mtp=mtp, max_batch=batch, max_seq_len=max_len), mode)
                     allocated = SlotState.decode_state(model, batch, max_len, drafter_depth(cfg, mtp),
                                                        reuse_prefix=mode == "chat", device="meta", dtype=dtype).nbytes()
-                    assert decode_state_bytes(cfg, s, dtype) == allocated, (mtp, mode, dtype, batch)
+                    assert decode_state_bytes(cfg, options, dtype.itemsize) == allocated, (mtp, mode, dtype, batch)
     assert state_bytes(cfg, 2, 4096, 2, 0, 2) == 2 * state_bytes(cfg, 1, 4096, 2, 0, 2)
 
 

@@ -226,7 +226,7 @@ class Chat:
             return True
         tok = self.engine.tok
         drafting = drafter_label(self.engine)
-        view = (LiveReply(self.console, seq, tok, drafting, s.thinking, self.engine.compiled) if self.tty
+        view = (LiveReply(self.console, seq, tok, drafting, s.thinking, self.engine.status) if self.tty
                 else PlainReply(seq, tok, s.thinking))
         with sigint_flag() as stop, view:
             try:
@@ -299,7 +299,7 @@ def run_chat(s: Settings, resume: Path | None = None) -> int:
     tty = sys.stdin.isatty() and sys.stdout.isatty()
     try:
         # one conversation: one sequence's cache, which each turn resumes
-        engine = load_engine(dataclasses.replace(s, max_batch=1, mode="chat"), "chat")
+        engine = load_engine(dataclasses.replace(s, max_batch=1), "chat")
     except KeyboardInterrupt:
         return 130
     chat = Chat(engine, ChatSession(s, engine.tok.encoding), tty)

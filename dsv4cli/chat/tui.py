@@ -127,11 +127,11 @@ class LiveReply:
     ten times a second. Closing it replaces the live view with the whole reply and a summary line.
     Typing is not echoed meanwhile (it waits for the next prompt), so it can't scramble the view."""
 
-    def __init__(self, console: Console, seq, tok: Tokenizer, drafting: str, thinking: bool, compiled=None):
-        """`drafting`: the engine's `drafter_label`; `compiled`: its compiled step (its `status` shows in the
-        bar), or None."""
+    def __init__(self, console: Console, seq, tok: Tokenizer, drafting: str, thinking: bool, status=None):
+        """`drafting`: the engine's `drafter_label`; `status`: its `status` call (how its steps run shows in
+        the bar), or None."""
         self.console, self.seq, self.tok, self.drafting, self.thinking = console, seq, tok, drafting, thinking
-        self.compiled = compiled
+        self.status = status
         self.step_s: list[float] = []
         self.drawn = 0.0
         self.live = _RewrapAwareLive(self, console=console, auto_refresh=False, transient=True,
@@ -146,7 +146,7 @@ class LiveReply:
         reasoning = reasoning[len(reasoning) - max(keep - len(answer), 0):]
         yield Tail(reply_view(reasoning, answer, markdown=False), height)
         yield status_bar(self.seq.metrics, self.drafting, self.step_s,
-                         self.compiled.status if self.compiled is not None else None)
+                         self.status().compile if self.status is not None else None)
 
     def __enter__(self):
         self.tty.__enter__()

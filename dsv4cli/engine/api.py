@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from dsv4cli.model import Transformer
     from dsv4cli.tokenizer import Tokenizer
 
-    from .compiled import CompiledSteps
     from .request import Event, Metrics, Sequence
     from .sampling import SamplingParams
 
@@ -41,6 +40,15 @@ class EngineOptions:
     # a step that raises fails the requests in it and the engine goes on; off, it raises (the ranks of --tp
     # must all take the same steps)
     isolate_failures: bool = True
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """How the engine's steps run now, as the front ends show it (`EngineAPI.status`)."""
+    compile: str | None = None      # how decode steps run under compile ("eager, compiling", ...); None: off
+    recompiles: int | None = None   # compiled steps whose guards failed (must stay 0); None: compile off
+    decode_code: tuple[tuple[str, ...], ...] = ()   # each compiled decode step's generated wrapper code
+    draft_lengths: dict | None = None   # auto drafting's cost model and choices (`DraftLength.report`)
 
 
 @dataclass(frozen=True)
@@ -84,11 +92,18 @@ class EngineAPI(Protocol):
     mtp: int | str      # the drafts-per-step setting: K, or "auto"
     mtp_depth: int      # tokens drafted per step, and verified at most (0 = plain decoding)
     totals: Metrics     # of every finished request
-    model: Transformer  # this process's weights (a rank's slice under --tp): for the bench's transformers peer
-    compiled: CompiledSteps | None   # the compiled decode step and prefill chunks, and their counts, when compile is on
 
     @property
     def model_info(self) -> ModelInfo: ...
+
+    def status(self) -> EngineStatus:
+        """How its steps run now (cheap: a chat's status bar asks at every redraw)."""
+        ...
+
+    def on_compile(self, note) -> None:
+        """Call `note(decode, how)` before a step shape builds (`how`: "compiling" or "loading"; `decode`: a
+        decode step, else a prefill chunk), where compile is on."""
+        ...
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence: ...
 

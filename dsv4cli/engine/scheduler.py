@@ -16,15 +16,16 @@ import random
 import time
 from typing import NamedTuple
 
-from dsv4cli.model import Transformer
+from dsv4cli.model import ModelConfig, Transformer
+from dsv4cli.model.footprint import state_bytes
 from dsv4cli.tokenizer import StreamDecoder, Tokenizer
 
-from .api import EngineOptions, ModelInfo
+from .api import EngineOptions, EngineStatus, ModelInfo
 from .constraint import Constraints
 from .draft_length import DraftLength
 from .output import append_output
 from .pace import PrefillPace
-from .prefix import PrefixReuse, scored
+from .prefix import SPARE_RING_ROWS, PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, DraftPlan, RunnerShape, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingMode, SamplingParams
@@ -88,6 +89,14 @@ def streams_to_decode(running: list[Sequence], chunks: list[tuple[Sequence, int,
     if all(s.params.background for s in running) and any(not seq.params.background for seq, _, _ in chunks):
         return []
     return running
+
+
+def decode_state_bytes(cfg: ModelConfig, options: EngineOptions, float_bytes: int) -> int:
+    """What the decode state of an engine of `options` for a model of `cfg` takes (`SlotState.decode_state`'s),
+    from the config alone: the memory check runs before any model is built."""
+    return state_bytes(cfg, options.max_batch, options.max_seq_len,
+                       max_draft=max(drafter_depth(cfg, options.mtp), 1) + 1,
+                       spare=SPARE_RING_ROWS if options.reuse_prefix else 0, float_bytes=float_bytes)
 
 
 def chunk_key(chunk: tuple[Sequence, int, int], longest: int) -> ChunkKey:
@@ -256,6 +265,18 @@ class Engine(CallPlanning):
     @functools.cached_property
     def model_info(self) -> ModelInfo:
         return ModelInfo.of(self.model)
+
+    def status(self) -> EngineStatus:
+        lengths = self.lengths.report() if self.lengths is not None else None
+        c = self.compiled
+        if c is None:
+            return EngineStatus(draft_lengths=lengths)
+        return EngineStatus(c.status, c.recompiles, tuple(tuple(c.sources[k] or ()) for k in c.ready if k.batch),
+                            lengths)
+
+    def on_compile(self, note) -> None:
+        if self.compiled is not None:
+            self.compiled.on_build = lambda key, how: note(key.batch > 0, how)
 
     def save_state(self, path: str, header: dict[str, str]) -> int:
         """A chat's state (a one-slot engine's) into a file: `PrefixReuse.save`."""
