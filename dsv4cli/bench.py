@@ -31,6 +31,7 @@ from dsv4cli.engine.compiled import cache_dir
 from dsv4cli.errors import UsageError
 from dsv4cli.loading import cpu_cores, load_engine, load_weights, pick_device
 from dsv4cli.model.checkpoint import save_checkpoint
+from dsv4cli.model.drafters import drafter_kind, drafter_named
 from dsv4cli.model.quant import dequantized
 from dsv4cli.options import CliOptions, model_options
 from dsv4cli.terminal import table_console
@@ -146,11 +147,13 @@ def float_copy(settings: Settings, out_dir) -> None:
     no DSpark drafter: a 0731 checkpoint goes without its stages)."""
     model, _ = load_weights(settings, torch.device("cpu"))
     cfg = model.cfg
+    kind = drafter_kind(cfg)
+    trunk_only = kind is not None and not kind.in_transformers
     state = dequantized(model.state_dict())
-    if cfg.drafter == "dspark":
+    if trunk_only:
         state = {name: t for name, t in state.items() if not name.startswith("mtp.")}
     config = {k: v for k, v in cfg.raw.items() if k != "quantization_config" and not k.startswith("dspark_")}
-    if cfg.drafter == "dspark":
+    if trunk_only:
         config |= {"compress_ratios": list(cfg.compress_ratios[: cfg.n_layers]), "num_nextn_predict_layers": 0}
     save_checkpoint({name: t.float() for name, t in state.items()}, config, out_dir)
 
@@ -212,11 +215,18 @@ def launches_per_step(engine: EngineAPI, prompt: list[int]) -> int:
 
 
 def depths_for(info: ModelInfo, depths: list) -> list:
-    """The depths a checkpoint's drafter runs at: DSpark's up to its block and auto, the MTP layer's numbers
-    (its auto is 1), none but 0 without a drafter."""
-    if info.drafter == "dspark":
-        return [d for d in depths if d == "auto" or d <= info.block_size]
-    return [d for d in depths if d != "auto" and (d == 0 or info.drafter)]
+    """The depths a checkpoint's drafter runs at: up to its block (DSpark's), auto where confidences choose
+    the drafts verified (DSpark; the MTP layer's auto is 1), none but 0 without a drafter."""
+    kind = drafter_named(info.drafter)
+    if kind is None:
+        return [d for d in depths if d == 0]
+
+    def runs(depth) -> bool:
+        if depth == "auto":         # a setting of its own where confidences choose the drafts verified
+            return kind.confidence
+        return not info.block_size or depth <= info.block_size
+
+    return [d for d in depths if runs(d)]
 
 
 def configurations(engine: EngineAPI, peer: EngineAPI | None, depths, batch: int, compile_modes):

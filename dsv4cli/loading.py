@@ -14,6 +14,7 @@ from dsv4cli.engine import COMPILE_BUDGET, Engine, EngineAPI, EngineOptions, Sam
 from dsv4cli.errors import UsageError
 from dsv4cli.hub import missing_model
 from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
+from dsv4cli.model.drafters import drafter_kind
 from dsv4cli.model.footprint import footprint, tp_problem
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_bytes
@@ -197,11 +198,13 @@ def build_engine(s: Settings, device: torch.device, verb: str, compile_apart: bo
     swapped in as `swap` says (`Engine`); else a shape's first step compiles it."""
     model, tokenizer = load_weights(s, device)
     cfg = model.cfg
-    if s.mtp != "auto" and s.mtp and cfg.drafter is None:
+    kind = drafter_kind(cfg)
+    if s.mtp != "auto" and s.mtp and kind is None:
         raise UsageError(f"{s.model_dir}: the checkpoint has no drafter (no MTP layer or DSpark stages); use --mtp 0")
-    if s.mtp != "auto" and cfg.drafter == "dspark" and s.mtp > cfg.dspark_block_size:
-        raise UsageError(f"--mtp {s.mtp}: above the checkpoint's DSpark block size {cfg.dspark_block_size} (one "
-                         f"pass drafts {cfg.dspark_block_size} tokens; verifying more can't use them)")
+    most = kind.max_depth(cfg) if kind else None
+    if s.mtp != "auto" and most is not None and s.mtp > most:
+        raise UsageError(f"--mtp {s.mtp}: above the checkpoint's {kind.label} block size {most} (one pass drafts "
+                         f"{most} tokens; verifying more can't use them)")
     # A chat turn resumes the previous turn's state; every prompt resumes the longest prefix in the store.
     options = dataclasses.replace(shape_options(s, verb), prefill_budget=s.prefill_budget,
                                   prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)),

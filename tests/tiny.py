@@ -67,3 +67,8 @@ def tiny_dspark_config(**overrides) -> dict:
                       dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)
     cfg.update(overrides)
     return cfg
+
+
+# A tiny config.json of each drafter kind (model.drafters.DRAFTERS), for the tests every kind passes
+# (test_drafters.py); a new kind adds its own.
+TINY_DRAFTERS = {"dspark": tiny_dspark_config, "mtp": tiny_config}

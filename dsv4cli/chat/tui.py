@@ -16,6 +16,7 @@ from rich.text import Text
 from dsv4cli.config import Settings
 from dsv4cli.encoding import THINK_END
 from dsv4cli.engine import EngineAPI, Metrics, drafter_label
+from dsv4cli.model.drafters import drafter_named
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_count
 
@@ -251,6 +252,7 @@ class _NoEcho:
 
 def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
     info = engine.model_info
+    kind = drafter_named(info.drafter)
     return [("model", str(settings.model_dir)),
             ("format", {"w8a8": "w8a8 (int8 linears)", "fp8+fp4": "fp8+fp4 (the release's bytes)"}.get(info.weights,
                                                                                                    info.weights)),
@@ -259,7 +261,7 @@ def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
             ("tensor parallel", str(settings.tp)),
             ("drafter", drafter_label(engine)),
             ("parameters", human_count(info.parameters)),
-            ("layers", f"{info.layers} (+{info.mtp_layers} {'DSpark stages' if info.drafter == 'dspark' else 'MTP'})"),
+            ("layers", f"{info.layers}" + (f" (+{info.mtp_layers} {kind.layers})" if kind else "")),
             ("vocab", str(info.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),
             ("KV prefix reuse", "on: a turn prefills only what follows the state the previous turn left")]

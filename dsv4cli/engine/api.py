@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from dsv4cli.model.drafters import drafter_kind, drafter_named
 from dsv4cli.model.model import RELEASE_FORMATS
 
 if TYPE_CHECKING:
@@ -61,18 +62,18 @@ class ModelInfo:
     layers: int
     mtp_layers: int     # the drafter's layers: the MTP layer, or DSpark's stages
     vocab_size: int
-    drafter: str | None     # "dspark" (0731), "mtp" (the preview) or None
-    block_size: int         # DSpark's drafts a pass (0: none)
+    drafter: str | None     # its kind's name (`drafters.drafter_named`): "dspark" (0731), "mtp" (the preview) or None
+    block_size: int         # the most drafts a step can draft: one pass's block, DSpark's (0: no bound, or no drafter)
 
     @classmethod
     def of(cls, model: Transformer) -> ModelInfo:
-        cfg, weight = model.cfg, model.embed.weight
+        cfg, weight, kind = model.cfg, model.embed.weight, drafter_kind(model.cfg)
         held = {p.dtype for p in model.parameters()}
         weights = "fp8+fp4" if held & set(RELEASE_FORMATS) else "w8a8" if torch.int8 in held else "float"
         return cls(parameters=held_parameters(model), weights=weights,
                    dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), layers=cfg.n_layers,
                    mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size, drafter=cfg.drafter,
-                   block_size=cfg.dspark_block_size)
+                   block_size=(kind.max_depth(cfg) if kind else None) or 0)
 
 
 def held_parameters(model: Transformer) -> int:
@@ -141,10 +142,11 @@ def drafter_label(engine: EngineAPI) -> str:
     info = engine.model_info
     if not engine.mtp_depth:
         return "off"
-    if info.drafter == "dspark":
-        return f"DSpark auto (block {info.block_size})" if engine.mtp == "auto" else \
-            f"DSpark {engine.mtp} of {info.block_size}"
-    return f"MTP {engine.mtp_depth}"
+    label = drafter_named(info.drafter).label
+    if info.block_size:
+        return f"{label} auto (block {info.block_size})" if engine.mtp == "auto" else \
+            f"{label} {engine.mtp} of {info.block_size}"
+    return f"{label} {engine.mtp_depth}"
 
 
 def acceptance_text(m: Metrics) -> str:

@@ -2,9 +2,10 @@
 the trunk computed over the step's rows and which of them were committed, and gets drafts back for every
 sequence that decodes on. The verifier (`verify.py`) is shared: it checks drafts whatever made them.
 
-Two kinds: the preview checkpoints' MTP layer, chained for depth K (`mtp.py`), and the 0731 checkpoints'
-DSpark block drafter (`dspark.py`). A drafter keeps its own position-addressed state in the step's
-DecodeState, so rows a step rejects leave nothing it reads later.
+One proposer per drafter kind (`runner.PROPOSERS`; what the rest of the engine knows of a kind is its
+description, `model.drafters.DrafterKind`): the preview checkpoints' MTP layer, chained for depth K (`mtp.py`),
+and the 0731 checkpoints' DSpark block drafter (`dspark.py`). A drafter keeps its own position-addressed state
+in the step's DecodeState, so rows a step rejects leave nothing it reads later.
 """
 from typing import NamedTuple, Protocol
 
@@ -19,7 +20,8 @@ class DraftRows(NamedTuple):
     """One segment of a step as the drafter sees it: rows at positions start[b].. of `cache`.
 
     hidden:    the trunk's streams over the rows [B,S,hc,D]
-    features:  DSpark's target features over the rows [B,S,F] (None for the MTP layer)
+    features:  the trunk's target features over the rows [B,S,F] (model.TrunkRows; None where the kind reads
+               no target layers)
     next_ids:  [B,S] the token after each row, p+1: the committed one where there is one
     start:     [B]
     cache:     the segment's DecodeState (or a slot's view)
@@ -43,8 +45,9 @@ class DraftRows(NamedTuple):
 
 class Proposal(NamedTuple):
     """A segment's next drafts [B, D] (D: the drafter's drafts a step), the distributions they were drawn
-    from [B, D, V] (None: argmaxes, or a step of greedy rows only), and each draft's confidence [B, D]:
-    the chance it is accepted given the ones before it (None: the drafter doesn't say)."""
+    from [B, D, V] (None: argmaxes, or a step of greedy rows only; DrafterKind.samples), and each draft's
+    confidence [B, D]: the chance it is accepted given the ones before it (None: the drafter doesn't say;
+    DrafterKind.confidence)."""
     drafts: torch.Tensor
     q: torch.Tensor | None
     confidence: torch.Tensor | None

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4cli.model import DecodeState, Transformer
+from dsv4cli.model.drafters import drafter_kind
 
 from . import session_file
 from .prefix_store import BOUNDARY, PrefixStore
@@ -25,7 +26,7 @@ class SlotHistory:
 
     tokens:     every token committed in the slot; the state has the rows of positions < len - 1
     valid_from: ring rows of positions below this may hold other positions' data
-    written_to: a bound on the highest position any write reached (rejected rows, MTP chains)
+    written_to: a bound on the highest position any write reached (rejected rows, a drafter's writes ahead)
     """
     tokens: list[int] = field(default_factory=list)
     valid_from: int = 0
@@ -53,11 +54,10 @@ class SlotHistory:
         """The history of this slot once a prompt resumes it at `start` (0: a fresh slot)."""
         return SlotHistory(valid_from=self.trusted_from(ring), written_to=self.written_to) if start else SlotHistory()
 
-    def record(self, tokens: list[int], mtp_depth: int) -> None:
-        """Tokens committed in the slot."""
+    def record(self, tokens: list[int], ahead: int) -> None:
+        """Tokens committed in the slot, by a step whose writes reach below len(tokens) + `ahead`."""
         self.tokens += tokens
-        # trunk rows reach pos + K, MTP chains pos + n_acc + K - 1: both below len + K
-        self.written_to = max(self.written_to, len(self.tokens) + mtp_depth)
+        self.written_to = max(self.written_to, len(self.tokens) + ahead)
 
 
 def scored(seq: Sequence) -> bool:
@@ -79,7 +79,11 @@ class PrefixReuse:
 
     def __init__(self, model: Transformer, state: DecodeState, max_batch: int, same_slot: bool,
                  cache: tuple[int, int], depth: int):
-        self.state, self.same_slot, self.depth = state, same_slot, depth
+        self.state, self.same_slot = state, same_slot
+        # how far past the committed tokens a step writes: the trunk's rows reach pos + K, below len + K; the
+        # drafter's as its kind says
+        kind = drafter_kind(model.cfg) if depth else None
+        self.ahead = max(depth, kind.write_ahead(depth) if kind else 0)
         self.identity = state_identity(model, depth > 0)              # what the state is valid for
         self.store = PrefixStore(state, *cache, json.dumps(self.identity).encode()) if cache[0] else None
         self.history = [SlotHistory() for _ in range(max_batch)]    # what each slot's state holds
@@ -133,7 +137,7 @@ class PrefixReuse:
     def record(self, slot: int, tokens: list[int]) -> None:
         """Tokens committed in `slot`."""
         if self.same_slot:
-            self.history[slot].record(tokens, self.depth)
+            self.history[slot].record(tokens, self.ahead)
 
     def save(self, path: str | Path, header: dict[str, str]) -> int:
         """Slot 0's state and tokens into `path` with `header` and the state's identity in its metadata; returns

@@ -4,7 +4,7 @@ A step is a list of segments, [prefill chunks; decode rows], run in one trunk pa
 (`Transformer.forward_segments`): the chunks write their slots' state, and a chunk that ends its prompt
 gives the prompt's first token; the decode rows [last, K drafts] of slots [0, batch) give the target
 distributions, the verifier commits tokens (`verify.py`), and the drafter drafts again from the committed
-rows (`drafter.py`: the preview's MTP layer or 0731's DSpark). "Prefill alone" is the same call with no
+rows (`drafter.py`: its kind's proposer, `PROPOSERS`). "Prefill alone" is the same call with no
 decode rows. Everything stays on the device; the step returns one packed tensor, the host's one read
 (StepKey says what it holds).
 
@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4cli.model import Segment, Transformer
+from dsv4cli.model.drafters import DSPARK, MTP, drafter_kind
 from dsv4cli.model.model import join, rows_at, split
 
 from .compiled import CompiledSteps
@@ -73,7 +74,7 @@ class RunnerShape:
     max_seq_len: int            # tokens a slot holds
     depth: int                  # D: the tokens the checkpoint's drafter drafts a step (0: plain decoding)
     reuse_prefix: bool = False  # slots keep their state for the next prompt (`SlotState`)
-    confidences: bool = False   # the result carries the next drafts' confidences (the scheduler chooses L)
+    confidences: bool = False   # the result carries the next drafts' confidences, where the kind has them (auto)
     graphs: bool = True         # decode-only steps captured where the platform can
 
 
@@ -88,7 +89,7 @@ class StepRunner:
         self.drafter = make_drafter(model, shape.depth)
         self.model, self.max_batch, self.swap = model, shape.max_batch, swap
         self.depth = self.drafter.depth if self.drafter is not None else 0
-        self.confidences = shape.confidences and self.depth > 0 and model.cfg.drafter == "dspark"
+        self.confidences = shape.confidences and self.depth > 0 and drafter_kind(model.cfg).confidence
         self.device = model.embed.weight.device
         self.state = SlotState(model, shape.max_batch, shape.max_seq_len, self.depth, shape.reuse_prefix)
         self.graphs = DecodeGraphs.for_device(self.device) if shape.graphs else None
@@ -283,27 +284,31 @@ class StepRunner:
                      for z, ck in zip(zeros, key.chunks))
 
 
+# Each drafter kind's proposer, made as `proposer(model, depth)`.
+PROPOSERS = {DSPARK: DSparkDrafter, MTP: MTPDrafter}
+
+
 def drafter_depth(cfg, mtp: int | str) -> int:
-    """The drafts a step drafts for the setting `mtp`: K, or auto's: DSpark's whole block, the MTP layer's 1,
+    """The drafts a step drafts for the setting `mtp`: K, or auto's (DSpark's whole block, the MTP layer's 1),
     none without a drafter."""
     if mtp != "auto":
         return mtp
-    return cfg.dspark_block_size if cfg.drafter == "dspark" else 1 if cfg.drafter == "mtp" else 0
+    kind = drafter_kind(cfg)
+    return kind.auto_depth(cfg) if kind else 0
 
 
 def make_drafter(model: Transformer, depth: int) -> Drafter | None:
     """The drafter of the model's checkpoint for `depth` drafts a step (DSpark drafts the first `depth` of its
     block: auto asks for all of it), or None for plain decoding."""
-    kind, block = model.cfg.drafter, model.cfg.dspark_block_size
     if not depth:
         return None
+    kind = drafter_kind(model.cfg)
     if kind is None:
         raise ValueError("this checkpoint has no drafter (no MTP layer or DSpark stages); use mtp 0")
-    if kind == "dspark":
-        if depth > block:
-            raise ValueError(f"mtp {depth}: above the DSpark block size {block} (one pass drafts {block} tokens)")
-        return DSparkDrafter(model, depth)
-    return MTPDrafter(model, depth)
+    most = kind.max_depth(model.cfg)
+    if most is not None and depth > most:
+        raise ValueError(f"mtp {depth}: above the {kind.label} block size {most} (one pass drafts {most} tokens)")
+    return PROPOSERS[kind](model, depth)
 
 
 def remade(reload, shape: RunnerShape) -> StepRunner:

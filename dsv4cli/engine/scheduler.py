@@ -199,7 +199,7 @@ class Engine(CallPlanning):
         self.tok, self.reload = tokenizer, reload
         self.max_batch, self.max_seq_len, self.mtp = o.max_batch, o.max_seq_len, o.mtp
         shape = RunnerShape(o.max_batch, o.max_seq_len, drafter_depth(model.cfg, o.mtp), o.reuse_prefix,
-                            confidences=o.mtp == "auto" and model.cfg.drafter == "dspark", graphs=o.graphs)
+                            confidences=o.mtp == "auto", graphs=o.graphs)
         background = o.compile and o.compile_in_background
         remake = (functools.partial(remade, reload, dataclasses.replace(shape, graphs=False))
                   if background and reload is not None else None)

@@ -6,6 +6,7 @@ from typing import NamedTuple
 import torch
 
 from dsv4cli.model import DecodeState, Transformer
+from dsv4cli.model.drafters import drafter_kind
 
 from .prefix import SPARE_RING_ROWS
 from .sampling import SlotParams
@@ -35,8 +36,9 @@ class SlotState:
     last:      [B] long, the last committed token, not yet run through the trunk
     pos:       [B] long, its position
     drafts:    [B, max(K, 1)] long, the drafts the next step verifies (K: the drafter's drafts a step)
-    draft_q:   [B, K, V] the distributions they were drawn from (a drafter that samples its drafts: DSpark)
-    confidence: [B, K] each draft's chance of acceptance given the earlier ones (DSpark)
+    draft_q:   [B, K, V] the distributions they were drawn from (a drafter that samples its drafts:
+               DrafterKind.samples)
+    confidence: [B, K] each draft's chance of acceptance given the earlier ones (DrafterKind.confidence)
     limit:     [B] long, the drafts a slot's row verifies in a step whose key says `limits` (the host's
                choice, written before the step)
     active:    [B] bool, the slot decodes (free and still-prefilling slots are stepped but keep their
@@ -54,9 +56,10 @@ class SlotState:
         self.drafts = torch.zeros(max_batch, max(depth, 1), dtype=torch.long, device=device)
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.limit = torch.zeros(max_batch, dtype=torch.long, device=device)
-        dspark = depth and model.cfg.drafter == "dspark"
-        self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if dspark else None
-        self.confidence = torch.zeros(max_batch, depth, device=device) if dspark else None
+        kind = drafter_kind(model.cfg) if depth else None
+        samples, confidence = bool(kind and kind.samples), bool(kind and kind.confidence)
+        self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if samples else None
+        self.confidence = torch.zeros(max_batch, depth, device=device) if confidence else None
         self.sampling = SlotParams(max_batch, model.cfg.vocab_size, device)
         self._views: dict[int, SlotView] = {}
 

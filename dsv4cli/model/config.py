@@ -3,6 +3,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .drafters import drafter_kind
+
 COMPRESS_RATIOS = (0, 4, 128)       # a layer's KV compression: 0 window only, 4 with the indexer, 128 dense
 LARGEST_RATIO = max(COMPRESS_RATIOS)
 
@@ -61,8 +63,10 @@ class ModelConfig:
 
     @property
     def drafter(self) -> str | None:
-        """The checkpoint's drafter kind: "dspark" (0731), "mtp" (the preview's MTP layer) or None."""
-        return "dspark" if self.dspark_block_size else "mtp" if self.n_mtp_layers else None
+        """The name of the checkpoint's drafter kind (`drafters.drafter_kind`): "dspark" (0731), "mtp" (the
+        preview's MTP layer) or None."""
+        kind = drafter_kind(self)
+        return kind.name if kind else None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":

@@ -6,6 +6,7 @@ import math
 from typing import NamedTuple
 
 from .config import LARGEST_RATIO, ModelConfig
+from .drafters import drafter_kind
 from .loader import Checkpoint, keep_fp32, open_checkpoint, weights_mode
 from .model import TP_COUNTS, TP_SPLIT, block_span
 from .quant import is_w8a8_linear
@@ -45,35 +46,40 @@ def count_parameters(cfg: ModelConfig) -> tuple[int, int]:
     return total, total - idle * 3 * cfg.dim * cfg.moe_inter_dim
 
 
-def model_tensors(cfg: ModelConfig) -> list[ModelTensor]:
-    """What `Transformer(cfg)` holds (model.py's modules, one by one), by arithmetic."""
-    out = []
-    hc, dim = cfg.hc_mult, cfg.dim
+class Tensors:
+    """A list of model tensors being made for `cfg`, with the parts model.py's modules are made of."""
 
-    def tensor(name, *shape, **kind):
-        out.append(ModelTensor(name, shape, **kind))
+    def __init__(self, cfg: ModelConfig):
+        self.cfg, self.out = cfg, []
 
-    def linear(name, n_in, n_out, float_only=False, grouped=False):
-        tensor(f"{name}.weight", n_out, n_in, linear=(float_only, not float_only or grouped))
+    def tensor(self, name, *shape, **kind):
+        self.out.append(ModelTensor(name, shape, **kind))
 
-    def compressor(p, ratio, head_dim):
+    def linear(self, name, n_in, n_out, float_only=False, grouped=False):
+        self.tensor(f"{name}.weight", n_out, n_in, linear=(float_only, not float_only or grouped))
+
+    def compressor(self, p, ratio, head_dim):
         width = block_span(ratio) * head_dim
-        tensor(f"{p}.ape", ratio, width)
-        linear(f"{p}.wkv", dim, width, float_only=True)
-        linear(f"{p}.wgate", dim, width, float_only=True)
-        tensor(f"{p}.norm.weight", head_dim)
+        self.tensor(f"{p}.ape", ratio, width)
+        self.linear(f"{p}.wkv", self.cfg.dim, width, float_only=True)
+        self.linear(f"{p}.wgate", self.cfg.dim, width, float_only=True)
+        self.tensor(f"{p}.norm.weight", head_dim)
 
-    def expert(p):
-        linear(f"{p}.w1", dim, cfg.moe_inter_dim)
-        linear(f"{p}.w2", cfg.moe_inter_dim, dim)
-        linear(f"{p}.w3", dim, cfg.moe_inter_dim)
+    def expert(self, p):
+        cfg = self.cfg
+        self.linear(f"{p}.w1", cfg.dim, cfg.moe_inter_dim)
+        self.linear(f"{p}.w2", cfg.moe_inter_dim, cfg.dim)
+        self.linear(f"{p}.w3", cfg.dim, cfg.moe_inter_dim)
 
-    def hc_head(p):
-        tensor(f"{p}hc_head_fn", hc, hc * dim)
-        tensor(f"{p}hc_head_base", hc)
-        tensor(f"{p}hc_head_scale", 1)
+    def hc_head(self, p):
+        hc, dim = self.cfg.hc_mult, self.cfg.dim
+        self.tensor(f"{p}hc_head_fn", hc, hc * dim)
+        self.tensor(f"{p}hc_head_base", hc)
+        self.tensor(f"{p}hc_head_scale", 1)
 
-    def block(p, layer_id):
+    def block(self, p, layer_id):
+        cfg, tensor, linear = self.cfg, self.tensor, self.linear
+        hc, dim = cfg.hc_mult, cfg.dim
         a, ratio = f"{p}.attn", cfg.compress_ratios[layer_id]
         tensor(f"{p}.attn_norm.weight", dim)
         linear(f"{a}.wq_a", dim, cfg.q_lora_rank)
@@ -86,11 +92,11 @@ def model_tensors(cfg: ModelConfig) -> list[ModelTensor]:
         linear(f"{a}.wo_b", cfg.o_groups * cfg.o_lora_rank, dim)
         tensor(f"{a}.attn_sink", cfg.n_heads)
         if ratio:
-            compressor(f"{a}.compressor", ratio, cfg.head_dim)
+            self.compressor(f"{a}.compressor", ratio, cfg.head_dim)
         if ratio == 4:
             linear(f"{a}.indexer.wq_b", cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim)
             linear(f"{a}.indexer.weights_proj", dim, cfg.index_n_heads)
-            compressor(f"{a}.indexer.compressor", 4, cfg.index_head_dim)
+            self.compressor(f"{a}.indexer.compressor", 4, cfg.index_head_dim)
         tensor(f"{p}.ffn_norm.weight", dim)
         tensor(f"{p}.ffn.gate.weight", cfg.n_routed_experts, dim)
         if layer_id < cfg.n_hash_layers:
@@ -99,46 +105,30 @@ def model_tensors(cfg: ModelConfig) -> list[ModelTensor]:
         else:
             tensor(f"{p}.ffn.gate.bias", cfg.n_routed_experts)
         for i in range(cfg.n_routed_experts):
-            expert(f"{p}.ffn.experts.{i}")
+            self.expert(f"{p}.ffn.experts.{i}")
         if cfg.n_shared_experts:
-            expert(f"{p}.ffn.shared_experts")
+            self.expert(f"{p}.ffn.shared_experts")
         mix = (2 + hc) * hc
         for part in ("attn", "ffn"):
             tensor(f"{p}.hc_{part}_fn", mix, hc * dim)
             tensor(f"{p}.hc_{part}_base", mix)
             tensor(f"{p}.hc_{part}_scale", 3)
 
-    tensor("embed.weight", cfg.vocab_size, dim)
+
+def model_tensors(cfg: ModelConfig) -> list[ModelTensor]:
+    """What `Transformer(cfg)` holds (model.py's modules, one by one), by arithmetic."""
+    t = Tensors(cfg)
+    t.tensor("embed.weight", cfg.vocab_size, cfg.dim)
     for i in range(cfg.n_layers):
-        block(f"layers.{i}", i)
-    tensor("norm.weight", dim)
-    tensor("head.weight", cfg.vocab_size, dim)
-    hc_head("")
+        t.block(f"layers.{i}", i)
+    t.tensor("norm.weight", cfg.dim)
+    t.tensor("head.weight", cfg.vocab_size, cfg.dim)
+    t.hc_head("")
+    kind = drafter_kind(cfg)
     for stage in range(cfg.n_mtp_layers):
-        p = f"mtp.{stage}"
-        block(p, cfg.n_layers + stage)
-        if cfg.drafter == "mtp":
-            tensor(f"{p}.enorm.weight", dim)
-            tensor(f"{p}.hnorm.weight", dim)
-            linear(f"{p}.e_proj", dim, dim)
-            linear(f"{p}.h_proj", dim, dim)
-            tensor(f"{p}.norm.weight", dim)
-            hc_head(f"{p}.")
-            continue
-        if stage == 0:
-            linear(f"{p}.main_proj", len(cfg.dspark_target_layer_ids) * dim, dim)
-            tensor(f"{p}.main_norm.weight", dim)
-            if cfg.dspark_vocab_copies:
-                tensor(f"{p}.embed.weight", cfg.vocab_size, dim)
-        if stage == cfg.n_mtp_layers - 1:
-            tensor(f"{p}.norm.weight", dim)
-            hc_head(f"{p}.")
-            tensor(f"{p}.markov_head.markov_w1.weight", cfg.vocab_size, cfg.dspark_markov_rank)
-            tensor(f"{p}.markov_head.markov_w2.weight", cfg.vocab_size, cfg.dspark_markov_rank)
-            linear(f"{p}.confidence_head.proj", dim + cfg.dspark_markov_rank, 1, float_only=True)
-            if cfg.dspark_vocab_copies:
-                tensor(f"{p}.head.weight", cfg.vocab_size, dim)
-    return out
+        t.block(f"mtp.{stage}", cfg.n_layers + stage)
+        kind.stage_tensors(t, f"mtp.{stage}", stage, cfg)
+    return t.out
 
 
 def tensor_bytes(ckpt: Checkpoint, tensors: list[ModelTensor], tp: int, float_bytes: int,
@@ -146,7 +136,7 @@ def tensor_bytes(ckpt: Checkpoint, tensors: list[ModelTensor], tp: int, float_by
     """The bytes of weights a card holds as `load_model` keeps them in `mode` (`loader.weights_mode`), by how each
     is held: 'fp4' (packed + E8M0 per 32), 'fp8' (+ fp32 tile scales), 'int8' (+ fp32 per channel) and 'float'
     (fp32 where kept so, else `float_bytes`-byte: 2 for bf16, 4 for float32); the split tensors' share of them."""
-    dspark = ckpt.config.drafter == "dspark"
+    drafter = drafter_kind(ckpt.config)
     out = dict.fromkeys(("fp4", "fp8", "int8", "float"), 0)
     for name, shape, _, floating, linear in tensors:
         prefix = name.rpartition(".")[0]
@@ -163,7 +153,7 @@ def tensor_bytes(ckpt: Checkpoint, tensors: list[ModelTensor], tp: int, float_by
             how, n = "fp8", numel + 4 * -(-rows // 128) * -(-cols // 128)
         elif (mode == "native" and ckpt.format == "w8a8" and ckpt.label(name) == "W8A8_DYNAMIC"
               and not float_only) or (mode == "w8a8" and ckpt.format == "fp8" and not float_only
-                                      and stored in ("I8", "F8_E4M3") and is_w8a8_linear(prefix, dspark)):
+                                      and stored in ("I8", "F8_E4M3") and is_w8a8_linear(prefix, drafter)):
             how, n = "int8", numel + 4 * rows
         else:
             how, n = "float", numel * (4 if keep_fp32(name) else float_bytes)

@@ -24,6 +24,7 @@ from torch import nn
 from dsv4cli import kernels, platforms
 
 from .config import ConfigError, ModelConfig
+from .drafters import MTP, drafter_kind
 from .model import Linear, PackedWeight, Transformer, world
 from .quant import (
     FP4_BLOCK,
@@ -194,7 +195,8 @@ def open_checkpoint(path) -> Checkpoint:
         raise LoadError(f"{path}: mixes W8A8 tensors ('{w8a8 or W8A8_DESCRIPTION}') with FP8 tensors ('{fp8}'); "
                         "a W8A8 checkpoint is QuaRot-rotated and cannot take original weights")
     fmt = "w8a8" if w8a8 or description else "fp8" if fp8 else "float"
-    if cfg.drafter == "dspark" and "mtp.0.embed.weight" in tensors:    # the drafter's own vocabulary tensors
+    kind = drafter_kind(cfg)
+    if kind and kind.holds_copies and kind.vocab_copies(cfg)["embed.weight"] in tensors:   # its own vocabulary
         cfg = dataclasses.replace(cfg, dspark_vocab_copies=True)
     ckpt = Checkpoint(path, cfg, fmt, shards, tensors, description)
     check_config(ckpt)
@@ -208,11 +210,10 @@ def check_config(ckpt: Checkpoint) -> None:
     def indices(pattern):
         return {int(m.group(1)) for n in names if (m := re.search(pattern, n))}
 
-    stages = ("n_mtp_layers (the DSpark stages past num_hidden_layers in compress_ratios)", "DSpark stages") \
-        if cfg.drafter == "dspark" else ("num_nextn_predict_layers", "MTP layers")
+    drafter = drafter_kind(cfg) or MTP      # no drafter: mtp.N tensors would be the preview's MTP layers
     for field, want, have, what in (
             ("num_hidden_layers", cfg.n_layers, indices(r"^layers\.(\d+)\."), "layers"),
-            (stages[0], cfg.n_mtp_layers, indices(r"^mtp\.(\d+)\."), stages[1]),
+            (drafter.layers_key, cfg.n_mtp_layers, indices(r"^mtp\.(\d+)\."), drafter.layers),
             ("n_routed_experts", cfg.n_routed_experts, indices(r"\.experts\.(\d+)\."), "routed experts")):
         if have and have != set(range(want)):
             raise LoadError(f"{where}: {field} is {want} but the checkpoint has {what} "
@@ -385,7 +386,7 @@ def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", 
 
     def requantized(t):                 # the release's weight as W8A8 holds it, or float where W8A8 keeps float
         prefix = item.name.rpartition(".")[0]
-        if mode == "w8a8" and is_w8a8_linear(prefix, ckpt.config.drafter == "dspark") and not linear.float_only:
+        if mode == "w8a8" and is_w8a8_linear(prefix, drafter_kind(ckpt.config)) and not linear.float_only:
             q, scale = quantize_weight(t)
             return Held(q.to(device), "weight_scale", scale.to(device))
         return Held(t.to(device, dtype))

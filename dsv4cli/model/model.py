@@ -28,6 +28,7 @@ from dsv4cli.kernels import reference
 from dsv4cli.kernels.reference import ExpertStack
 
 from .config import LARGEST_RATIO, ModelConfig
+from .drafters import DSPARK, MTP, drafter_kind
 
 
 def world() -> tuple[int, int]:
@@ -416,8 +417,8 @@ class CallPlan:
 
 
 class TrunkRows(NamedTuple):
-    """What the trunk gives for a segment: its streams [B,S,hc,D], and the DSpark drafter's target
-    features [B,S,F] (None for other checkpoints)."""
+    """What the trunk gives for a segment: its streams [B,S,hc,D], and the drafter's target features [B,S,F]
+    (`Transformer.forward_segments`; None where its kind has no target layers)."""
     hidden: torch.Tensor
     features: torch.Tensor | None
 
@@ -831,8 +832,8 @@ class MTPBlock(Block):
     """Next-next-token block: mixes embed(t_{p+1}) with the trunk's streams at p, then one
     window-only block, its own hc_head and norm, and the shared LM head."""
 
-    def __init__(self, layer_id: int, cfg: ModelConfig):
-        super().__init__(layer_id, cfg)
+    def __init__(self, stage: int, cfg: ModelConfig):
+        super().__init__(cfg.n_layers + stage, cfg)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.e_proj = Linear(cfg.dim, cfg.dim)
@@ -951,6 +952,10 @@ class DSparkStage(Block):
         return self.hyper_connection(h, "ffn", lambda x: self.ffn(self.ffn_norm(x), None))
 
 
+# Each drafter kind's stage module, built as `stage(i, cfg)` for its layers mtp.0..
+STAGES = {DSPARK: DSparkStage, MTP: MTPBlock}
+
+
 class Transformer(OpModule):
     tp_split = {"vocab_size": ("embed", "head")}
 
@@ -964,8 +969,9 @@ class Transformer(OpModule):
         self.hc_head_fn = nn.Parameter(torch.empty(cfg.hc_mult, cfg.hc_mult * cfg.dim, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
-        stage = DSparkStage if cfg.drafter == "dspark" else lambda i, cfg: MTPBlock(cfg.n_layers + i, cfg)
-        self.mtp = nn.ModuleList([stage(i, cfg) for i in range(cfg.n_mtp_layers)])
+        kind = drafter_kind(cfg)         # None only with no drafter layers
+        self.mtp = nn.ModuleList([STAGES[kind](i, cfg) for i in range(cfg.n_mtp_layers)])
+        self.target_layers = kind.target_layers(cfg) if kind else ()     # whose outputs the drafter reads
 
     @property
     def dtype(self) -> torch.dtype:
@@ -994,16 +1000,15 @@ class Transformer(OpModule):
         one cached entry point): the token-wise work (embedding, mHC, norms, projections, MoE) runs once
         over all their rows, attention per segment, in the order given, so a later segment's state writes
         land after an earlier one's. Returns each segment's streams [B,S,hc,D] (before hc_head: `logits`)
-        and, for a DSpark drafter, its target features [B,S,len(target layers)*D]: the mean over the hc
-        streams of each target layer's output."""
+        and, for a drafter with target layers (DrafterKind.target_layers), its target features
+        [B,S,len(target layers)*D]: the mean over the hc streams of each target layer's output."""
         calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context, length=s.length) for s in segments]
         tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
-        targets = self.cfg.dspark_target_layer_ids if self.cfg.drafter == "dspark" else ()
         features = []
         for i, layer in enumerate(self.layers):
             h = layer(h, calls, [s.state.layers[i] for s in segments], tokens)
-            if i in targets:
+            if i in self.target_layers:
                 features.append(h.mean(2))
         shapes = [call.shape for call in calls]
         feats = split(torch.cat(features, -1), shapes) if features else [None] * len(segments)

@@ -16,38 +16,32 @@ from torch import nn
 
 from dsv4cli.kernels.reference import FP4_BLOCK, FP4_VALUES, FP8_BLOCK, fp4_to_float, fp8_to_float  # noqa: F401
 
+from .drafters import DrafterKind, drafter_kind
 from .model import Linear
 
 # msModelSlim deepseek_v4_flash_w8a8.yaml: W8A8_DYNAMIC on attention linears except wo_a/wo_b,
-# compressors and weights_proj, and on every FFN linear except the gate.
+# compressors and weights_proj, and on every FFN linear except the gate (a drafter's layers too, unless its
+# kind has a recipe of its own: DrafterKind.w8a8).
 _W8A8_LINEAR = re.compile(
     r"(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|indexer\.wq_b)|ffn\.(experts\.\d+|shared_experts)\.w[123])")
-# 0731's DSpark stages (msModelSlim's deepseek_v4_dspark adapter, as vllm-ascend's descriptor labels them):
-# every attention linear, wo_a/wo_b included (UNCONFIRMED: the trunk recipe keeps those float), every FFN
-# linear but the gate, and main_proj
-_W8A8_DSPARK = re.compile(r"mtp\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|ffn\.(experts\.\d+|shared_experts)\.w[123]"
-                          r"|main_proj)")
-# Copies of embed / head that msModelSlim writes for the MTP layer (the model shares the originals).
-MTP_COPIES = {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.head.weight"}
 W8A8_PREFIX = "quant_model_weights"
 W8A8_DESCRIPTION = "quant_model_description.json"
 
 FP32_TENSORS = ("hc_", ".ape", "attn_sink", "gate.bias")   # stored fp32 in every layout; the rest bf16
 
 
-def is_w8a8_linear(prefix: str, dspark: bool = False) -> bool:
+def is_w8a8_linear(prefix: str, drafter: DrafterKind | None = None) -> bool:
     """Whether the linear `prefix` (e.g. 'layers.3.attn.wq_a') is int8 in the W8A8 recipe (of a checkpoint
-    with a DSpark drafter, with `dspark`)."""
-    recipe = _W8A8_DSPARK if dspark and prefix.startswith("mtp.") else _W8A8_LINEAR
-    return recipe.fullmatch(prefix) is not None
+    whose drafter is of the kind `drafter`)."""
+    own = drafter is not None and drafter.w8a8 is not None and prefix.startswith("mtp.")
+    return (drafter.w8a8 if own else _W8A8_LINEAR).fullmatch(prefix) is not None
 
 
 def vocab_copies(cfg) -> dict[str, str]:
     """The copies of the trunk's embed / head a W8A8 checkpoint holds for its drafter (unrotated, where the
-    trunk's are QuaRot-rotated): msModelSlim's names for the preview MTP layer and for 0731's DSpark."""
-    if cfg.drafter == "dspark":
-        return {"embed.weight": "mtp.0.embed.weight", "head.weight": f"mtp.{cfg.n_mtp_layers - 1}.head.weight"}
-    return MTP_COPIES if cfg.drafter == "mtp" else {}
+    trunk's are QuaRot-rotated), by msModelSlim's names for its kind."""
+    kind = drafter_kind(cfg)
+    return kind.vocab_copies(cfg) if kind else {}
 
 
 def as_stored(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -81,9 +75,9 @@ def dequantized(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def quantize_model(model: nn.Module) -> nn.Module:
     """Swap the recipe's linears to int8 weights + `weight_scale`, in place, as `load_model` holds a W8A8
     checkpoint: a `float_only` linear keeps its dequantised weights."""
-    dspark = model.cfg.drafter == "dspark"
+    drafter = drafter_kind(model.cfg)
     for name, module in model.named_modules():
-        if isinstance(module, Linear) and is_w8a8_linear(name, dspark) and module.format == "float":
+        if isinstance(module, Linear) and is_w8a8_linear(name, drafter) and module.format == "float":
             q, scale = quantize_weight(module.weight)
             if module.float_only:
                 module.weight.copy_(q.float() * scale)
@@ -252,7 +246,7 @@ def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 
     (int8 ones as they are, float ones quantised on the way out), everything else as FLOAT;
     config.json loses its quantization_config."""
     writer = W8A8Writer(out_dir, max_shard_bytes, vocab_copies(model.cfg))
-    dspark = model.cfg.drafter == "dspark"
+    drafter = drafter_kind(model.cfg)
     state = model.state_dict()
     for name, t in state.items():
         prefix, _, attr = name.rpartition(".")
@@ -260,7 +254,7 @@ def save_w8a8(model: nn.Module, config: dict, out_dir, max_shard_bytes: int = 4 
             continue                                        # written with its weight
         if t.dtype == torch.int8:
             writer.linear(prefix, t, state[f"{prefix}.weight_scale"])
-        elif attr == "weight" and is_w8a8_linear(prefix, dspark):
+        elif attr == "weight" and is_w8a8_linear(prefix, drafter):
             writer.linear(prefix, *quantize_weight(t))
         else:
             writer.tensor(name, t)

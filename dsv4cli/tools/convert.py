@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from dsv4cli.model.drafters import drafter_kind
 from dsv4cli.model.loader import LoadError, open_checkpoint, plan, progress_bar, read_item
 from dsv4cli.model.model import Transformer
 from dsv4cli.model.quant import (
@@ -49,7 +50,7 @@ def convert(src, dst, to: str = "w8a8", progress: bool = True, max_shard_bytes: 
         out = W8A8Writer(tmp, max_shard_bytes, vocab_copies(ckpt.config))
     else:
         out = ShardWriter(tmp, "model", max_shard_bytes)
-    modules = dict(model.named_modules())
+    modules, drafter = dict(model.named_modules()), drafter_kind(ckpt.config)
     items.sort(key=lambda it: ckpt.position(it.sources[0]))
     total = sum(ckpt.nbytes(n) for it in items for n in it.sources)
     with progress_bar(progress, total, f"converting {src.name} to {to}") as advance:
@@ -63,7 +64,7 @@ def convert(src, dst, to: str = "w8a8", progress: bool = True, max_shard_bytes: 
                     out.add(name, stored)
             elif to == "bf16":
                 out.add(item.name, as_stored(item.name, t))
-            elif attr == "weight" and is_w8a8_linear(prefix, ckpt.config.drafter == "dspark"):
+            elif attr == "weight" and is_w8a8_linear(prefix, drafter):
                 out.linear(prefix, *quantize_weight(t))
             else:
                 out.tensor(item.name, t)

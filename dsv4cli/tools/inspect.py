@@ -4,6 +4,7 @@ import torch
 from rich.table import Table
 
 from dsv4cli.errors import UsageError
+from dsv4cli.model.drafters import drafter_kind, drafter_named
 from dsv4cli.model.footprint import count_parameters, model_tensors, tensor_bytes, tp_problem
 from dsv4cli.model.loader import Checkpoint, LoadError, open_checkpoint, plan
 from dsv4cli.model.model import Transformer
@@ -29,12 +30,10 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
     by_mode = {mode: tensor_bytes(ckpt, tensors, tp, float_bytes, mode) for mode in modes}
     ratios = cfg.compress_ratios[: cfg.n_layers]
     quantized = sum(is_quantized(ckpt, n) for n in ckpt.tensors)
+    kind = drafter_kind(cfg)
     drafter = {"kind": cfg.drafter, "layers": cfg.n_mtp_layers,
-               "bytes_on_disk": sum(ckpt.nbytes(n) for n in ckpt.tensors if n.startswith("mtp."))}
-    if cfg.drafter == "dspark":
-        drafter |= {"block_size": cfg.dspark_block_size, "markov_rank": cfg.dspark_markov_rank,
-                    "target_layers": list(cfg.dspark_target_layer_ids), "noise_token_id": cfg.dspark_noise_token_id,
-                    "own_vocabulary_copies": cfg.dspark_vocab_copies}
+               "bytes_on_disk": sum(ckpt.nbytes(n) for n in ckpt.tensors if n.startswith("mtp.")),
+               **(kind.settings(cfg) if kind else {})}
     return {
         "path": str(ckpt.path), "format": ckpt.format,
         "shards": len(ckpt.shards), "bytes_on_disk": sum(s.path.stat().st_size for s in ckpt.shards),
@@ -69,9 +68,8 @@ def render(info: dict) -> Table:
     params = f"{human_count(info['parameters'])} total, {human_count(info['active_parameters'])} active per token"
     layers = f"{info['layers']}: {s['SWA']} sliding-window, {s['CSA']} CSA (ratio 4), {s['HCA']} HCA (ratio 128)"
     d = info["drafter"]
-    drafter = {None: "none", "mtp": f"MTP layer ({d['layers']}), chained for depth K"}.get(d["kind"]) or (
-        f"DSpark (0731): {d['layers']} stages, block of {d['block_size']}, Markov rank {d['markov_rank']}, "
-        f"target layers {d['target_layers']}" + (", own embed/head copies" if d["own_vocabulary_copies"] else ""))
+    kind = drafter_named(d["kind"])
+    drafter = kind.summary(d) if kind else "none"
     table = Table(title=info["path"], show_header=False, title_justify="left")
     for key, value in (
             ("format", FORMATS[info["format"]]),
