@@ -21,13 +21,13 @@ from dsv4cli.units import human_bytes
 
 # Below this many parameters a decode step is hundreds of tiny ops: a second intra-op thread adds a barrier
 # per op and gains nothing, and when another process holds a core every barrier waits for a descheduled
-# thread (benchmarks/threads.py: 35 -> ~1 tok/s on 2 cores with one busy).
+# thread (benchmarks/threads.py has the numbers).
 SMALL_MODEL_PARAMETERS = 100_000_000
 LONG_RUNNING = ("chat", "serve", "batch")    # verbs whose engine outlives a cold compile (auto on the CPU)
 PREFIX_VERBS = ("chat", "serve", "batch")    # verbs whose prompts share prefixes: they keep a prefix store
 # A CPU batch job of fewer tokens than this (requests x max_tokens) ends before a compile beside it pays
-# off: a cold compile takes 2-3 min while the eager steps run a third slower, then 5-10x faster; 400
-# requests of 48 tokens (19,200) ran 54-55 s eager and 70-74 s with a compile that never finished.
+# off: a cold compile takes minutes while the eager steps beside it run slower (docs/decisions.md, Compiled
+# steps, has the job that ran longer with a compile than without).
 BATCH_COMPILE_TOKENS = 60_000
 
 
@@ -153,11 +153,11 @@ def choose_compile(mode: str, device: torch.device, verb: str, small_model: bool
 
     auto: on where the platform captures the compiled step as a graph (accelerators). On the CPU, on for
     the verbs whose engine outlives a cold compile (`LONG_RUNNING`) with a small model, whose step is
-    mostly per-op overhead (the compiled one is 5-10x faster), when the compile can run `beside` the run
-    in a process of its own while it goes on eagerly; for a batch job, when its `job_tokens` (requests x
-    max_tokens) reach BATCH_COMPILE_TOKENS. Off for a one-shot `generate`, which ends before a cold
-    compile would (minutes), and for large models, whose CPU step is the weights' bandwidth, which
-    compiling doesn't change."""
+    mostly per-op overhead (the compiled one is several times faster: docs/decisions.md), when the compile
+    can run `beside` the run in a process of its own while it goes on eagerly; for a batch job, when its
+    `job_tokens` (requests x max_tokens) reach BATCH_COMPILE_TOKENS. Off for a one-shot `generate`, which
+    ends before a cold compile would (minutes), and for large models, whose CPU step is the weights'
+    bandwidth, which compiling doesn't change."""
     platform = platforms.for_device(device)
     graphs = platform.graph_api() is not None
     long_enough = job_tokens is None or job_tokens >= BATCH_COMPILE_TOKENS

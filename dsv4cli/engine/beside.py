@@ -99,8 +99,8 @@ class Beside:
         (if the kernel counted a core idle meanwhile) a probe runs 2 x PROBE_STEPS of them, the compile
         running and stopped in turn; then it runs beside the steps only if they were at most
         BESIDE_SLOWDOWN slower with it running (checked again after RECHECK): measured, since an idle core
-        can still share the step's core's caches, memory or (in a VM) its hardware thread. On a 2-vCPU VM
-        a compile on the idle vCPU made eager steps about 2x slower."""
+        can still share the step's core's caches, memory or (in a VM) its hardware thread (docs/decisions.md,
+        Compiled steps, has what a compile on an idle vCPU did)."""
         core_idle = self._core_idle(now)
         if self._probe is None:
             # running it beside the steps is tried only where the kernel counts a core idle meanwhile

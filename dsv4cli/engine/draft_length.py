@@ -12,7 +12,8 @@ a slot's drafts were made for positions it has passed: its row verifies none tha
 per-row limits). Each length is first measured once (in order, at the start), then re-measured now and then,
 as costs drift (the context grows, the machine gets busy): each length no more often than its step's expected
 loss against the best length's allows within EXPLORE of the decode time, so a length that can't pay (on a CPU,
-a long block at batch 1: 17-26 ms against plain's 5) is tried once in hundreds of steps, not every 64th.
+a long block at batch 1: docs/decisions.md, Speculative decoding) is tried once in hundreds of steps, not every
+64th.
 """
 import math
 

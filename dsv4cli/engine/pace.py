@@ -1,8 +1,8 @@
 """How many prompt tokens a step that also decodes may prefill: a budget in time, not tokens.
 
 A running stream's next token waits for its step, and a step that prefills waits for its chunks. A fixed
-token budget (160) was three decode steps' time on a 2-core CPU: a stream's worst gap was 3.4x its median
-while prompts arrived. Here a chunk may take about SHARE of a decode step's time, as measured on this
+token budget is several decode steps' time on a small CPU (docs/decisions.md, The engine: the worst gap it
+gave while prompts arrived). Here a chunk may take about SHARE of a decode step's time, as measured on this
 device (prefill seconds per token and decode step seconds, both moving averages), so the worst gap stays near
 1 + SHARE steps; a step with no stream decoding prefills the whole token budget (nobody waits on it).
 """
