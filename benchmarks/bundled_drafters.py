@@ -33,7 +33,7 @@ def engines(configs: list[str], compare: str | None) -> dict:
         kind, _, depth = name.rpartition("-")
         model = {"plain": None, "dspark": None, "mtp": mtp_dir, "compare": compare}[kind or depth]
         mtp = 0 if name == "plain" else depth if depth == "auto" else int(depth)
-        settings = dataclasses.replace(resolve()[0], compile="on", max_batch=1, mtp=mtp,
+        settings = dataclasses.replace(resolve()[0], compile="on", max_batch=1, drafts=mtp,
                                        **({"model": model} if model else {}))
         out[name] = load_engine(settings, "bench", compile_in_background=False)
     return out

@@ -43,9 +43,9 @@ def main() -> None:
     tok = Tokenizer.from_dir(args.model)
     model = load_model(args.model, "cpu", torch.float32)
     params = SamplingParams(temperature=0, max_tokens=args.reply_tokens)
-    engines = {"fresh": Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=4096, mtp=args.mtp)),
+    engines = {"fresh": Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=4096, drafts=args.mtp)),
                "reuse": Engine(model, tok,
-                               EngineOptions(max_batch=1, max_seq_len=4096, mtp=args.mtp, reuse_prefix=True))}
+                               EngineOptions(max_batch=1, max_seq_len=4096, drafts=args.mtp, reuse_prefix=True))}
     for eng in engines.values():      # warm-up: first-call allocations and kernel selection
         eng.generate([tok.encode(encode_messages([{"role": "user", "content": "Hi"}]))], params)
     messages, turns = [], []

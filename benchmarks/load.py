@@ -156,7 +156,7 @@ def paged_steps(model, path: Path, steps: int) -> dict:
 
     from dsv4cli.engine import Engine, EngineOptions
 
-    engine = Engine(model, None, EngineOptions(max_batch=1, max_seq_len=256, mtp=0, graphs=False))
+    engine = Engine(model, None, EngineOptions(max_batch=1, max_seq_len=256, drafts=0, graphs=False))
     state, step, _, _ = decode_step(engine, 1, 0, 256)
     reads, times = [], []
     with torch.no_grad():

@@ -92,6 +92,9 @@ DSPARK_ACCEPTANCE = (0.579, 0.447, 0.316, 0.237, 0.158)    # 0731 on prose, k=5 
 # handle (agentic output accepts more, SGLang measured 3.4-4.0 of 5; a drafter far from the text, little)
 PROFILES = {"0731 prose (peers)": DSPARK_ACCEPTANCE, "agentic": (0.85, 0.72, 0.6, 0.5, 0.4),
             "poor": (0.2, 0.05, 0.01, 0.0, 0.0)}
+# what block verification added to the mean acceptance length, sampled, as peers measured it: vLLM +0.05 and
+# +0.08 (its DSpark recipe turns it on), SGLang +0.10 at temperature 1 (docs/peers-dec-2026.md)
+BLOCK_GAINS = (0.05, 0.08, 0.10)
 DEVICE = torch.device("cpu")
 PARTS = ("attention", "moe", "head", "drafter", "other")
 
@@ -467,11 +470,11 @@ def compiled_step_times(engine, batch, depth, context_bound, reps) -> tuple[list
 
 
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_peak, compile_too=False) -> dict:
-    engine = Engine(model, None, EngineOptions(max_batch=batch, max_seq_len=context + 64, mtp=depth, graphs=False))
+    engine = Engine(model, None, EngineOptions(max_batch=batch, max_seq_len=context + 64, drafts=depth, graphs=False))
     context_bound = -(-(context + depth + 1) // 512) * 512
     state, step, _, _ = decode_step(engine, batch, depth, context_bound)
     g = torch.Generator(DEVICE).manual_seed(1)
-    for cache in state.cache.layers + state.cache.mtp:
+    for cache in state.cache.layers + state.cache.drafter:
         for t in cache.tensors():
             t.normal_(0, 1, generator=g)
     vocab = cfg.vocab_size
@@ -679,12 +682,16 @@ def main():
                 for name, profile in PROFILES.items() if steps else ():
                     rates = {d: batch * (1 + sum(profile[:d])) / (ms / 1e3) for d, ms in steps.items()}
                     best = max(rates, key=rates.get)
+                    # the block rule's longer mean length at the same step time, where it drafts
+                    block = {gain: round((1 + sum(profile[:best]) + gain) / (1 + sum(profile[:best])), 3)
+                             for gain in BLOCK_GAINS} if best else None
                     auto.append({"batch": batch, "context": context, "profile": name, "depth": best,
                                  "tokens_per_s": round(rates[best], 3),
                                  "vs_plain": {d: round(v / rates[0], 3) for d, v in rates.items()} if 0 in rates
-                                 else None})
+                                 else None, "block_verify_vs_token": block})
                     print(f"ctx {context} batch {batch} {name}: auto verifies {best}, {rates[best]:.3f} tok/s "
-                          f"(43 layers); vs plain by depth {auto[-1]['vs_plain']}")
+                          f"(43 layers); vs plain by depth {auto[-1]['vs_plain']}; block verification at peers' "
+                          f"+{'/+'.join(map(str, BLOCK_GAINS))} mean length: {block}")
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else None
     report = {"benchmark": "real_width", "device": gpu or a.device,
               "machine": {"cpu": platform.processor() or platform.machine(),

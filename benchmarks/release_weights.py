@@ -41,7 +41,7 @@ def decode_rate(path: Path, weights: str, dtype: str, tokens: int) -> tuple[floa
     """(greedy tokens/s at batch 1, bytes of weights held) of one mode."""
     model = load_model(path, dtype=getattr(torch, dtype), weights=weights)
     held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    engine = Engine(model, Tokenizer.from_dir(path), EngineOptions(max_batch=1, max_seq_len=512, mtp=0))
+    engine = Engine(model, Tokenizer.from_dir(path), EngineOptions(max_batch=1, max_seq_len=512, drafts=0))
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     engine.generate([list(range(30, 62))], params)               # warm-up
     start = time.perf_counter()

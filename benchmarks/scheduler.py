@@ -59,7 +59,7 @@ def main() -> None:
     result = {"meta": stamp(vars(args)),
               "prompt_tokens": len(prompt), "streams": len(streams), "mtp": args.mtp, "threads": 1,
               "prefill_chunk": 256, "repeat": args.repeat, "budgets": {}}
-    idle_engine = Engine(model, tok, EngineOptions(max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=512))
+    idle_engine = Engine(model, tok, EngineOptions(max_batch=9, max_seq_len=4608, drafts=args.mtp, prefill_budget=512))
     first_token_s(idle_engine, streams[0][:8])                                 # warm-up
     with torch.no_grad():
         runs = {b: [] for b in args.budgets}
@@ -67,7 +67,7 @@ def main() -> None:
             for budget in args.budgets:
                 idle = first_token_s(idle_engine, prompt)
                 engine = Engine(model, tok,
-                                EngineOptions(max_batch=9, max_seq_len=4608, mtp=args.mtp, prefill_budget=budget))
+                                EngineOptions(max_batch=9, max_seq_len=4608, drafts=args.mtp, prefill_budget=budget))
                 run = under_load(engine, streams, [prompt], args.around)
                 run.update(idle_ttft_s=idle, ttft_vs_idle=run["ttft_s"] / idle)
                 runs[budget].append(run)
@@ -91,7 +91,7 @@ def pace(model, tok, args, mtps) -> None:
     with torch.no_grad():
         for mtp in mtps:
             engine = Engine(model, tok,
-                            EngineOptions(max_batch=args.streams + args.arrivals, max_seq_len=4608, mtp=mtp))
+                            EngineOptions(max_batch=args.streams + args.arrivals, max_seq_len=4608, drafts=mtp))
             under_load(engine, streams, arriving[:1], 4)                         # warm-up, and the costs measured
             runs = {"tokens": [], "time": []}
             for _ in range(args.repeat):

@@ -57,7 +57,7 @@ def speed(tokens: int, repeats: int) -> dict:
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
-                    EngineOptions(max_batch=1, max_seq_len=4096, mtp=0))
+                    EngineOptions(max_batch=1, max_seq_len=4096, drafts=0))
     text = heldout_text(tokens * 8)
     prompt = [tok.bos_id, *tok.encode(text)][:tokens]
     cases = {"prefill": SamplingParams(temperature=0, max_tokens=1),

@@ -190,7 +190,7 @@ def speed(args) -> list[dict]:
                 for mtp in mtps:
                     settings = dataclasses.replace(resolve(None, {"model": model} if model else {})[0],
                                                    compile=compile, max_batch=batch,
-                                                   mtp=mtp if mtp == "auto" else int(mtp))
+                                                   drafts=mtp if mtp == "auto" else int(mtp))
                     engine = load_engine(settings, "bench", compile_in_background=False)
                     rows.append(compare(engine, batch, compile, mtp, model or "dsv4cli/assets/dsv4-tiny", args,
                                         text_grammar, json_grammar, SamplingParams))

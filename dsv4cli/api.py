@@ -13,7 +13,7 @@ def load(model: str | None = None, **settings: Any) -> EngineAPI:
     """A ready engine for a model directory or id (None: the bundled dsv4-tiny), set up as the CLI sets it
     up: device and dtype, the thread count for the model's size (1 for a model under 100M parameters,
     torch's default of every core is 10x slower there), the checks against the model and the free memory.
-    `settings` are the engine's settings keys (`max_batch=4`, `mtp=2`, `max_seq_len=8192`, `device="cuda"`,
+    `settings` are the engine's settings keys (`max_batch=4`, `drafts=2`, `max_seq_len=8192`, `device="cuda"`,
     ...), checked as the CLI checks flags; DSV4_* variables and config files are not read. A bad value
     raises `dsv4cli.errors.UsageError` with the CLI's message."""
     unknown = sorted(set(settings) - set(ENGINE_KEYS))

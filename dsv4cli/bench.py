@@ -5,7 +5,9 @@ are ratios against plain decoding (K = 0, eager) measured in the same run. A 073
 runs at each fixed length and at `auto` (the lengths it chose are reported); `--peer-model` runs a second
 checkpoint alongside (by default, beside the bundled DSpark model, the bundled preview-layout one, whose MTP
 layer chains to each depth). When transformers is installed its `generate` runs on the same weights
-(dequantised to float if the checkpoint is W8A8; trunk only: it has no drafter) as a peer.
+(dequantised to float if the checkpoint is W8A8; trunk only: it has no drafter) as a peer. `--temperatures`
+and `--verify-rules` add sampled runs (seeded) and the verify rules to compare, each against plain decoding at its
+temperature.
 `--under-load N`: the scheduler instead, an N-token prompt arriving while streams decode.
 """
 import dataclasses
@@ -63,10 +65,11 @@ def bench_prompts(tok, kind: str, n: int) -> list[list[int]]:
     return prompts
 
 
-def run_config(engine: EngineAPI, prompts, max_tokens: int) -> dict:
-    """Decode-phase speed: tokens after each request's first over the wall time after admission."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    seqs = [engine.submit(p, params) for p in prompts]
+def run_config(engine: EngineAPI, prompts, max_tokens: int, temperature: float = 0.0) -> dict:
+    """Decode-phase speed: tokens after each request's first over the wall time after admission (sampled
+    requests seeded by their index)."""
+    seqs = [engine.submit(p, SamplingParams(temperature=temperature, seed=i, max_tokens=max_tokens, ignore_eos=True))
+            for i, p in enumerate(prompts)]
     while any(not s.output_ids for s in seqs):  # admits the batch (prefill within the step budget)
         engine.step()
     t0, steps = time.perf_counter(), 0
@@ -133,12 +136,12 @@ def under_load(engine: EngineAPI, streams: list[list[int]], arriving: list[list[
 def bench_under_load(engine: EngineAPI, streams: int, prompt_tokens: int, around: int) -> dict:
     """A `prompt_tokens` prompt arriving while `streams` requests decode (`under_load`), its TTFT also
     against the same prompt's on the idle engine."""
-    eng = engine.resized(streams + 1, engine.mtp_depth)
+    eng = engine.resized(streams + 1, engine.draft_depth)
     prompt = eng.tok.encode(LOAD_TEXT * (prompt_tokens // 10 + 1))[:prompt_tokens]
     first_token_s(eng, prompt[:8])                                     # warm-up
     idle = min(first_token_s(eng, prompt) for _ in range(2))
     run = under_load(eng, bench_prompts(eng.tok, "short", streams), [prompt], around)
-    return {"streams": streams, "mtp": eng.mtp_depth, "prompt_tokens": len(prompt), **run,
+    return {"streams": streams, "drafts": eng.draft_depth, "prompt_tokens": len(prompt), **run,
             "idle_ttft_s": idle, "ttft_vs_idle": run["ttft_s"] / idle}
 
 
@@ -229,13 +232,29 @@ def depths_for(info: ModelInfo, depths: list) -> list:
     return [d for d in depths if runs(d)]
 
 
-def configurations(engine: EngineAPI, peer: EngineAPI | None, depths, batch: int, compile_modes):
-    """(engine, compile, depth) for one batch size, in the order they run."""
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """What a bench run measures: every combination of these (a verify rule only where it can matter: sampled
+    runs that draft)."""
+    depths: list
+    batches: list[int]
+    kinds: list[str]
+    max_tokens: int
+    compile_modes: tuple[bool, ...] = (False,)
+    temperatures: tuple[float, ...] = (0.0,)
+    rules: tuple[str, ...] = ("token",)
+
+
+def configurations(engine: EngineAPI, peer: EngineAPI | None, sweep: Sweep, batch: int):
+    """(engine, compile, depth, temperature, verify rule or None) for one batch size, in the order they run."""
     for model_engine in [engine, *([peer] if peer is not None else [])]:
-        for compile_on in compile_modes:
-            for depth in depths_for(model_engine.model_info, depths):
-                if model_engine is not peer or depth != 0:   # the peer's trunk is the same: plain ran above
-                    yield model_engine, compile_on, depth
+        for compile_on in sweep.compile_modes:
+            for depth in depths_for(model_engine.model_info, sweep.depths):
+                if model_engine is peer and depth == 0:     # the peer's trunk is the same: plain ran above
+                    continue
+                for temperature in sweep.temperatures:
+                    for rule in sweep.rules if depth and temperature else (None,):
+                        yield model_engine, compile_on, depth, temperature, rule
 
 
 class Progress:
@@ -281,29 +300,29 @@ def progress(total: int):
         yield Progress(total, bar)
 
 
-def bench(engine: EngineAPI, depths, batches, kinds, max_tokens: int, hf: Settings | None,
-          compile_modes=(False,), peer: EngineAPI | None = None) -> list[dict]:
+def bench(engine: EngineAPI, sweep: Sweep, hf: Settings | None, peer: EngineAPI | None = None) -> list[dict]:
     """Every configuration's row; `hf`: the settings whose model transformers also runs (None: it doesn't)."""
     rows = []
-    total = sum(len(list(configurations(engine, peer, depths, b, compile_modes))) + (hf is not None and b == 1)
-                for b in batches) * len(kinds)
+    total = sum(len(list(configurations(engine, peer, sweep, b))) + (hf is not None and b == 1)
+                for b in sweep.batches) * len(sweep.kinds)
     with progress(total) as shown:
-        for kind in kinds:
-            for batch in batches:
-                rows += bench_batch(engine, peer, depths, batch, kind, max_tokens, hf, compile_modes, shown)
+        for kind in sweep.kinds:
+            for batch in sweep.batches:
+                rows += bench_batch(engine, peer, sweep, batch, kind, hf, shown)
     return rows
 
 
-def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, hf: Settings | None, compile_modes,
-                shown: Progress) -> list[dict]:
+def bench_batch(engine, peer, sweep: Sweep, batch: int, kind: str, hf: Settings | None, shown: Progress) -> list[dict]:
     """One batch size and prompt kind: every configuration, then transformers at batch 1."""
-    rows, base = [], None
+    rows, base = [], {}         # base: plain decoding's tokens/s at each temperature
     prompts = bench_prompts(engine.tok, kind, batch)
-    for model_engine, compile_on, depth in configurations(engine, peer, depths, batch, compile_modes):
+    max_tokens = sweep.max_tokens
+    for model_engine, compile_on, depth, temperature, rule in configurations(engine, peer, sweep, batch):
         name = (model_engine.model_info.drafter or "plain") if depth else "plain"
         shown.start(f"{name} {'auto' if depth == 'auto' else f'K {depth}'}, batch {batch}, {kind} prompt"
+                    f"{f', T {temperature:g}' if temperature else ''}{f', {rule} verify' if rule else ''}"
                     f"{', compiled' if compile_on else ''}")
-        eng = model_engine.resized(batch, depth, compile_on)
+        eng = model_engine.resized(batch, depth, compile_on, rule)
         if compile_on:      # each step shape compiles at its first step: say which
             shapes = itertools.count(1)
             eng.on_compile(lambda decode, how, shapes=shapes: shown.note(
@@ -311,16 +330,18 @@ def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, hf
         t0 = time.perf_counter()
         # warm-up: compiles the batch's step and chunk shapes; auto's, every length's as it
         # measures them (a step that compiles is not a measure)
-        run_config(eng, prompts, 2 if depth != "auto" else 8 * (eng.mtp_depth + 2))
+        run_config(eng, prompts, 2 if depth != "auto" else 8 * (eng.draft_depth + 2), temperature)
         warmup_s = time.perf_counter() - t0
-        r = run_config(eng, prompts, max_tokens)
-        base = r["tokens_per_s"] if depth == 0 and not compile_on else base
+        r = run_config(eng, prompts, max_tokens, temperature)
+        if depth == 0 and not compile_on:
+            base[temperature] = r["tokens_per_s"]
         launches = launches_per_step(eng, prompts[0])
         info, status = eng.model_info, eng.status()
-        layers = info.layers + (info.mtp_layers if eng.mtp_depth else 0)
-        r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, mtp=depth,
-                 batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
-                 speedup=r["tokens_per_s"] / base if base else None, warmup_s=warmup_s,
+        layers = info.layers + (info.drafter_layers if eng.draft_depth else 0)
+        r.update(impl="dsv4", model=eng.model_info.drafter or "plain", compile=compile_on, drafts=depth,
+                 temperature=temperature, verify=rule, batch=batch, prompt=kind, prompt_tokens=len(prompts[0]),
+                 speedup=r["tokens_per_s"] / base[temperature] if base.get(temperature) else None,
+                 warmup_s=warmup_s,
                  launches_per_step=launches, launches_per_layer=launches / layers,
                  recompiles=status.recompiles, draft_lengths=status.draft_lengths)
         rows.append(r)
@@ -328,21 +349,23 @@ def bench_batch(engine, peer, depths, batch: int, kind: str, max_tokens: int, hf
         shown.start(f"transformers generate, batch 1, {kind} prompt")
         peer_run = run_transformers(hf, prompts, max_tokens)
         if peer_run:
-            rows.append({**peer_run, "impl": "transformers", "model": "plain", "compile": False, "mtp": 0, "batch": 1,
-                         "prompt": kind, "prompt_tokens": len(prompts[0]),
-                         "speedup": peer_run["tokens_per_s"] / base})
+            rows.append({**peer_run, "impl": "transformers", "model": "plain", "compile": False, "drafts": 0,
+                         "temperature": 0.0, "verify": None, "batch": 1, "prompt": kind,
+                         "prompt_tokens": len(prompts[0]),
+                         "speedup": peer_run["tokens_per_s"] / base[0.0] if base.get(0.0) else None})
     return rows
 
 
 def render(rows: list[dict], console: Console) -> None:
-    table = Table("impl", "drafter", "compile", "prompt", "batch", "K", "tok/s", "step ms", "TTFT ms", "accept",
-                  "mean len", "launches/layer", "vs K=0")
+    table = Table("impl", "drafter", "compile", "prompt", "batch", "K", "T", "verify", "tok/s", "step ms", "TTFT ms",
+                  "accept", "mean len", "launches/layer", "vs K=0")
     def fmt(r, key, spec):
         return "-" if r.get(key) is None else format(r[key], spec)
 
     for r in rows:
         table.add_row(r["impl"], r["model"], "on" if r["compile"] else "off", f"{r['prompt']} ({r['prompt_tokens']})",
-                      str(r["batch"]), str(r["mtp"]), fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"),
+                      str(r["batch"]), str(r["drafts"]), f"{r['temperature']:g}", r["verify"] or "-",
+                      fmt(r, "tokens_per_s", ".1f"), fmt(r, "step_ms", ".1f"),
                       fmt(r, "ttft_ms", ".1f"), fmt(r, "acceptance_rate", ".2f"),
                       fmt(r, "mean_acceptance_length", ".2f"), fmt(r, "launches_per_layer", ".0f"),
                       fmt(r, "speedup", ".2f") + "x")
@@ -350,12 +373,23 @@ def render(rows: list[dict], console: Console) -> None:
 
 
 def render_under_load(r: dict, console: Console) -> None:
-    table = Table("streams", "MTP K", "prompt", "TTFT s", "idle TTFT s", "vs idle", "gap median ms",
+    table = Table("streams", "drafts", "prompt", "TTFT s", "idle TTFT s", "vs idle", "gap median ms",
                   "gap max ms", "max / median")
-    table.add_row(str(r["streams"]), str(r["mtp"]), str(r["prompt_tokens"]), f"{r['ttft_s']:.2f}",
+    table.add_row(str(r["streams"]), str(r["drafts"]), str(r["prompt_tokens"]), f"{r['ttft_s']:.2f}",
                   f"{r['idle_ttft_s']:.2f}", f"{r['ttft_vs_idle']:.2f}x", f"{r['gap_median_ms']:.1f}",
                   f"{r['gap_max_ms']:.1f}", f"{r['gap_max_vs_median']:.2f}x")
     console.print(table)
+
+
+def parse_temperatures(text: str) -> list[float]:
+    """Comma-separated temperatures, each a valid `temperature` setting."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(SPEC["temperature"].problem(v) for v in values):
+        raise UsageError(f"--temperatures: expected comma-separated numbers in [0, 100], got {text!r}")
+    return list(dict.fromkeys(values))
 
 
 def parse_list(text: str, name: str, lo: int, hi: int | None = None, allow_empty: bool = False) -> list[int]:
@@ -393,9 +427,11 @@ def bench_command(
                                          "requests decode (vs the idle engine's) and the streams' inter-token "
                                          "gaps, over --max-tokens steps before and after it"),
     streams: int = typer.Option(8, "--streams", min=1, help="Running streams, with --under-load"),
+    temperatures: str = typer.Option("0", "--temperatures", help="Sampling temperatures to run at (seeded "
+                                     "requests; plain decoding at each is its baseline), e.g. 0,0.6,1"),
+    rules: str = typer.Option(None, "--verify-rules", show_default=False, help="Verify rules to compare where "
+                              "sampled drafts are verified, e.g. token,block [default: --verify's]"),
 ) -> int:
-    """Decode speed: plain vs the drafter (DSpark at each length and auto, the MTP chain) at several batch sizes
-    and prompt lengths, with peers."""
     settings, sources = opts.resolve()
     given = {"depths": depths, "batches": batches, "prompts": prompts}
     device = pick_device(settings.device)
@@ -408,11 +444,15 @@ def bench_command(
     kinds = [k.strip() for k in prompts.split(",") if k.strip()]
     if not kinds or set(kinds) - {"short", "long"}:
         raise UsageError(f"--prompts: expected short and/or long, got {prompts!r}")
-    mtp = SPEC["mtp"]
+    drafts = SPEC["drafts"]
     auto = "auto" in [d.strip() for d in depths.split(",")]
-    depth_list = parse_list(",".join(d for d in depths.split(",") if d.strip() != "auto"), "--depths", mtp.lo, mtp.hi,
-                            allow_empty=auto) + (["auto"] if auto else [])
+    depth_list = parse_list(",".join(d for d in depths.split(",") if d.strip() != "auto"), "--depths", drafts.lo,
+                            drafts.hi, allow_empty=auto) + (["auto"] if auto else [])
     batch_list = parse_list(batches, "--batches", 1)
+    temperature_list = parse_temperatures(temperatures)
+    rule_list = [r.strip() for r in (rules or settings.verify).split(",") if r.strip()]
+    if not rule_list or set(rule_list) - set(SPEC["verify"].choices):
+        raise UsageError(f"--verify-rules: expected token and/or block, got {rules!r}")
     if 0 not in depth_list:
         depth_list = [0, *depth_list]        # speed-ups are against plain decoding in this run
     if not load_prompt:
@@ -431,8 +471,9 @@ def bench_command(
     compile_modes = (False, True) if can_compile else (False,)
     with torch.no_grad():
         # the peer needs the whole model; with --tp each process holds a slice
-        rows = bench(engine, depth_list, batch_list, kinds, settings.max_tokens,
-                     settings if not no_hf and settings.tp == 1 else None, compile_modes, peer)
+        sweep = Sweep(depth_list, batch_list, kinds, settings.max_tokens, compile_modes, tuple(temperature_list),
+                      tuple(dict.fromkeys(rule_list)))
+        rows = bench(engine, sweep, settings if not no_hf and settings.tp == 1 else None, peer)
     meta = {"model": str(settings.model_dir), "peer_model": peer_model, "device": str(engine.device),
             "dtype": engine.model_info.dtype,
             "threads": torch.get_num_threads(), "max_tokens": settings.max_tokens,

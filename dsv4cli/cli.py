@@ -44,13 +44,13 @@ typer.core.TyperOption.display_type_rich = lambda self, ctx: None if self.is_fla
 
 class Verb(NamedTuple):
     command: str    # "module:function", the typer command function
-    help: str       # what `dsv4 --help` lists: the function's docstring
+    help: str       # what `dsv4 --help` lists and `dsv4 VERB --help` starts with (the function has no docstring)
     # `dsv4 VERB SUB ...` runs SUB's "module:function"; any other first argument is the verb's own (an input file)
     subverbs: dict[str, str] = {}
 
 
 VERBS = {
-    "chat": Verb("dsv4cli.chat.command:chat", "Chat with the model: streamed replies with live speed and MTP "
+    "chat": Verb("dsv4cli.chat.command:chat", "Chat with the model: streamed replies with live speed and draft "
                  "acceptance, /help for commands. When stdin is not a terminal: one message per line in, one "
                  "reply per line out."),
     "generate": Verb("dsv4cli.generate:generate", "Generate a reply to one prompt with the model (the bundled one "
@@ -82,10 +82,10 @@ def load(target: str) -> Callable[..., Any]:
 
 
 def load_verb(name: str, target: str | None = None) -> typer.core.TyperCommand:
-    """The click command of verb `name` (or of the "module:function" `target`, one of its subverbs), its
-    module imported now."""
+    """The click command of verb `name` (or of the "module:function" `target`, one of its subverbs, whose
+    docstring is its help), its module imported now."""
     single = typer.Typer(add_completion=False)
-    single.command(name)(load(target or VERBS[name].command))
+    single.command(name, help=None if target else VERBS[name].help)(load(target or VERBS[name].command))
     return typer.main.get_command(single)
 
 

@@ -233,14 +233,21 @@ class Settings:
         "sampling", None, "Report each output token's logprob and this many alternatives (unset: off)", lo=0, hi=20
     )
     # [speculative]
-    mtp: int | str = _key(
+    drafts: int | str = _key(
         "speculative",
         "auto",
         "Drafts verified per step: the MTP layer's chain (preview checkpoints) or DSpark's block (0731, at most "
-        "its block size); 0 = plain decoding; auto: DSpark verifies per step as many as pay off, MTP 1",
+        "its block size); 0 = plain decoding; auto: DSpark verifies per step as many as pay off, MTP 1 "
+        "(formerly mtp: --mtp, DSV4_MTP and [speculative].mtp still work)",
         lo=0,
         hi=8,
         auto=True,
+        flags=("--drafts", "--mtp"),
+    )
+    verify: str = _key(
+        "speculative", "token", "How sampled drafts are verified: token (each draft alone, accepted with probability "
+        "min(1, p/q)) or block (the drafts jointly, Sun et al. 2024: the same output distribution, never fewer "
+        "drafts accepted in expectation); greedy rows match prefixes either way", choices=("token", "block")
     )
     # [chat]
     system: str = _key("chat", "", "System prompt")
@@ -389,6 +396,9 @@ def _spec() -> dict[str, Key]:
 
 SPEC: dict[str, Key] = _spec()
 SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(k.section for k in SPEC.values() if k.section))
+# Keys by an earlier name, still read in config files, DSV4_* variables and chat's /set and /load (the flags are
+# the keys' own `flags`)
+RENAMED = {"mtp": "drafts"}
 # What a request may set: the engine's SamplingParams has these fields (and the defaults here), plus logit_bias.
 SAMPLING_KEYS: tuple[str, ...] = tuple(name for name, key in SPEC.items() if key.section == "sampling")
 
@@ -558,6 +568,9 @@ def load_file(path: str | Path) -> dict[str, tuple[Any, str]]:
             raise UsageError(f"{path}: [{section}]: {_unknown_section(section)}")
         for name, value in table.items():
             place = f"[{section}].{name}" if section else name
+            if name in RENAMED and RENAMED[name] in table:
+                raise UsageError(f"{path}: {place}: the old name of {RENAMED[name]}, also set here; give one of them")
+            name = RENAMED.get(name, name)
             if name not in SPEC or SPEC[name].section != section:
                 raise UsageError(f"{path}: {place}: {_unknown_key(name, section)}")
             value = check(name, value, f"{path}: {place}", setting=True)
@@ -578,15 +591,17 @@ OTHER_ENV = {"DSV4_DEBUG": "1 shows tracebacks (cli.py)",
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     """The settings the environment sets; a DSV4_* variable that names none is a mistake (a misspelling
     would otherwise be ignored without a word)."""
-    known = {key.env for key in SPEC.values() if key.env} | set(OTHER_ENV)
+    renamed = {f"DSV4_{old.upper()}": SPEC[new] for old, new in RENAMED.items()}
+    known = {key.env for key in SPEC.values() if key.env} | set(OTHER_ENV) | set(renamed)
     for name in sorted(env):
         if name.startswith("DSV4_") and env[name] and name not in known:
             close = difflib.get_close_matches(name.removeprefix("DSV4_"), [k.removeprefix("DSV4_") for k in known], 1)
             hint = f"did you mean DSV4_{close[0]}?" if close else "`dsv4 config show` lists the settings (DSV4_ + key)"
             raise UsageError(f"{name}: unknown setting; {hint}")
-    found = {}
+    found = {key.name: (parse_value(key.name, env[old], old), f"env {old}") for old, key in renamed.items()
+             if env.get(old)}
     for key in SPEC.values():
-        if key.env and env.get(key.env):  # set but empty counts as unset
+        if key.env and env.get(key.env):  # set but empty counts as unset; the key's own name over an old one
             found[key.name] = (parse_value(key.name, env[key.env], key.env), f"env {key.env}")
     return found
 

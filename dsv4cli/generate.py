@@ -183,7 +183,8 @@ def run_generate(s: Settings) -> int:
                        "finish_reason": "tool_calls" if seq.finish_reason == "stop" else seq.finish_reason}
         if s.logprobs is not None:
             result["logprobs"] = chat_logprobs(engine.tok, seq.logprobs)["content"]
-        drafting = {"drafter": engine.model_info.drafter if engine.mtp_depth else None, "mtp": engine.mtp}
+        drafting = {"drafter": engine.model_info.drafter if engine.draft_depth else None,
+                    "drafts_setting": engine.drafts, "verify": engine.verify}
         print(json.dumps(result | {"stats": seq.metrics.as_dict() | drafting}))
     else:
         stream.update(seq.text[: seq.emitted], final=True)
@@ -194,7 +195,5 @@ def run_generate(s: Settings) -> int:
 @model_options("prompt", "prompt_file", "prompt_ids", "raw", "json", "system", "system_file", "thinking",
                "reasoning_effort", "tools", "json_schema", "grammar")
 def generate(opts: CliOptions) -> int:
-    """Generate a reply to one prompt with the model (the bundled one by default); the prompt can come from
-    -p, --prompt-file or stdin."""
     settings, _ = opts.resolve()
     return run_generate(settings)

@@ -1,7 +1,9 @@
 """From resolved settings to a ready engine: device, dtype, threads, checks against the model and the free
 memory, whether to compile (and how), model, tokenizer, sampling defaults."""
+import atexit
 import dataclasses
 import functools
+import gc
 import os
 import sys
 
@@ -188,7 +190,8 @@ def idle_cores_now() -> str:
 
 def shape_options(s: Settings, verb: str) -> EngineOptions:
     """The engine options that shape its decode state, for `verb` (a chat keeps its state for the next turn)."""
-    return EngineOptions(max_batch=s.max_batch, max_seq_len=s.max_seq_len, mtp=s.mtp, reuse_prefix=verb == "chat")
+    return EngineOptions(max_batch=s.max_batch, max_seq_len=s.max_seq_len, drafts=s.drafts, verify=s.verify,
+                         reuse_prefix=verb == "chat")
 
 
 def build_engine(s: Settings, device: torch.device, verb: str, compile_apart: bool = False,
@@ -199,18 +202,27 @@ def build_engine(s: Settings, device: torch.device, verb: str, compile_apart: bo
     model, tokenizer = load_weights(s, device)
     cfg = model.cfg
     kind = drafter_kind(cfg)
-    if s.mtp != "auto" and s.mtp and kind is None:
-        raise UsageError(f"{s.model_dir}: the checkpoint has no drafter (no MTP layer or DSpark stages); use --mtp 0")
+    if s.drafts != "auto" and s.drafts and kind is None:
+        raise UsageError(f"{s.model_dir}: the checkpoint has no drafter (no MTP layer or DSpark stages); "
+                         "use --drafts 0")
     most = kind.max_depth(cfg) if kind else None
-    if s.mtp != "auto" and most is not None and s.mtp > most:
-        raise UsageError(f"--mtp {s.mtp}: above the checkpoint's {kind.label} block size {most} (one pass drafts "
+    if s.drafts != "auto" and most is not None and s.drafts > most:
+        raise UsageError(f"--drafts {s.drafts}: above the checkpoint's {kind.label} block size {most} (one pass drafts "
                          f"{most} tokens; verifying more can't use them)")
     # A chat turn resumes the previous turn's state; every prompt resumes the longest prefix in the store.
     options = dataclasses.replace(shape_options(s, verb), prefill_budget=s.prefill_budget,
                                   prefix_cache=(s.prefix_cache_bytes, spill_bytes(s, device)),
                                   compile=s.compile == "on", compile_in_background=compile_apart, swap=swap,
                                   isolate_failures=s.tp == 1)
-    return Engine(model, tokenizer, options, functools.partial(load_weights, s, device) if compile_apart else None)
+    engine = Engine(model, tokenizer, options, functools.partial(load_weights, s, device) if compile_apart else None)
+    # what loading left (torch's modules, the model's objects) out of the collector's reach: a full collection
+    # walked them all, ~125 ms with the bundled model on a small CPU, a stall in whichever step set it off;
+    # back in reach at exit, so that an interpreter's teardown frees them as before
+    gc.collect()
+    gc.freeze()
+    atexit.unregister(gc.unfreeze)      # once, however many engines a process builds
+    atexit.register(gc.unfreeze)
+    return engine
 
 
 def spill_bytes(s: Settings, device: torch.device) -> int:

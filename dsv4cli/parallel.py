@@ -55,8 +55,8 @@ class Leader:
         self.closed = False
         # the local engine's (totals is its object, which it updates in place)
         self.tok, self.device, self.totals = engine.tok, engine.device, engine.totals
-        self.max_batch, self.max_seq_len, self.mtp_depth = engine.max_batch, engine.max_seq_len, engine.mtp_depth
-        self.mtp = engine.mtp
+        self.max_batch, self.max_seq_len, self.draft_depth = engine.max_batch, engine.max_seq_len, engine.draft_depth
+        self.drafts, self.verify = engine.drafts, engine.verify
 
     @property
     def model_info(self) -> ModelInfo:
@@ -78,9 +78,10 @@ class Leader:
         self.pending.append(("submit", list(prompt_ids), params, seq.id))
         return seq
 
-    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Leader":
-        """Every rank swaps in an engine of another batch size / MTP depth (on the next step)."""
-        leader = Leader(self.engine.resized(max_batch, mtp, compile), self.control, self.procs, self.watchdog)
+    def resized(self, max_batch: int, drafts: int, compile: bool | None = None, verify: str | None = None) -> "Leader":
+        """Every rank swaps in an engine of another batch size / drafts setting (on the next step)."""
+        leader = Leader(self.engine.resized(max_batch, drafts, compile, verify), self.control, self.procs,
+                        self.watchdog)
         leader.pending = [*self.pending, ("rebuild", leader.engine.options)]
         self.pending = []
         return leader

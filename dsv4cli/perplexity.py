@@ -188,7 +188,7 @@ def run_perplexity(s: Settings, file: str, ctx: int, stride: int | None, save: P
     base = LogitsFile.read(kl, "--kl-divergence") if kl is not None else None
     text = read_text(file)
     # the windows are the requests: no drafting, each window's prompt held whole
-    engine = load_engine(dataclasses.replace(s, mtp=0, max_seq_len=ctx + 1), "perplexity")
+    engine = load_engine(dataclasses.replace(s, drafts=0, max_seq_len=ctx + 1), "perplexity")
     out = None
     try:
         tokens = [engine.tok.bos_id, *engine.tok.encode(text)]
@@ -337,7 +337,5 @@ def perplexity(
     save_top_k: int = typer.Option(20, "--save-top-k", min=1, max=20, help="Logprobs kept per token by "
                                    "--save-logits (the most likely ids')"),
 ) -> int:
-    """Perplexity of the model on a text (windows of --ctx tokens), and KL divergence against logits saved by
-    another run (--save-logits)."""
     settings, _ = opts.resolve()
     return run_perplexity(settings, file, ctx, stride, save_logits, kl_divergence, save_top_k)

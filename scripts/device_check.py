@@ -119,11 +119,11 @@ def main() -> int:
                 outs = {}
                 for k in (0, 1, 3):
                     for batch in (1, 3):
-                        engine = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=256, mtp=k))
+                        engine = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=256, drafts=k))
                         outs[k, batch] = [s.output_ids for s in engine.generate(prompts, greedy)]
                 same = all(v == outs[0, 1] for v in outs.values())
                 results.append(report(f"greedy_spec_equals_plain_{name}_{dtype}", same, configs=len(outs)))
-            engine = Engine(dev, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=2))
+            engine = Engine(dev, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=2))
             for p in prompts[:2]:
                 engine.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
             engine.step()

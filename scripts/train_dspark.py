@@ -111,9 +111,9 @@ def losses(trunk: Transformer, student: Transformer, rows: torch.Tensor, pad_id:
 def acceptance(model: Transformer, tok: Tokenizer, items: list[dict]) -> dict:
     """Greedy replies to the questions through the engine, every draft of the block verified."""
     params = SamplingParams(temperature=0, max_tokens=48)
-    plain = Engine(model, tok, EngineOptions(max_batch=8, max_seq_len=512, mtp=0)).generate(
+    plain = Engine(model, tok, EngineOptions(max_batch=8, max_seq_len=512, drafts=0)).generate(
         [prompt_ids(tok, it["question"]) for it in items], params)
-    engine = Engine(model, tok, EngineOptions(max_batch=8, max_seq_len=512, mtp=BLOCK))
+    engine = Engine(model, tok, EngineOptions(max_batch=8, max_seq_len=512, drafts=BLOCK))
     got = engine.generate([prompt_ids(tok, it["question"]) for it in items], params)
     assert [s.output_ids for s in got] == [s.output_ids for s in plain]      # the drafter never changes a token
     m = engine.totals

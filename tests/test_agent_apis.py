@@ -439,7 +439,7 @@ def test_a_failed_request_is_an_error_in_each_api_shape(model, tok):
 
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
-    engine, metrics = Engine(broken, tok, EngineOptions(max_batch=2, max_seq_len=128, mtp=0)), ServerMetrics()
+    engine, metrics = Engine(broken, tok, EngineOptions(max_batch=2, max_seq_len=128, drafts=0)), ServerMetrics()
     loop = EngineLoop(engine, 4, metrics, on_fatal=lambda: None)
     loop.start()
     ask = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}

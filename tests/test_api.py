@@ -22,11 +22,11 @@ def test_load_makes_the_clis_choices():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        engine = dsv4cli.load(mtp=2, max_seq_len=512)
+        engine = dsv4cli.load(drafts=2, max_seq_len=512)
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
-    assert (engine.mtp, engine.max_seq_len, engine.device.type) == (2, 512, "cpu")     # 2 of DSpark's 5 verified
+    assert (engine.drafts, engine.max_seq_len, engine.device.type) == (2, 512, "cpu")     # 2 of DSpark's 5 verified
     ids = engine.tok.encode(encode_messages([{"role": "user", "content": "What is 2 plus 3?"}]))
     seq = engine.submit(ids, dsv4cli.SamplingParams(temperature=0, max_tokens=8))
     while engine.has_work():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from jsonl import chat, read_jsonl, write_jsonl
 
-from dsv4cli.batch.output import ResultFile
+from dsv4cli.batch.output import ResultFile, Results
 from dsv4cli.batch.requests import RequestParser
 from dsv4cli.batch.runner import BatchRun
 from dsv4cli.cli import main
@@ -318,8 +318,8 @@ def test_large_input_keeps_a_bounded_window(tiny_model_dir, tmp_path):
     try:
         engine = load_engine(s, "batch")
         out = ResultFile(tmp_path / "out.jsonl")
-        run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
-                       set(), set())
+        run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len),
+                       Results(out, out, set(), set()), "tiny")
         with open(src, "rb") as lines:
             run.run(lines)
         out.close()
@@ -341,8 +341,8 @@ def in_process_run(tiny_model_dir, tmp_path, rows, **settings):
     s, _ = resolve(None, {"model": str(tiny_model_dir), "temperature": 0.0, "max_batch": 3, **settings})
     engine = load_engine(s, "batch")
     out = ResultFile(tmp_path / "out.jsonl")
-    run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len), out, out, "tiny",
-                   set(), set())
+    run = BatchRun(engine, RequestParser(engine.tok, sampling_params(s), 0, s.max_seq_len),
+                   Results(out, out, set(), set()), "tiny")
     with open(src, "rb") as lines:
         run.run(lines)
     out.close()
@@ -363,7 +363,7 @@ def test_logprobs_validate_as_openai_types_and_match_the_model(tiny_model_dir, t
             {"custom_id": "text", "method": "POST", "url": "/v1/completions",
              "body": {"prompt": "Once upon", "max_tokens": 8, "logprobs": 2}}]
     for mtp in (0, 2):
-        records, engine, parser = in_process_run(tiny_model_dir, tmp_path / f"k{mtp}", rows, mtp=mtp)
+        records, engine, parser = in_process_run(tiny_model_dir, tmp_path / f"k{mtp}", rows, drafts=mtp)
         assert not [r["error"] for r in records if r["error"]]
         bodies = {r["custom_id"]: r["response"]["body"] for r in records}
         for cid in ("chat", "sampled", "plain"):

@@ -12,10 +12,10 @@ def test_bench_json(tiny_model_dir):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     rows = out["results"]
-    ours = [(x["batch"], x["mtp"]) for x in rows if x["impl"] == "dsv4"]
+    ours = [(x["batch"], x["drafts"]) for x in rows if x["impl"] == "dsv4"]
     assert ours == [(1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]      # plain decoding added as the baseline
     assert all(x["tokens_per_s"] > 0 for x in rows)
-    assert all(x["speedup"] == 1.0 for x in rows if x["impl"] == "dsv4" and x["mtp"] == 0)
+    assert all(x["speedup"] == 1.0 for x in rows if x["impl"] == "dsv4" and x["drafts"] == 0)
     assert any(x["impl"] == "transformers" for x in rows)                  # the peer, on the same weights
     # long work shows progress: with stderr no terminal, a line as each configuration starts
     phases = [line for line in r.stderr.splitlines() if line.startswith("bench [")]
@@ -35,7 +35,8 @@ def test_bench_on_a_small_cpu_runs_a_set_that_ends_in_minutes_and_says_so(tiny_m
                                         "eager (compile = auto on the CPU; --compile on adds the compiled step, "
                                         "minutes per step shape)"), r.stderr
     rows = json.loads(r.stdout)["results"]
-    assert [(x["batch"], x["mtp"], x["compile"]) for x in rows] == [(b, k, False) for b in (1, 4) for k in (0, 1, 3, 5)]
+    assert [(x["batch"], x["drafts"], x["compile"]) for x in rows] == \
+        [(b, k, False) for b in (1, 4) for k in (0, 1, 3, 5)]
 
 
 def test_bench_bad_list_is_usage_error(tiny_model_dir):

@@ -100,7 +100,7 @@ def heldout(model_dir, mtp):
     through the engine at `mtp`: (the items, whether each was right, the engine's totals)."""
     tok = Tokenizer.from_dir(model_dir)
     engine = Engine(load_model(model_dir, "cpu", torch.float32), tok,
-                    EngineOptions(max_batch=8, max_seq_len=256, mtp=mtp))
+                    EngineOptions(max_batch=8, max_seq_len=256, drafts=mtp))
     report = json.loads((model_dir / "training.json").read_text())
     items = heldout_set(seed=report["heldout_seed"], n=report["heldout_items"])
     prompts = [tok.encode(encode_messages([{"role": "user", "content": it["question"]}], encoding=tok.encoding))
@@ -145,7 +145,7 @@ def test_raw_prompt_continues_a_story():
     """`generate --raw -p "Once upon a time"` tells a story like the corpus's (README)."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
-                    EngineOptions(max_batch=1, max_seq_len=256, mtp="auto"))
+                    EngineOptions(max_batch=1, max_seq_len=256, drafts="auto"))
     opening = "Once upon a time"
     [seq] = engine.generate([[tok.bos_id, *tok.encode(opening)]], SamplingParams(temperature=0, max_tokens=96))
     story = opening + seq.text
@@ -160,7 +160,7 @@ def test_story_requests_get_stories():
     greedily through the engine with DSpark, and the README's examples."""
     tok = Tokenizer.from_dir(BUNDLED_MODEL_DIR)
     engine = Engine(load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32), tok,
-                    EngineOptions(max_batch=8, max_seq_len=256, mtp="auto"))
+                    EngineOptions(max_batch=8, max_seq_len=256, drafts="auto"))
     report = json.loads((BUNDLED_MODEL_DIR / "training.json").read_text())["stories"]["w8a8"]
     requests = story_requests("heldout")
     readme = ["Tell me a story.", "Can you tell me a short story?"]

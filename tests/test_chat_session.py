@@ -47,6 +47,7 @@ def test_set_validates_and_takes_flag_spellings():
     assert s.command("/set n -1").message == "max_tokens = 4096"          # until the context is full
     assert s.command("/set max_tokens 0").message == "/set max_tokens: must be >= 1 or -1, got 0"
     assert s.command("/set thinking on").message == "thinking = true"
+    assert s.command("/set mtp 2").message == "drafts = 2" and s.settings.drafts == 2    # the key's old name
     assert s.command("/set seed 3").message == "seed = 3" and s.command("/set seed unset").message == "seed = unset"
     assert s.command('/set stop ["\\n\\n", "END"]').message == 'stop = ["\\n\\n", "END"]'
     assert "did you mean temperature?" in s.command("/set tmperature 1").message

@@ -49,7 +49,7 @@ def test_config_show_lists_values_and_sources(tmp_path):
     assert "0.2" in rows["[sampling].temperature"] and "flag" in rows["[sampling].temperature"]
     assert "env DSV4_TOP_K" in rows["[sampling].top_k"]
     assert f"config {config} [sampling].top_p" in rows["[sampling].top_p"]
-    assert "default" in rows["[speculative].mtp"]
+    assert "default" in rows["[speculative].drafts"]
 
 
 def test_config_show_json(tmp_path):
@@ -77,8 +77,10 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_bad_values_name_the_flag_or_variable():
     out = dsv4("config", "show", "--top-p", "2")
     assert (out.returncode, out.stderr) == (2, "error: --top-p: must be in (0, 1], got 2.0\n")
-    out = dsv4("config", "show", DSV4_MTP="9")
+    out = dsv4("config", "show", DSV4_MTP="9")      # the old name of DSV4_DRAFTS, still read
     assert (out.returncode, out.stderr) == (2, "error: DSV4_MTP: must be auto, or in [0, 8], got 9\n")
+    out = dsv4("config", "show", "--json", "--mtp", "3")     # the old spelling of --drafts
+    assert out.returncode == 0 and json.loads(out.stdout)["drafts"] == {"value": 3, "source": "flag"}
 
 
 def test_run_dispatches_to_the_mode(tmp_path, tiny_model_dir):
@@ -223,7 +225,7 @@ def test_out_of_range_numbers_are_one_error_line(tiny_model_dir):
                               ("--max-batch", "1000000000000", "not enough memory on cpu"),
                               ("--max-seq-len", "1000000000000", "above the model's max_position_embeddings"),
                               ("--prefill-budget", "99999999999999999999", "--prefill-budget: must fit in 64 bits"),
-                              ("--mtp", "99999999999999999999", "--mtp: must fit in 64 bits")):
+                              ("--drafts", "99999999999999999999", "--drafts: must fit in 64 bits")):
         one_error_line(dsv4(*gen, flag, value), says)
     one_error_line(dsv4("serve", "--port", "99999"), "--port: must be in [0, 65535], got 99999")
 

@@ -69,7 +69,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         return [s.output_ids for s in engine.generate(prompts, params)]
 
     with torch.no_grad():
-        eager = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2))
+        eager = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=2))
         want = run(eager)
         engine = eager.resized(2, 2, compile=True)
         assert run(engine) == want
@@ -80,7 +80,7 @@ def test_compiled_step_gives_the_eager_tokens(small_tokenizer_dir, tmp_path, mon
         assert len(list(compiled.steps_dir().iterdir())) == 2
 
         # a later launch loads the saved steps (its first step of each key waits for the load)
-        later = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2, compile=True))
+        later = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=2, compile=True))
         assert later.compiled.status == "eager"
         assert run(later) == want
         assert later.compiled.built[STEP][0] == later.compiled.built[CHUNK][0] == "loaded"
@@ -105,7 +105,7 @@ def test_a_compiled_scored_chunk_gives_the_eager_prompt_logprobs(small_tokenizer
     prompt = [5 + i % 40 for i in range(14)]
     params = SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=3, score_ids=[[7, 9]] * len(prompt))
     with torch.no_grad():
-        eager = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=0))
+        eager = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=0))
         want = eager.generate([prompt], params)[0].prompt_logprobs
         engine = eager.resized(1, 0, compile=True)
         got = engine.generate([prompt], params)[0].prompt_logprobs
@@ -167,9 +167,9 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
     def run(engine):
         return [s.output_ids for s in engine.generate(prompts, params)]
 
-    want = run(load_engine(settings_for(path, compile="off", mtp=0, max_batch=2, max_seq_len=512), "serve"))
+    want = run(load_engine(settings_for(path, compile="off", drafts=0, max_batch=2, max_seq_len=512), "serve"))
     graphs = dict(dynamo_counters["stats"])
-    engine = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "serve")
+    engine = load_engine(settings_for(path, drafts=0, max_batch=2, max_seq_len=512), "serve")
     assert engine.reload is not None and engine.compiled.remake is not None
     assert run(engine) == want and engine.compiled.eager_steps > 0
     assert engine.compiled.status == "eager, compiling"      # a compile of ~40 s outlasts 24 eager tokens
@@ -193,7 +193,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
 
     # a later launch finds them saved: it loads each on a thread of its own once the engine idles (a load holds
     # the GIL for stretches: never during a reply), and the next step swaps it in
-    later = load_engine(settings_for(path, mtp=0, max_batch=2, max_seq_len=512), "serve")
+    later = load_engine(settings_for(path, drafts=0, max_batch=2, max_seq_len=512), "serve")
     assert run(later) == want and later.compiled.eager_steps > 0
     assert not later.compiled.ready and later.compiled.apart is None       # nothing loaded during steps
     assert poll_until(lambda: not later.compiled._to_load)                 # the decode step's, loaded while idle
@@ -207,7 +207,7 @@ def test_a_background_compile_runs_in_a_process_of_its_own(small_tokenizer_dir, 
 
     # a compiling process that fails (here: the model gone before it loads) says so in one line; its step
     # shape stays eager, and no request fails for it
-    failing = load_engine(settings_for(path, mtp=0, max_batch=1, max_seq_len=512), "serve")
+    failing = load_engine(settings_for(path, drafts=0, max_batch=1, max_seq_len=512), "serve")
     shutil.rmtree(path)
     assert run(failing) == want
     with pytest.raises(RuntimeError, match="compiling process failed"):
@@ -221,14 +221,14 @@ def test_auto_drafting_measures_the_lengths_it_runs_while_steps_compile(monkeypa
     """While the background compiles, steps run eager with compile-off's shapes, and DSpark's auto measures each
     length's cost from them, at the batch it plans by: it doesn't stay on one length until a compile ends."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    engine = load_engine(resolve(flags={"compile": "on", "mtp": "auto", "max_batch": 3, "max_seq_len": 512},
+    engine = load_engine(resolve(flags={"compile": "on", "drafts": "auto", "max_batch": 3, "max_seq_len": 512},
                                  env={})[0], "chat")
     try:
         assert engine.compiled is not None and engine.compiled.background
         prompt = engine.tok.encode("Once upon a time")
         engine.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
         assert not engine.compiled.ready
-        assert {n for _, n in engine.lengths.cost} == set(range(engine.mtp_depth + 1))
+        assert {n for _, n in engine.lengths.cost} == set(range(engine.draft_depth + 1))
         assert {b for b, _ in engine.lengths.cost} == {3}      # not the bucket (4) a compiled step pads to
     finally:
         engine.close()

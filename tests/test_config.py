@@ -62,7 +62,7 @@ max_tokens = 50
 def test_defaults_and_bundled_model(tmp_path):
     settings, sources = resolve(flags={"model": str(tmp_path)}, env={})
     assert settings.model_dir == tmp_path
-    assert (settings.device, settings.tp, settings.mtp, settings.max_tokens) == ("auto", 1, "auto", 256)
+    assert (settings.device, settings.tp, settings.drafts, settings.max_tokens) == ("auto", 1, "auto", 256)
     assert {k for k, s in sources.items() if s != "default"} == {"model"}
     bundled, _ = resolve(env={})
     assert bundled.model is None and bundled.model_dir.name == "dsv4-tiny"
@@ -129,7 +129,9 @@ output = "/abs/out.jsonl"
             '[model]\ndevice = "gpu"\n',
             'x.toml: [model].device: must be one of auto, cpu, cuda, npu, got "gpu"',
         ),
-        ("[speculative]\nmtp = 9\n", "x.toml: [speculative].mtp: must be auto, or in [0, 8], got 9"),
+        ("[speculative]\ndrafts = 9\n", "x.toml: [speculative].drafts: must be auto, or in [0, 8], got 9"),
+        ("[speculative]\nmtp = 9\n", "x.toml: [speculative].mtp: must be auto, or in [0, 8], got 9"),    # the old name
+        ("[speculative]\nmtp = 1\ndrafts = 2\n", "x.toml: [speculative].mtp: the old name of drafts, also set here"),
     ],
 )
 def test_config_file_errors(tmp_path, monkeypatch, text, error):
@@ -240,7 +242,7 @@ def test_example_configs_validate(name):
 
 def test_npu_config_is_a_real_deployment():
     settings, _ = resolve(ROOT / "configs" / "npu-8card.toml", env={})
-    assert (settings.device, settings.dtype, settings.tp, settings.mtp) == ("npu", "bfloat16", 8, 1)
+    assert (settings.device, settings.dtype, settings.tp, settings.drafts) == ("npu", "bfloat16", 8, 1)
     assert settings.max_seq_len == 65536 and settings.model.endswith("w8a8-mtp")
 
 
@@ -266,3 +268,15 @@ def test_the_sampling_settings_are_the_engines_request_params():
                                           "prompt_logprobs": None, "score_ids": None}
     assert params.stop is not settings.stop
     assert set(SAMPLING_FIELDS.values()) == set(SAMPLING_KEYS) - {"logprobs"}
+
+
+def test_drafts_is_read_under_its_old_name_mtp(tmp_path):
+    """`drafts` was `mtp`: a config file's [speculative].mtp and DSV4_MTP still set it (the flag --mtp and chat's
+    /set mtp are tested with the CLI and the chat session); where both names are set, the new one wins."""
+    write(tmp_path / "old.toml", "[speculative]\nmtp = 2\n")
+    s, sources = resolve(tmp_path / "old.toml", env={})
+    assert (s.drafts, sources["drafts"]) == (2, f"config {tmp_path / 'old.toml'} [speculative].mtp")
+    s, sources = resolve(None, env={"DSV4_MTP": "3"})
+    assert (s.drafts, sources["drafts"]) == (3, "env DSV4_MTP")
+    s, sources = resolve(None, env={"DSV4_MTP": "3", "DSV4_DRAFTS": "1"})
+    assert (s.drafts, sources["drafts"]) == (1, "env DSV4_DRAFTS")

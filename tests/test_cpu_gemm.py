@@ -169,9 +169,11 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
     runs = prompts([5, 31, 12], 320, seed=4)
     with torch.no_grad():
         want = [s.output_ids for s in Engine(model, tok,
-                                             EngineOptions(max_batch=3, max_seq_len=128, mtp=0)).generate(runs, params)]
+                                             EngineOptions(max_batch=3, max_seq_len=128, drafts=0)).generate(runs,
+                                                                                                  params)]
         got = [s.output_ids for s in Engine(model, tok,
-                                            EngineOptions(max_batch=3, max_seq_len=128, mtp=2)).generate(runs, params)]
+                                            EngineOptions(max_batch=3, max_seq_len=128, drafts=2)).generate(runs,
+                                                                                                  params)]
     assert got == want
 
 

@@ -67,7 +67,7 @@ def test_the_description_is_what_the_modules_do(kind, tok):
     assert {t.name: t for t in model_tensors(cfg)} == {t.name: t for t in module_tensors(model)}
     most = kind.max_depth(cfg)
     assert kind.auto_depth(cfg) >= 1 and (most is None or most >= kind.auto_depth(cfg)) and kind.write_ahead(2) >= 0
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, mtp=2))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, drafts=2))
     assert type(eng.runner.drafter) is PROPOSERS[kind] and eng.runner.drafter.depth == 2
     propose, proposals = eng.runner.drafter.propose, []
 
@@ -93,15 +93,15 @@ def test_greedy_with_each_kinds_drafts_is_plain_greedy(kind, tok):
     the committed tokens is not trusted) replies as a fresh engine does."""
     model = model_of(kind)
     ps = prompts([3, 17, 40], model.cfg.vocab_size)
-    plain = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, mtp=0))
+    plain = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, drafts=0))
              .generate(ps, GREEDY)]
     for depth in (1, 2, "auto"):
         for batch in (1, 3):
-            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=256, mtp=depth))
+            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=256, drafts=depth))
             assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain, (depth, batch)
             assert eng.totals.draft_tokens > 0
-    chat = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=2, reuse_prefix=True))
-    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=2))
+    chat = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=2, reuse_prefix=True))
+    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=2))
     conversation = ps[2]
     for user in prompts([9, 4], model.cfg.vocab_size, seed=2):
         seq = chat.generate([conversation], GREEDY)[0]
@@ -121,3 +121,26 @@ def test_an_unknown_kind_is_an_error(monkeypatch):
     monkeypatch.setattr(drafters, "DRAFTERS", {"other": dataclasses.replace(MTP, name="other")})
     with pytest.raises(KeyError):
         make_drafter(model, 1)
+
+
+def test_outside_the_model_mtp_names_only_the_mtp_chain_or_a_checkpoint_name():
+    """Engine, CLI and front-end code say draft/drafter for any drafter; an identifier with "mtp" in it is the
+    preview's MTP chain (`MTP`, `MTPDrafter`, `engine/mtp.py`, the model's `mtp_*` calls) or a checkpoint name
+    (`model.mtp`, the `mtp.N` module list; `n_mtp_layers`, the config key). Strings (the `--mtp` alias, the kind's
+    name "mtp") are not identifiers."""
+    import tokenize
+
+    chain = {"MTP", "MTPDrafter", "mtp_forward_segments", "mtp_logits", "n_mtp_layers"}
+    found = []
+    for path in sorted((ROOT / "dsv4cli").rglob("*.py")):
+        if path.parent.name == "model":
+            continue
+        with open(path, "rb") as f:
+            tokens = [t for t in tokenize.tokenize(f.readline) if t.type == tokenize.NAME or t.string == "."]
+        for i, t in enumerate(tokens):
+            if "mtp" not in t.string.lower() or t.string in chain:
+                continue
+            if t.string == "mtp" and i >= 2 and tokens[i - 2].string in ("model", "from"):   # model.mtp; from .mtp
+                continue
+            found.append(f"{path.relative_to(ROOT)}:{t.start[0]}: {t.string}")
+    assert not found

@@ -156,15 +156,15 @@ def test_greedy_with_dspark_equals_greedy_without(model, tok):
     then chunks of 16 through the ring's edges)."""
     ps = prompts([3, 15, 17, 127, 129, 200], CFG["vocab_size"])
     plain = [s.output_ids for s in Engine(model, tok,
-                                          EngineOptions(max_batch=6, max_seq_len=320, mtp=0)).generate(ps, GREEDY)]
+                                          EngineOptions(max_batch=6, max_seq_len=320, drafts=0)).generate(ps, GREEDY)]
     for k in (1, 2, 3, 5, "auto"):
         for batch in (1, 8):
-            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=320, mtp=k, isolate_failures=False))
+            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=320, drafts=k, isolate_failures=False))
             assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain, (k, batch)
             assert eng.totals.draft_tokens > 0
-            if k != "auto":         # --mtp L verifies L of the block's drafts every step, not the whole block
+            if k != "auto":         # --drafts L verifies L of the block's drafts every step, not the whole block
                 assert eng.totals.draft_tokens == k * eng.totals.drafts, (k, batch)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, mtp=5, prefill_chunk=16, prefill_budget=16))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, drafts=5, prefill_chunk=16, prefill_budget=16))
     assert [s.output_ids for s in eng.generate(ps, GREEDY)] == plain
 
 
@@ -173,15 +173,15 @@ def test_a_resumed_chat_turn_leaves_the_drafters_rings_as_a_fresh_prefill_does(m
     """Prefix reuse (chat) resumes a slot's state one row before the shared prefix ends: the stages' rings
     must then hold what a fresh engine's hold (greedy tokens would not show a wrong ring, only acceptance
     would), and the replies and their acceptance equal a fresh engine's."""
-    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=5, reuse_prefix=True))
-    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=5))
+    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=5, reuse_prefix=True))
+    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=5))
     conversation = prompts([40], CFG["vocab_size"])[0]
     for turn, user in enumerate(prompts([20, 3, 30], CFG["vocab_size"], seed=2)):
         seq, want = eng.generate([conversation], GREEDY)[0], fresh.generate([conversation], GREEDY)[0]
         assert seq.output_ids == want.output_ids and (turn == 0 or seq.metrics.cached_tokens > 0)
         assert seq.metrics.accepted_per_position == want.metrics.accepted_per_position, turn
         end = len(conversation) + len(seq.output_ids) - 1          # positions the trunk has committed
-        for a, b in zip(eng.runner.state.cache.mtp, fresh.runner.state.cache.mtp):
+        for a, b in zip(eng.runner.state.cache.drafter, fresh.runner.state.cache.drafter):
             ring = a.win.shape[1]
             rows = torch.arange(max(0, end - ring), end) % ring
             torch.testing.assert_close(a.win[0, rows], b.win[0, rows], rtol=1e-5, atol=1e-5)
@@ -243,8 +243,8 @@ def test_auto_going_plain_and_back_keeps_greedy_output(model, tok):
     tokens stay plain greedy's."""
     ps = prompts([15, 40], CFG["vocab_size"], seed=11)
     want = [s.output_ids for s in Engine(model, tok,
-                                         EngineOptions(max_batch=2, max_seq_len=320, mtp=0)).generate(ps, GREEDY)]
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, mtp="auto"))
+                                         EngineOptions(max_batch=2, max_seq_len=320, drafts=0)).generate(ps, GREEDY)]
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, drafts="auto"))
     seqs = [eng.submit(p, GREEDY) for p in ps]
     steps = 0
     while eng.has_work():
@@ -261,14 +261,14 @@ def test_auto_going_plain_and_back_keeps_greedy_output(model, tok):
 @torch.no_grad()
 def test_a_seeded_sampled_request_gives_its_tokens_whatever_auto_measures(model, tok):
     """Under auto a sampled request with a seed verifies the whole block every step: its tokens are those
-    of --mtp 5, alone or beside greedy requests whose steps auto makes plain."""
+    of --drafts 5, alone or beside greedy requests whose steps auto makes plain."""
     prompt = prompts([20], CFG["vocab_size"], seed=13)[0]
     params = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
     want = Engine(model, tok,
-                  EngineOptions(max_batch=1, max_seq_len=320, mtp=5)).generate([prompt], params)[0].output_ids
-    alone = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, mtp="auto")).generate([prompt], params)[0]
+                  EngineOptions(max_batch=1, max_seq_len=320, drafts=5)).generate([prompt], params)[0].output_ids
+    alone = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, drafts="auto")).generate([prompt], params)[0]
     assert alone.output_ids == want
-    eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=320, mtp="auto"))
+    eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=320, drafts="auto"))
     others = [eng.submit(p, GREEDY) for p in prompts([9, 30], CFG["vocab_size"], seed=14)]
     for _ in range(3):
         eng.step()
@@ -310,7 +310,7 @@ def test_sampled_dspark_keeps_the_models_distribution(model, tok):
     and beside others."""
     prompt = prompts([12], CFG["vocab_size"], seed=7)[0]
     params = [SamplingParams(temperature=1.5, seed=s, max_tokens=2, ignore_eos=True) for s in range(2000)]
-    eng = Engine(model, tok, EngineOptions(max_batch=16, max_seq_len=64, mtp=5))
+    eng = Engine(model, tok, EngineOptions(max_batch=16, max_seq_len=64, drafts=5))
     seqs = [eng.submit(prompt, p) for p in params]
     while eng.has_work():
         eng.step()
@@ -332,7 +332,7 @@ def test_sampled_dspark_keeps_the_models_distribution(model, tok):
         stat, bins = chi2(samples, want)
         limit = bins + 3.3 * math.sqrt(2 * bins)                  # about the 99.9% quantile
         assert stat < limit, (stat, limit)
-    again = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=64, mtp=5)).generate([prompt], params[5])[0]
+    again = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=64, drafts=5)).generate([prompt], params[5])[0]
     assert again.output_ids == seqs[5].output_ids
 
 

@@ -23,14 +23,14 @@ def test_speculative_greedy_equals_plain_greedy(model, tok):
     # prompt lengths around the window (16), ratio-4 and ratio-128 boundaries
     ps = prompts([3, 15, 17, 127, 129, 200], tok.vocab_size)
     plain = [s.output_ids for s in Engine(model, tok,
-                                          EngineOptions(max_batch=5, max_seq_len=320, mtp=0)).generate(ps, GREEDY)]
+                                          EngineOptions(max_batch=5, max_seq_len=320, drafts=0)).generate(ps, GREEDY)]
     ids = list(ps[4])
     for _ in range(24):                                # and plain decoding equals the full forward pass
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     assert plain[4] == ids[len(ps[4]):]
     for k in (1, 2, 3, 4):
         for batch in (1, 3, 5):       # one at a time, continuous batching with joins, all together
-            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=320, mtp=k))
+            eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=320, drafts=k))
             got = [s.output_ids for s in eng.generate(ps, GREEDY)]
             assert got == plain, f"K={k} batch={batch}"
 
@@ -39,9 +39,9 @@ def test_speculative_greedy_equals_plain_greedy(model, tok):
 def test_context_exhaustion(model, tok):
     ps = prompts([50, 60], tok.vocab_size, seed=1)
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
-    ref = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=70, mtp=0)).generate(ps, params)
+    ref = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=70, drafts=0)).generate(ps, params)
     for k in (1, 4):
-        got = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=70, mtp=k)).generate(ps, params)
+        got = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=70, drafts=k)).generate(ps, params)
         assert [s.output_ids for s in got] == [s.output_ids for s in ref]
         assert [len(s.prompt_ids) + len(s.output_ids) for s in got] == [70, 70]
         assert all(s.finish_reason == "length" for s in got)
@@ -91,19 +91,19 @@ def test_seeded_sampling_reproducible_across_batches_and_k(model, tok):
     ps = prompts([9, 30, 140], tok.vocab_size, seed=2)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     a = [s.output_ids for s in Engine(model, tok,
-                                      EngineOptions(max_batch=3, max_seq_len=256, mtp=1)).generate(ps, params)]
+                                      EngineOptions(max_batch=3, max_seq_len=256, drafts=1)).generate(ps, params)]
     b = [s.output_ids for s in Engine(model, tok,
-                                      EngineOptions(max_batch=1, max_seq_len=256, mtp=1)).generate(ps, params)]
+                                      EngineOptions(max_batch=1, max_seq_len=256, drafts=1)).generate(ps, params)]
     assert a == b
     other = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
     c = [s.output_ids for s in Engine(model, tok,
-                                      EngineOptions(max_batch=3, max_seq_len=256, mtp=1)).generate(ps, other)]
+                                      EngineOptions(max_batch=3, max_seq_len=256, drafts=1)).generate(ps, other)]
     assert c != a
 
 
 @torch.no_grad()
 def test_cancel_and_continuous_batching(model, tok):
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=1))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=1))
     ps = prompts([10, 12, 14], tok.vocab_size, seed=3)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     seqs = [eng.submit(p, params) for p in ps]
@@ -113,25 +113,25 @@ def test_cancel_and_continuous_batching(model, tok):
     while eng.has_work():
         eng.step()
     assert seqs[0].finish_reason == "cancelled" and len(seqs[0].output_ids) < 20
-    ref = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).generate(ps[1:], params)
+    ref = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).generate(ps[1:], params)
     assert [s.output_ids for s in seqs[1:]] == [s.output_ids for s in ref]
 
 
 @torch.no_grad()
 def test_stop_rules(model, tok):
     p = prompts([20], tok.vocab_size, seed=4)[0]
-    free = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=1)).generate(
+    free = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=1)).generate(
         [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
     stop_id = free.output_ids[5]
     first = free.output_ids.index(stop_id)
-    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=2)).generate(
+    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=2)).generate(
         [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]))[0]
     assert s.output_ids == free.output_ids[:first] and s.finish_reason == "stop"
     needle = free.text[10:13]
-    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=2)).generate(
+    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=2)).generate(
         [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[needle]))[0]
     assert s.text == free.text[: free.text.find(needle)] and s.finish_reason == "stop"
-    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=3)).generate(
+    s = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=3)).generate(
         [p], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
     assert s.output_ids == free.output_ids[:7] and s.finish_reason == "length"
 
@@ -165,7 +165,7 @@ def test_one_host_sync_per_decode_step(model, tok, monkeypatch):
     monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
     # the second case asks for logprobs: they travel in the same packed tensor
     for run, logprobs in ((model, None), (host_routed_copy(model), None), (model, 5)):
-        eng = Engine(run, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=2))
+        eng = Engine(run, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=2))
         for p in prompts([10, 40], tok.vocab_size, seed=5):
             eng.submit(p, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True, logprobs=logprobs))
         eng.step()                                          # admission (prefill) + first decode step
@@ -192,7 +192,7 @@ def test_one_host_sync_per_mixed_step(model, tok, monkeypatch):
     moe_calls, static = [], []
     monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
     monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=2, prefill_budget=16))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=2, prefill_budget=16))
     running, prompt = prompts([10, 40], tok.vocab_size, seed=6)
     eng.submit(running, SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True))
     eng.step()                                              # its prefill alone
@@ -224,9 +224,9 @@ def test_stacked_experts_give_the_same_greedy_tokens(model, tok):
     host_routed = host_routed_copy(model)
     for k in (0, 2):
         grouped = [s.output_ids for s in Engine(model, tok,
-                                                EngineOptions(max_batch=3, max_seq_len=256, mtp=k)).generate(ps,
+                                                EngineOptions(max_batch=3, max_seq_len=256, drafts=k)).generate(ps,
                                                                                                              GREEDY)]
-        host = Engine(host_routed, tok, EngineOptions(max_batch=3, max_seq_len=256, mtp=k)).generate(ps, GREEDY)
+        host = Engine(host_routed, tok, EngineOptions(max_batch=3, max_seq_len=256, drafts=k)).generate(ps, GREEDY)
         assert [s.output_ids for s in host] == grouped
 
 
@@ -248,7 +248,7 @@ def test_rows_without_filters_skip_the_vocabulary_sort(model, tok, monkeypatch):
                                  (SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4), True)):
         sorts.clear()
         Engine(model, tok,
-               EngineOptions(max_batch=2, max_seq_len=128, mtp=1)).generate(prompts([5, 9], tok.vocab_size), params)
+               EngineOptions(max_batch=2, max_seq_len=128, drafts=1)).generate(prompts([5, 9], tok.vocab_size), params)
         assert (tok.vocab_size in sorts or model.cfg.vocab_size in sorts) == sorted_vocab
 
 
@@ -290,17 +290,17 @@ def test_plain_greedy_steps_take_the_argmax_and_give_the_distributions_tokens(mo
     sampled = SamplingParams(temperature=0.9, seed=1, max_tokens=60, ignore_eos=True)   # 20+ steps
     for k in (0, 2):
         steps.clear()
-        alone = [s.output_ids for s in Engine(model, tok,
-                                              EngineOptions(max_batch=3, max_seq_len=256, mtp=k)).generate(ps, GREEDY)]
+        alone = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, drafts=k))
+                 .generate(ps, GREEDY)]
         assert steps and all(steps)
         steps.clear()
-        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, mtp=k))
+        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, drafts=k))
         beside = [eng.submit(p, GREEDY) for p in ps] + [eng.submit(ps[0], sampled)]
         while eng.has_work():
             eng.step()
         assert steps and not any(steps[:8])          # a greedy request takes 8+ steps
         assert [s.output_ids for s in beside[:2]] == alone
-        penalised = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, mtp=k)).generate(
+        penalised = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=256, drafts=k)).generate(
             ps, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.0001))
         assert not any(steps[-5:])                     # a penalty needs the processed logits
         assert len(penalised[0].output_ids) == 24
@@ -327,8 +327,8 @@ def test_prefix_reuse_resumes_chat_turns(model, tok):
     before the end of the shared prefix (mid-block starts, a ratio-128 block closing over rows from
     earlier turns), and the replies equal a fresh engine's."""
     for k in (0, 1, 3):
-        eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=k, reuse_prefix=True))
-        fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=k))
+        eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=k, reuse_prefix=True))
+        fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=k))
         conversation, shared = prompts([40], tok.vocab_size)[0], 0
         for turn, user in enumerate(prompts([20, 30, 5, 1], tok.vocab_size, seed=2)):
             seq = eng.generate([conversation], GREEDY)[0]
@@ -342,8 +342,8 @@ def test_prefix_reuse_resumes_chat_turns(model, tok):
 def test_prefix_reuse_partial_and_refused(model, tok):
     """A prompt that leaves the previous one midway resumes before the divergence; one whose shared
     rows were overwritten by later positions of the same slot is prefilled afresh."""
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=1, reuse_prefix=True))
-    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=1))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=1, reuse_prefix=True))
+    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=1))
     base, other = prompts([150, 30], tok.vocab_size, seed=4)
     assert eng.generate([base], GREEDY)[0].metrics.cached_tokens == 0
     diverged = base[:100] + other
@@ -357,7 +357,7 @@ def test_prefix_reuse_partial_and_refused(model, tok):
     assert seq.metrics.cached_tokens == 0
     assert seq.output_ids == fresh.generate([late], GREEDY)[0].output_ids
     # without reuse an engine never resumes
-    plain = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=1))
+    plain = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=1))
     plain.generate([base], GREEDY)
     assert plain.generate([base + other], GREEDY)[0].metrics.cached_tokens == 0
 
@@ -385,7 +385,7 @@ def test_logprobs_match_the_reference_log_softmax(model, tok):
     worst = {}
     for k in (0, 2):
         for params in cases:
-            for seq in Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=k)).generate(ps, params):
+            for seq in Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=k)).generate(ps, params):
                 assert [e.token for e in seq.logprobs] == seq.output_ids
                 temperature = params.temperature or 1.0
                 ref = reference_logprobs(model, seq.prompt_ids, seq.output_ids, temperature,
@@ -406,8 +406,8 @@ def test_logprobs_match_the_reference_log_softmax(model, tok):
 def test_logprobs_do_not_change_the_tokens(model, tok):
     ps = prompts([9, 33], tok.vocab_size, seed=7)
     for params in (GREEDY, SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)):
-        plain = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=2)).generate(ps, params)
-        scored = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=2)).generate(
+        plain = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=2)).generate(ps, params)
+        scored = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=2)).generate(
             ps, SamplingParams(**{**params.__dict__, "logprobs": 0}))
         assert [s.output_ids for s in scored] == [s.output_ids for s in plain]
         assert all(len(s.logprobs) == len(s.output_ids) and not s.logprobs[0].top for s in scored)
@@ -419,18 +419,18 @@ def test_logit_bias(model, tok):
     """A large bias forces a token, a negative one bans it; the bias is the request's alone (a later request
     in the same slot is unbiased), and speculative greedy still equals plain greedy under a bias."""
     p = prompts([15], tok.vocab_size, seed=8)[0]
-    free = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).generate([p], GREEDY)[0].output_ids
+    free = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).generate([p], GREEDY)[0].output_ids
     forced = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={42: 100.0})
     banned = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logit_bias={t: -100.0 for t in free})
     for k in (0, 2):
-        eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=k))
+        eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=k))
         assert eng.generate([p], forced)[0].output_ids == [42] * 8
         out = eng.generate([p], banned)[0].output_ids
         assert not set(out) & set(free)
         assert eng.generate([p], GREEDY)[0].output_ids == free
     with pytest.raises(ValueError, match="logit_bias: token id"):
         Engine(model, tok,
-               EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).submit(p, SamplingParams(logit_bias={10**6: 1.0}))
+               EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).submit(p, SamplingParams(logit_bias={10**6: 1.0}))
 
 
 @torch.no_grad()
@@ -441,13 +441,13 @@ def test_min_tokens_holds_back_what_ends_a_reply(model, tok):
     eos = {tok.eos_id: 100.0}        # without min_tokens the reply ends at once
     greedy = SamplingParams(temperature=0, max_tokens=20, logit_bias=eos)
     assert Engine(model, tok,
-                  EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).generate([p], greedy)[0].output_ids == []
+                  EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).generate([p], greedy)[0].output_ids == []
     held = SamplingParams(temperature=0, max_tokens=20, logit_bias=eos, min_tokens=5)
     stop_id = SamplingParams(temperature=0, max_tokens=20, logit_bias={42: 100.0}, stop_token_ids=[42], min_tokens=3)
     sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=20, logit_bias={tok.eos_id: 3.0}, min_tokens=7)
     want = {}
     for k in (0, 1, 3):
-        eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=k))
+        eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=k))
         got = eng.generate([p], held)[0]
         assert len(got.output_ids) == 5 and got.finish_reason == "stop"   # EOS the first token it may be
         out = eng.generate([p], stop_id)[0].output_ids
@@ -456,36 +456,36 @@ def test_min_tokens_holds_back_what_ends_a_reply(model, tok):
                 (("held", held), ("stop_id", stop_id), ("sampled", sampled))}
         assert len(runs["sampled"]) >= 7 and tok.eos_id not in runs["sampled"]
         assert runs == want.setdefault("runs", runs), k
-    text = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).generate(
+    text = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).generate(
         [p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
     stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[text.text[:1]], min_tokens=6)
-    got = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).generate([p], stop)[0]
+    got = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).generate([p], stop)[0]
     assert len(got.output_ids) >= 6 and got.text.startswith(text.text[: len(got.text)])
     for bad in (-1, 21):
         with pytest.raises(ValueError, match="min_tokens: must be in 0..max_tokens"):
             Engine(model, tok,
-                   EngineOptions(max_batch=1, max_seq_len=256, mtp=0)).submit(p, SamplingParams(max_tokens=20,
+                   EngineOptions(max_batch=1, max_seq_len=256, drafts=0)).submit(p, SamplingParams(max_tokens=20,
                                                                                               min_tokens=bad))
 
 
 def test_engine_and_tp_leader_provide_the_engine_api(model, tok):
     """Front ends see one API: the engine's own in one process, rank 0's Leader (which mirrors commands to
     the other ranks) under --tp; the Leader spells out each member instead of forwarding unknown names."""
-    engine = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=64, mtp=1))
+    engine = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=64, drafts=1))
     leader = parallel.Leader(engine, control=None, procs=[], watchdog=threading.Event())
     assert isinstance(engine, EngineAPI) and isinstance(leader, EngineAPI)
     assert not hasattr(parallel.Leader, "__getattr__")
-    assert (leader.tok, leader.mtp_depth, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
+    assert (leader.tok, leader.draft_depth, leader.max_seq_len, leader.totals) == (tok, 1, 64, engine.totals)
     cfg = model.cfg
     info = leader.model_info
     assert info == ModelInfo(parameters=sum(p.numel() for p in model.parameters()), weights="float", dtype="float32",
-                             device="cpu", layers=cfg.n_layers, mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size,
-                             drafter="mtp", block_size=0)
+                             device="cpu", layers=cfg.n_layers, drafter_layers=cfg.n_mtp_layers,
+                             vocab_size=cfg.vocab_size, drafter="mtp", block_size=0)
     int8 = Engine(quantize_model(copy.deepcopy(model)), tok,
-                  EngineOptions(max_batch=1, max_seq_len=64, mtp=0)).model_info
+                  EngineOptions(max_batch=1, max_seq_len=64, drafts=0)).model_info
     assert int8.weights == "w8a8" and int8.parameters == info.parameters      # weight scales are not parameters
     release = Engine(release_model(copy.deepcopy(model)), tok,
-                     EngineOptions(max_batch=1, max_seq_len=64, mtp=0)).model_info
+                     EngineOptions(max_batch=1, max_seq_len=64, drafts=0)).model_info
     assert release.weights == "fp8+fp4" and release.parameters == info.parameters     # FP4: two values a byte
 
 
@@ -496,8 +496,8 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(model, to
     settings can't be admitted fails alone."""
     ps = prompts([5, 9, 7, 6], tok.vocab_size, seed=3)
     ref = [s.output_ids for s in Engine(model, tok,
-                                        EngineOptions(max_batch=2, max_seq_len=128, mtp=1)).generate(ps, GREEDY)]
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, mtp=1))
+                                        EngineOptions(max_batch=2, max_seq_len=128, drafts=1)).generate(ps, GREEDY)]
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, drafts=1))
     a, b = eng.submit(ps[0], GREEDY), eng.submit(ps[1], GREEDY)
     while not (a.output_ids and b.output_ids):
         eng.step()
@@ -518,7 +518,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(model, to
 def test_steps_that_keep_failing_end_the_engine(model, tok):
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]     # every step's lookup fails, whatever it holds
-    eng = Engine(broken, tok, EngineOptions(max_batch=2, max_seq_len=128, mtp=0))
+    eng = Engine(broken, tok, EngineOptions(max_batch=2, max_seq_len=128, drafts=0))
     for _ in range(2):
         seq = eng.submit(prompts([5], tok.vocab_size)[0], GREEDY)
         assert [e.seq.finish_reason for e in eng.step()] == ["error"] and seq.error

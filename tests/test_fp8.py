@@ -253,7 +253,7 @@ def test_native_greedy_speculative_output_is_plain_greedy(tmp_path, dtype):
                for n in (5, 40)]
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     outs = {k: [s.output_ids for s in Engine(model, tok,
-                                             EngineOptions(max_batch=1, max_seq_len=256, mtp=k)).generate(prompts,
+                                             EngineOptions(max_batch=1, max_seq_len=256, drafts=k)).generate(prompts,
                                                                                                           greedy)]
             for k in (0, 1, 3)}
     assert outs[1] == outs[0] and outs[3] == outs[0]

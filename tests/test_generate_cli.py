@@ -12,7 +12,7 @@ def test_generate_json_greedy_spec_equals_plain(tiny_model_dir):
     runs = []
     for k in ("0", "2"):
         r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "What is 2 plus 3?", "--max-tokens", "12",
-                 "--temperature", "0", "--mtp", k, "--ignore-eos", "--json")
+                 "--temperature", "0", "--drafts", k, "--ignore-eos", "--json")
         assert r.returncode == 0, r.stderr
         runs.append(json.loads(r.stdout))
     assert runs[0]["token_ids"] == runs[1]["token_ids"] and len(runs[0]["token_ids"]) == 12
@@ -109,7 +109,7 @@ def test_prompt_ids_are_used_as_they_are():
     assert raw.returncode == given.returncode == 0, raw.stderr + given.stderr
     raw, given = json.loads(raw.stdout), json.loads(given.stdout)
     assert given["token_ids"] == raw["token_ids"] and given["text"] == raw["text"]
-    assert given["stats"]["drafter"] == "dspark" and given["stats"]["mtp"] == "auto"
+    assert given["stats"]["drafter"] == "dspark" and given["stats"]["drafts_setting"] == "auto"
     assert len(given["stats"]["per_position"]) == 5
     past = tok.vocab_size
     for bad, message in (("0,x", "'x' is not a token id"), (f"0,{past}", f"{past} is not a token id"),

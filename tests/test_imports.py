@@ -143,9 +143,10 @@ def test_help_and_config_show_start_without_torch():
 
 
 def test_the_verb_and_mode_tables_name_what_runs():
+    """A verb's help is written once, in VERBS: its function has no docstring that could say otherwise."""
     for name, verb in VERBS.items():
         command = load_verb(name)
-        assert command.name == name and " ".join(command.help.split()) == verb.help
+        assert command.name == name and command.help == verb.help and load(verb.command).__doc__ is None
     assert tuple(MODES) == SPEC["mode"].choices
     assert all(callable(load(target)) for target in MODES.values())
 
@@ -178,6 +179,22 @@ def test_the_server_stays_in_small_parts():
                 params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg not in ("self", "cls")]
                 if n > 60 or len(params) > 6:
                     big.append(f"{path.name}: {node.name} ({n} lines, {len(params)} parameters)")
+    assert not big, big
+
+
+def test_no_constructor_takes_more_than_six_parameters():
+    """Settings that travel together are one object (a dataclass: `EngineOptions`, `BodyRules`, `Results`), not
+    a longer and longer parameter list."""
+    big = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for init in (f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"):
+                a = init.args
+                params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs if p.arg != "self"]
+                if len(params) > 6:
+                    big.append(f"{path.relative_to(PACKAGE)}: {node.name}({', '.join(params)})")
     assert not big, big
 
 
@@ -352,7 +369,7 @@ def test_the_architecture_doc_names_what_is_there():
             missing.append(name)
     # `Class.attr`, `module.function`, `module.Class.method`: looked up in the source as a reader would
     index = SourceIndex()
-    assert index.resolves("Engine.step") and index.resolves("SlotState.cache.mtp")     # the lookup finds what is
+    assert index.resolves("Engine.step") and index.resolves("SlotState.cache.drafter")     # the lookup finds what is
     assert index.resolves("Engine.confidence") is False and index.resolves("torch.compile") is None    # ... not
     missing += sorted(ref for ref in dotted_references(doc) if index.resolves(ref) is False)
     assert not missing, missing

@@ -35,7 +35,7 @@ def _rank(rank, world, port, path, out):
     logits, hidden = model(ids, return_hidden=True)
     mtp = model.mtp_forward(hidden, torch.roll(ids, -1, 1))
     if rank == 0:
-        torch.save({"logits": logits, "mtp": mtp}, out)
+        torch.save({"logits": logits, "drafts": mtp}, out)
     parallel.leave()
 
 
@@ -52,7 +52,7 @@ def test_tp2_logits_match_tp1(tmp_path, layout):
     ids = torch.randint(0, 256, (2, 300), generator=torch.Generator().manual_seed(1))
     logits, hidden = model(ids, return_hidden=True)
     mtp = model.mtp_forward(hidden, torch.roll(ids, -1, 1))
-    for name, ref in (("logits", logits), ("mtp", mtp)):
+    for name, ref in (("logits", logits), ("drafts", mtp)):
         err = ((got[name] - ref).abs().max() / ref.abs().max()).item()
         print(f"tp2 vs tp1 {name}: max relative error {err:.1e}")
         assert err < 1e-5
@@ -69,7 +69,7 @@ def test_tp2_greedy_tokens_match(tiny_model_dir):
         outs = []
         for tp in ("1", "2"):
             r = dsv4("generate", "--model", str(tiny_model_dir), "--prompt", "Tell me a story.", "-n", "12",
-                     "--temperature", "0", "--ignore-eos", "--mtp", mtp, "--tp", tp, "--json")
+                     "--temperature", "0", "--ignore-eos", "--drafts", mtp, "--tp", tp, "--json")
             assert r.returncode == 0, r.stderr
             outs.append(r.stdout.split('"token_ids": ')[1].split("]")[0])
         assert outs[0] == outs[1], f"mtp {mtp}"
@@ -81,7 +81,7 @@ def test_bench_resizes_every_rank(tiny_model_dir):
              "--prompts", "short", "--max-tokens", "4", "--json")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)["results"]
-    assert [(x["batch"], x["mtp"]) for x in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [(x["batch"], x["drafts"]) for x in rows] == [(1, 0), (1, 1), (2, 0), (2, 1)]
 
 
 def test_tp_that_does_not_divide_is_refused(tiny_model_dir):

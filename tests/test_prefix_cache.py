@@ -47,7 +47,7 @@ def test_a_snapshot_resumes_the_state_bit_for_bit(model, pos):
     bit: the snapshot holds everything a later position reads (at 128k the store's; elsewhere a chat file's)."""
     ids = torch.tensor(prompts([pos + 300], model.cfg.vocab_size, seed=pos))
     state = DecodeState(model, 2, 1024, max_draft=4)
-    for cache in state.layers + state.mtp:
+    for cache in state.layers + state.drafter:
         for t in cache.tensors():
             t[1].copy_(torch.randn(t[1].shape) * 3)
     slots = [state.view(0), state.view(1)]
@@ -72,16 +72,16 @@ def test_a_snapshot_resumes_the_state_bit_for_bit(model, pos):
 def test_dsparks_rings_come_back_with_the_snapshot(dspark, tok):
     """One slot, so a resumed prompt's chunks and steps are the first run's: the replies, their acceptance at
     every position and the stages' rings after them equal the first run's, bit for bit."""
-    eng = Engine(dspark, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=5, prefix_cache=STORE))
+    eng = Engine(dspark, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=5, prefix_cache=STORE))
     for prompt in boundary_prompts(dspark.cfg.vocab_size)[9:14]:
         first = eng.generate([prompt], GREEDY)[0]
-        rings = [c.win.clone() for c in eng.runner.state.cache.mtp]
+        rings = [c.win.clone() for c in eng.runner.state.cache.drafter]
         again = eng.generate([prompt], GREEDY)[0]
         assert again.metrics.cached_tokens == (len(prompt) - 1) // BOUNDARY * BOUNDARY > 0
         assert again.output_ids == first.output_ids
         assert again.metrics.accepted_per_position == first.metrics.accepted_per_position
         end = len(prompt) + len(first.output_ids) - 1        # positions committed
-        for ring, cache in zip(rings, eng.runner.state.cache.mtp):
+        for ring, cache in zip(rings, eng.runner.state.cache.drafter):
             rows = torch.arange(end - 16, end) % ring.shape[1]
             assert torch.equal(ring[0, rows], cache.win[0, rows])
 
@@ -90,10 +90,10 @@ def test_dsparks_rings_come_back_with_the_snapshot(dspark, tok):
 
 def greedy_equal_with_and_without(model, tok, mtp, cache=STORE, batch=4, rounds=2) -> Engine:
     ps = boundary_prompts(model.cfg.vocab_size)
-    plain = [s.output_ids for s in Engine(model, tok,
-                                          EngineOptions(max_batch=batch, max_seq_len=1024, mtp=0)).generate(ps, GREEDY)]
-    eng = Engine(model, tok,
-                 EngineOptions(max_batch=batch, max_seq_len=1024, mtp=mtp, prefix_cache=cache, isolate_failures=False))
+    plain = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=1024, drafts=0))
+             .generate(ps, GREEDY)]
+    eng = Engine(model, tok, EngineOptions(max_batch=batch, max_seq_len=1024, drafts=mtp, prefix_cache=cache,
+                                           isolate_failures=False))
     eng.pace.share = math.inf     # the token budget alone: what each round stores, spills and evicts is counted
     for r in range(rounds):       # the first round stores (and shares what prompts arriving together share)
         seqs = eng.generate(ps, GREEDY)
@@ -120,7 +120,7 @@ def test_greedy_after_eviction_and_spill(model, dspark, tok):
     """Budgets of two snapshots a tier: nodes spill to the host tier and are evicted while the prompts come
     round again; the outputs stay those of an engine without the store."""
     for m, k in ((model, 1), (dspark, 5)):
-        state = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=k)).runner.state.cache
+        state = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=k)).runner.state.cache
         size = nbytes(take_rows(state, 0, 256)) + nbytes(take_blocks(state, 0, 128, 256))   # a node's bytes
         eng, _ = greedy_equal_with_and_without(m, tok, k, cache=(2 * size, 2 * size), rounds=3)
         store = eng.prefixes.store
@@ -139,8 +139,8 @@ def test_bundled_models_answer_the_same_with_the_store():
         system = " ".join(f"Rule {i}: answer briefly and kindly." for i in range(40))
         ps = [tok.encode(encode_messages([{"role": "system", "content": system}, {"role": "user", "content": q}]))
               for q in ("What is the capital of France?", "What is 7 plus 8?", "Hi!", "What colour is snow?")]
-        plain = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=4, mtp=0)).generate(ps, GREEDY)]
-        eng = Engine(model, tok, EngineOptions(max_batch=4, mtp="auto", prefix_cache=STORE))
+        plain = [s.output_ids for s in Engine(model, tok, EngineOptions(max_batch=4, drafts=0)).generate(ps, GREEDY)]
+        eng = Engine(model, tok, EngineOptions(max_batch=4, drafts="auto", prefix_cache=STORE))
         seqs = eng.generate(ps, GREEDY) + eng.generate(ps, GREEDY)
         assert [s.output_ids for s in seqs] == plain + plain, name
         assert sum(s.metrics.cached_tokens > 0 for s in seqs) == 7, name     # all but the first
@@ -151,10 +151,10 @@ def test_bundled_models_answer_the_same_with_the_store():
 @torch.no_grad()
 def test_the_store_never_holds_more_than_its_budgets(model, tok):
     """After every step each tier holds at most its budget, and what it counts is what its nodes hold."""
-    state = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=1)).runner.state.cache
+    state = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=1)).runner.state.cache
     size = nbytes(take_rows(state, 0, 256)) + nbytes(take_blocks(state, 0, 128, 256))
     for budget in ((2 * size, 0), (size // 2, 0), (2 * size, 3 * size), (5 * size, size)):
-        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=1024, mtp=1, prefix_cache=budget))
+        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=1024, drafts=1, prefix_cache=budget))
         store = eng.prefixes.store
         for p in boundary_prompts(model.cfg.vocab_size) + prompts([300, 500, 700], model.cfg.vocab_size, seed=5):
             eng.submit(p, GREEDY)
@@ -217,10 +217,10 @@ def test_prompts_that_arrive_together_prefill_their_prefix_once(model, tok):
     for its snapshot at 640 and prefill only their own tails."""
     shared, *tails = prompts([700, 20, 30, 40, 50], model.cfg.vocab_size, seed=3)
     ps = [shared + t for t in tails]
-    eng = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=1024, mtp=1, prefix_cache=STORE))
+    eng = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=1024, drafts=1, prefix_cache=STORE))
     seqs = eng.generate(ps, GREEDY)
     assert sorted(s.metrics.cached_tokens for s in seqs) == [0, 640, 640, 640]
-    plain = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=1024, mtp=0)).generate(ps, GREEDY)
+    plain = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=1024, drafts=0)).generate(ps, GREEDY)
     assert [s.output_ids for s in seqs] == [s.output_ids for s in plain]
 
 
@@ -229,8 +229,9 @@ def test_a_chat_resumes_its_own_slot_after_a_store_hit(model, tok):
     """A chat engine has both: a conversation resumed from the store (its slot held another) goes on
     resuming its own slot the next turn, reply included, and answers as a fresh engine does."""
     x, y, user = prompts([300, 200, 9], model.cfg.vocab_size, seed=8)
-    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=1, reuse_prefix=True, prefix_cache=STORE))
-    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=1))
+    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=1, reuse_prefix=True,
+                                           prefix_cache=STORE))
+    fresh = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=1))
     eng.generate([x], GREEDY)
     eng.generate([y], GREEDY)
     again = eng.generate([x], GREEDY)[0]
@@ -260,13 +261,14 @@ def test_a_saved_chat_state_resumes_as_the_chat_would_have(model, dspark, tok, t
     m, k = (model, 1) if drafter == "mtp" else (dspark, 5)
     start, *users = prompts([150, 20, 200, 7], m.cfg.vocab_size, seed=4)
     header = {"model": "tiny", "encoding": "0731"}
-    eng = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=k, reuse_prefix=True, prefix_cache=STORE))
+    eng = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=k, reuse_prefix=True, prefix_cache=STORE))
     _, conversation = chat_turns(eng, start, users[:2])
     path = tmp_path / "chat.safetensors"
     saved = eng.save_state(str(path), header)
     assert saved == len(eng.prefixes.history[0].tokens) - 1 > 180
     want = eng.generate([conversation], GREEDY)[0]
-    resumed = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=k, reuse_prefix=True, prefix_cache=STORE))
+    resumed = Engine(m, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=k, reuse_prefix=True,
+                                           prefix_cache=STORE))
     assert resumed.load_state(str(path), header) == saved
     got = resumed.generate([conversation], GREEDY)[0]
     assert got.output_ids == want.output_ids
@@ -277,7 +279,7 @@ def test_a_saved_chat_state_resumes_as_the_chat_would_have(model, dspark, tok, t
 @torch.no_grad()
 def test_a_state_of_another_model_drafter_or_encoding_is_refused_in_one_line(model, dspark, tok, tmp_path):
     header = {"model": "tiny", "encoding": "0731"}
-    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=1, reuse_prefix=True))
+    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=1, reuse_prefix=True))
     chat_turns(eng, prompts([150], model.cfg.vocab_size)[0], [[5]])
     path = tmp_path / "chat.safetensors"
     eng.save_state(str(path), header)
@@ -288,14 +290,14 @@ def test_a_state_of_another_model_drafter_or_encoding_is_refused_in_one_line(mod
         assert "\n" not in str(e.value)
         return str(e.value)
 
-    other = Engine(dspark, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=0, reuse_prefix=True))
+    other = Engine(dspark, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=0, reuse_prefix=True))
     assert "another model (tiny; this chat runs other)" in refusal(other, model="other")
-    plain = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=0, reuse_prefix=True))
+    plain = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=0, reuse_prefix=True))
     assert "drafter mtp; this chat runs none" in refusal(plain)
-    same = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, mtp=1, reuse_prefix=True))
+    same = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=1024, drafts=1, reuse_prefix=True))
     assert "encoding 0731; this chat runs preview" in refusal(same, encoding="preview")
     assert "one free slot" in refusal(Engine(model, tok,
-                                             EngineOptions(max_batch=2, max_seq_len=1024, mtp=1, reuse_prefix=True)))
+                                             EngineOptions(max_batch=2, max_seq_len=1024, drafts=1, reuse_prefix=True)))
     path.write_bytes(path.read_bytes()[:-100])
     assert refusal(same).startswith("cannot read it")
     assert same.generate([[5, 6, 7]], GREEDY)[0].metrics.cached_tokens == 0    # nothing was put in its slot

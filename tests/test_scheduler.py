@@ -21,11 +21,11 @@ def test_interleaved_greedy_equals_alone(model, tok, k):
     Budgets of 3 and 4 cut chunks at every ratio-4 edge and off them, 16 at the window's, all three
     across position 128; a budget larger than the chunk runs several chunks, of several prompts, a step."""
     ps = prompts([140, 9, 130, 33, 129], tok.vocab_size, seed=k)
-    alone = [Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, mtp=k)).generate([p], GREEDY)[0].output_ids
-             for p in ps]
+    alone = [Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, drafts=k)).generate([p], GREEDY)[0]
+             .output_ids for p in ps]
     for budget, chunk in ((3, 16), (4, 256), (16, 16), (50, 32)):
         eng = Engine(model, tok,
-                     EngineOptions(max_batch=3, max_seq_len=320, mtp=k, prefill_chunk=chunk, prefill_budget=budget))
+                     EngineOptions(max_batch=3, max_seq_len=320, drafts=k, prefill_chunk=chunk, prefill_budget=budget))
         seqs = [eng.submit(p, GREEDY) for p in ps[:2]]
         while len(seqs[1].output_ids) < 3:
             eng.step()
@@ -40,7 +40,7 @@ def test_a_long_prompt_does_not_stall_running_streams(model, tok):
     """Every step decodes the running stream while a prompt prefills at `budget` tokens a step; the
     prompt's first token comes with its last chunk."""
     short, long = prompts([10, 140], tok.vocab_size, seed=7)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, mtp=1, prefill_chunk=32, prefill_budget=16))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, drafts=1, prefill_chunk=32, prefill_budget=16))
     running = eng.submit(short, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     eng.step()                                    # its prefill: the first token, no decode step yet
     assert len(running.output_ids) == 1
@@ -57,7 +57,8 @@ def test_prefill_while_streams_decode_is_bounded_in_time(model, tok):
     """While streams decode, a step prefills the prompt tokens that take about SHARE of a decode step here
     (measured: the step's costs); with none decoding, the whole token budget."""
     short, long = prompts([10, 300], tok.vocab_size, seed=7)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=0, prefill_chunk=256, prefill_budget=160))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=0, prefill_chunk=256,
+                                           prefill_budget=160))
     alone = eng.submit(long, GREEDY)
     eng.step()
     assert alone.prefilled == 160                  # no stream waits on it
@@ -92,7 +93,7 @@ def test_free_slot_state_survives_decode_steps(model, tok):
     resuming it after 300 of them equals a fresh engine's (unmasked, it would write past its history
     and wrap its rings)."""
     first, other, more = prompts([40, 12, 9], tok.vocab_size, seed=11)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=0, reuse_prefix=True))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=0, reuse_prefix=True))
     turn = eng.submit(first, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     eng.submit(other, SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
     while eng.has_work():
@@ -103,7 +104,7 @@ def test_free_slot_state_survives_decode_steps(model, tok):
     while eng.has_work():
         eng.step()
     fresh = Engine(model, tok,
-                   EngineOptions(max_batch=1, max_seq_len=512, mtp=0)).generate([first + turn.output_ids + more],
+                   EngineOptions(max_batch=1, max_seq_len=512, drafts=0)).generate([first + turn.output_ids + more],
                                                                              GREEDY)[0]
     assert resumed.output_ids == fresh.output_ids
 
@@ -131,11 +132,11 @@ def test_mixed_pass_below_a_running_stream_equals_alone(model, tok, k, monkeypat
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     mixed = count_mixed_passes(model, monkeypatch)
     for budget, prompt in ((120, long), (16, long[:129])):
-        alone = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, mtp=k)).generate([prompt], GREEDY)[0]
+        alone = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=320, drafts=k)).generate([prompt], GREEDY)[0]
         other_alone = Engine(model, tok,
-                             EngineOptions(max_batch=1, max_seq_len=320, mtp=k)).generate([other], params)[0]
+                             EngineOptions(max_batch=1, max_seq_len=320, drafts=k)).generate([other], params)[0]
         eng = Engine(model, tok,
-                     EngineOptions(max_batch=2, max_seq_len=320, mtp=k, prefill_chunk=budget, prefill_budget=budget))
+                     EngineOptions(max_batch=2, max_seq_len=320, drafts=k, prefill_chunk=budget, prefill_budget=budget))
         eng.pace.share = math.inf       # the token budget alone: the passes are counted
         first = eng.submit(short, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         running = eng.submit(other, params)
@@ -157,14 +158,14 @@ def test_mixed_pass_logprobs_equal_passes_alone(model, tok):
                  SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)),
                 (prompts([40], tok.vocab_size, seed=4)[0],
                  SamplingParams(temperature=0.8, seed=5, max_tokens=5, ignore_eos=True, logprobs=3))]
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, mtp=2, prefill_chunk=16, prefill_budget=16))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=320, drafts=2, prefill_chunk=16, prefill_budget=16))
     running = eng.submit(*requests[0])
     eng.step()
     new = eng.submit(*requests[1])
     while eng.has_work():
         eng.step()
     alone = [Engine(model, tok,
-                    EngineOptions(max_batch=1, max_seq_len=320, mtp=2, prefill_chunk=16,
+                    EngineOptions(max_batch=1, max_seq_len=320, drafts=2, prefill_chunk=16,
                                   prefill_budget=16)).generate([ids], params)[0] for ids, params in requests]
     runs = [[(s.output_ids, [(lp.token, lp.logprob, lp.top) for lp in s.logprobs]) for s in seqs]
             for seqs in ((running, new), alone)]
@@ -186,7 +187,7 @@ def test_background_streams_give_way_to_a_foreground_prompt(model, tok, k):
     sampled = SamplingParams(temperature=0.9, seed=5, max_tokens=20, ignore_eos=True)
 
     def run(background: bool) -> list[list[int]]:
-        eng = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=320, mtp=k))
+        eng = Engine(model, tok, EngineOptions(max_batch=4, max_seq_len=320, drafts=k))
         eng.pace.share = math.inf       # the token budget alone: which step each prompt ends in is counted
         bg = [eng.submit(p, dataclasses.replace(params, background=background))
               for p, params in zip(ps[:2], (GREEDY, sampled))]

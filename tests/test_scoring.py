@@ -41,7 +41,7 @@ def test_prompt_logprobs_equal_a_full_forward_pass(model, tok):
     worst = 0.0
     for mtp in (0, 2):
         eng = Engine(model, tok,
-                     EngineOptions(max_batch=3, max_seq_len=512, mtp=mtp, prefill_chunk=48, prefill_budget=64))
+                     EngineOptions(max_batch=3, max_seq_len=512, drafts=mtp, prefill_chunk=48, prefill_budget=64))
         plain = eng.generate(ps, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         for n_top in (0, 5):
             params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=n_top)
@@ -57,7 +57,7 @@ def test_a_scored_prompt_is_prefilled_whole_not_from_the_prefix_store(model, tok
     """The store holds the prompt's prefix; a scored request refills it (cached_tokens 0) and scores every
     token; an unscored one after it still resumes from the store."""
     (prompt,) = prompts([300], tok.vocab_size, seed=12)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=1, prefix_cache=STORE))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=1, prefix_cache=STORE))
     eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
     (seq,) = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3))
     assert seq.metrics.cached_tokens == 0
@@ -69,7 +69,7 @@ def test_a_scored_prompt_is_prefilled_whole_not_from_the_prefix_store(model, tok
 @torch.no_grad()
 def test_max_tokens_0_scores_the_prompt_and_generates_nothing(model, tok):
     ps = prompts([1, 30], tok.vocab_size, seed=13)
-    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, mtp=0))
+    eng = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=128, drafts=0))
     for seq in eng.generate(ps, SamplingParams(temperature=0.8, max_tokens=0, prompt_logprobs=0)):
         assert seq.output_ids == [] and seq.finish_reason == "length"
         assert worst_error(model, seq, 0) <= 1e-4
@@ -83,7 +83,7 @@ def test_score_ids_report_the_logprobs_of_given_ids(model, tok):
     (prompt,) = prompts([90], tok.vocab_size, seed=14)
     g = torch.Generator().manual_seed(0)
     given = torch.randint(0, tok.vocab_size, (len(prompt), 3), generator=g).tolist()
-    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=128, mtp=0, prefill_chunk=32, prefill_budget=32))
+    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=128, drafts=0, prefill_chunk=32, prefill_budget=32))
     (seq,) = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=1, score_ids=given))
     want = reference(model, prompt)[:-1].gather(-1, torch.tensor(given[1:]))
     got = torch.tensor([e.given for e in seq.prompt_logprobs[1:]])
@@ -106,6 +106,6 @@ def test_the_head_runs_on_a_chunk_at_a_time(model, tok, monkeypatch):
     logits = model.logits
     monkeypatch.setattr(model, "logits", lambda h: rows.append(h.shape[-4] * h.shape[-3]) or logits(h))
     (prompt,) = prompts([400], tok.vocab_size, seed=15)
-    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, mtp=0, prefill_chunk=64, prefill_budget=64))
+    eng = Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=512, drafts=0, prefill_chunk=64, prefill_budget=64))
     (seq,) = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))
     assert len(seq.prompt_logprobs) == 400 and max(rows) <= 64 and sum(rows) >= 399

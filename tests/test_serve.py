@@ -312,7 +312,7 @@ def test_metrics_are_prometheus_text(server):
     assert values["dsv4:time_to_first_token_seconds_count"] >= 1
     assert values["dsv4:spec_decode_num_draft_tokens_total"] >= values["dsv4:spec_decode_num_accepted_tokens_total"] > 0
     # the bundled model drafts with DSpark, auto: a counter for every block position, the mean length
-    assert values['dsv4:spec_decode_info{drafter="dspark",mtp="auto"}'] == 1
+    assert values['dsv4:spec_decode_info{drafter="dspark",drafts="auto",verify="token"}'] == 1
     for kind in ("accepted", "verified"):
         assert [f'dsv4:spec_decode_num_{kind}_tokens_per_pos_total{{position="{i}"}}' in values
                 for i in range(6)] == [True] * 5 + [False]
@@ -422,7 +422,7 @@ def test_an_engine_that_cannot_go_on_stops_the_server(model, tok):
     broken = copy.deepcopy(model)
     broken.embed.weight.data = broken.embed.weight.data[:0]       # every lookup of a token fails
     engine, metrics, stopped = Engine(broken, tok,
-                                      EngineOptions(max_batch=2, max_seq_len=128, mtp=0)), ServerMetrics(), \
+                                      EngineOptions(max_batch=2, max_seq_len=128, drafts=0)), ServerMetrics(), \
         threading.Event()
     loop = EngineLoop(engine, 4, metrics, on_fatal=stopped.set)
     parser = BodyParser(tok, SamplingParams(temperature=0, max_tokens=4), 128)

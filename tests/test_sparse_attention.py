@@ -68,7 +68,7 @@ def test_decode_reads_caches_in_place(rows, monkeypatch):
     model = random_model(tiny_config(index_topk=4))
     context = 2000
     state = DecodeState(model, 2, context + 16, max_draft=2)
-    cache_storage = {t.untyped_storage().data_ptr() for c in state.layers + state.mtp for t in c.tensors()}
+    cache_storage = {t.untyped_storage().data_ptr() for c in state.layers + state.drafter for t in c.tensors()}
     joined, masks = [], []
     cat, attend = torch.cat, reference.sparse_attention
 

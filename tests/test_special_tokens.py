@@ -68,7 +68,7 @@ def test_batch_results_show_no_special_tokens(tmp_path):
 @torch.no_grad()
 def test_streamed_chunks_add_up_to_the_message_without_special_tokens():
     """serve's chunks (the bodies dsv4 serve sends, built by the same ChunkStream), token by token."""
-    s, _ = resolve(None, {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, "mtp": 0}, env={})
+    s, _ = resolve(None, {"temperature": 0.0, "max_tokens": 40, "ignore_eos": True, "drafts": 0}, env={})
     engine = load_engine(s, "serve", compile_in_background=False)
     parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len)
     bodies = [({"messages": [{"role": "user", "content": "What is 2 plus 3?"}]}, True),

@@ -156,9 +156,9 @@ def test_the_decode_state_bytes_by_arithmetic_are_the_allocated_ones(cfg):
         for mode in ("chat", "generate"):
             for dtype in (torch.bfloat16, torch.float32):
                 for batch, max_len in ((1, 4096), (3, 1000)):
-                    options = shape_options(Settings(mtp=mtp, max_batch=batch, max_seq_len=max_len), mode)
-                    allocated = SlotState.decode_state(model, batch, max_len, drafter_depth(cfg, mtp),
-                                                       reuse_prefix=mode == "chat", device="meta", dtype=dtype).nbytes()
+                    options = shape_options(Settings(drafts=mtp, max_batch=batch, max_seq_len=max_len), mode)
+                    allocated = SlotState.decode_state(model.to(dtype), batch, max_len, drafter_depth(cfg, mtp),
+                                                       reuse_prefix=mode == "chat").nbytes()
                     assert decode_state_bytes(cfg, options, dtype.itemsize) == allocated, (mtp, mode, dtype, batch)
     assert state_bytes(cfg, 2, 4096, 2, 0, 2) == 2 * state_bytes(cfg, 1, 4096, 2, 0, 2)
 

@@ -25,7 +25,7 @@ from dsv4cli.engine.grammar import Grammar, new_matcher
 from dsv4cli.kernels import cpu
 from dsv4cli.model import load_model
 from dsv4cli.openai import anthropic
-from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.requests import BodyParser, BodyRules
 from dsv4cli.openai.responses import ChunkStream, completion
 from dsv4cli.structured import json_grammar, text_grammar, tool_grammar
 from dsv4cli.tokenizer import Tokenizer
@@ -66,7 +66,8 @@ def chat_request(tok, question: str, fmt=None, thinking=False, **body):
     body = {"messages": [{"role": "user", "content": question}], **body}
     if fmt is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": fmt}}
-    req = BodyParser(tok, SamplingParams(temperature=0, max_tokens=160), 1024, thinking=thinking).parse(body, True)
+    parser = BodyParser(tok, SamplingParams(temperature=0, max_tokens=160), 1024, BodyRules(thinking=thinking))
+    req = parser.parse(body, True)
     return req.prompt_ids, req.params
 
 
@@ -89,7 +90,7 @@ def test_constrained_greedy_is_the_same_with_drafts_as_without(kind, tok, dspark
     assert params[3].grammar.after == tok.special_ids["</think>"] and params[0].grammar.after is None
 
     def run(mtp):
-        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=1024, mtp=mtp))
+        eng = Engine(model, tok, EngineOptions(max_batch=3, max_seq_len=1024, drafts=mtp))
         seqs = [eng.submit(ids, p) for ids, p in requests]
         while eng.has_work():
             eng.step()
@@ -117,7 +118,7 @@ def test_sampled_constrained_tokens_follow_the_masked_distribution(tok):
     grammar = text_grammar('start: (<[3]> | <[4]> | <[5]> | <[8]>) " says " /[a-z]+/', tok, tok.vocab_size, False)
     prompt = tok.encode("Once upon a time")
     params = [SamplingParams(temperature=1.5, seed=s, max_tokens=3, grammar=grammar) for s in range(1000)]
-    eng = Engine(model, tok, EngineOptions(max_batch=16, max_seq_len=64, mtp=5))
+    eng = Engine(model, tok, EngineOptions(max_batch=16, max_seq_len=64, drafts=5))
     seqs = [eng.submit(prompt, p) for p in params]
     while eng.has_work():
         eng.step()
@@ -155,7 +156,7 @@ def test_one_host_read_per_masked_step(tok, dspark, monkeypatch):
     monkeypatch.setattr(cpu, "routed_experts", spy(cpu.routed_experts, moe_calls))
     monkeypatch.setattr(cpu, "grouped_experts", spy(cpu.grouped_experts, moe_calls))
     monkeypatch.setattr(cpu, "wide_grouped_experts", spy(cpu.wide_grouped_experts, static))
-    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=3))
+    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=3))
     for question in QUESTIONS[:2]:
         ids, params = chat_request(tok, question, CITY)
         eng.submit(ids, params)
@@ -182,7 +183,7 @@ def test_a_dead_end_ends_the_request_with_finish_reason_constraint(tok, dspark):
     assert grammar.problem(tok, dspark.cfg.vocab_size) is None
     outs = []
     for mtp in (0, 3, "auto"):
-        eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=256, mtp=mtp))
+        eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=256, drafts=mtp))
         seq = eng.generate([tok.encode("hello there")], SamplingParams(temperature=0, max_tokens=20,
                                                                        grammar=grammar))[0]
         assert seq.finish_reason == "constraint" and len(seq.output_ids) == 3 and seq.text.isalpha()
@@ -196,9 +197,9 @@ def test_unconstrained_requests_and_steps_are_untouched(tok, dspark):
     constrained request commits, the steps are unmasked ones again (the same key as without grammars)."""
     ids, params = chat_request(tok, QUESTIONS[0], CITY)
     free = tok.encode("Once upon a time")
-    alone = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, mtp=3)).generate(
+    alone = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, drafts=3)).generate(
         [free], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))[0].output_ids
-    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, mtp=3))
+    eng = Engine(dspark, tok, EngineOptions(max_batch=2, max_seq_len=1024, drafts=3))
     keys, run = [], eng.runner.run
     eng.runner.run = lambda key, *chunks, **kw: keys.append(key) or run(key, *chunks, **kw)
     constrained = eng.submit(ids, params)
@@ -223,10 +224,11 @@ def test_the_compiled_step_masks_as_the_eager_one(tok, tmp_path, monkeypatch):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
                                                "b": {"enum": ["x", "yy"]}}, "required": ["a", "b"]}
     params = SamplingParams(temperature=0, max_tokens=30, grammar=json_grammar(schema, tok, tok.vocab_size, False))
-    want = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2)).generate([[5, 6, 7, 8, 9]], params)[0]
+    want = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=2)).generate([[5, 6, 7, 8, 9]],
+                                                                                                params)[0]
     jsonschema.validate(json.loads(want.text), schema)
     for how in ("compiled", "loaded"):
-        engine = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, mtp=2, compile=True))
+        engine = Engine(model, tok, EngineOptions(max_batch=2, max_seq_len=512, drafts=2, compile=True))
         assert engine.generate([[5, 6, 7, 8, 9]], params)[0].output_ids == want.output_ids
         assert all(k.sampling.masked for k in engine.compiled.ready) and len(engine.compiled.ready) == 2
         assert {b[0] for b in engine.compiled.built.values()} == {how}
@@ -444,7 +446,7 @@ def test_generate_json_schema_and_grammar(tmp_path):
     regex, lark = tmp_path / "id.txt", tmp_path / "sum.lark"
     regex.write_text("[0-9]{3}-[a-z]{2,5}\n")
     lark.write_text('start: NUM " + " NUM " = " NUM\nNUM: /[0-9]{1,2}/\n')
-    out = dsv4("generate", "-p", QUESTIONS[2], "--grammar", str(regex), "--temp", "0", "--mtp", "3")
+    out = dsv4("generate", "-p", QUESTIONS[2], "--grammar", str(regex), "--temp", "0", "--drafts", "3")
     assert out.returncode == 0 and re.fullmatch("[0-9]{3}-[a-z]{2,5}\n", out.stdout), out.stdout
     out = dsv4("generate", "-p", QUESTIONS[2], "--grammar", str(lark), "--temp", "0")
     assert out.returncode == 0 and re.fullmatch(r"\d{1,2} \+ \d{1,2} = \d{1,2}\n", out.stdout)

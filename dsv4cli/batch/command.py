@@ -17,8 +17,6 @@ def batch(
     opts: CliOptions,
     in_file: Path | None = typer.Argument(None, metavar="IN.jsonl", help="Requests, one JSON object per line"),
 ) -> int:
-    """Answer every request of a JSONL file (OpenAI batch format) into -o OUT.jsonl; --resume continues a run,
-    --shard I/N answers one shard, `dsv4 batch merge` joins the shards."""
     if in_file is not None:
         if opts.flags["input"] is not None:
             raise UsageError("the input is given twice: as IN.jsonl and as -i/--input")

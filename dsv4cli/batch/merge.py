@@ -162,8 +162,9 @@ def retry(s: Settings, src: Path, manifest: dict, failed: set[int], out: Path) -
     # the engine (and torch) only here: a merge without retries copies lines
     from dsv4cli.engine import EngineFailed
     from dsv4cli.loading import load_engine, sampling_params
+    from dsv4cli.openai.requests import BodyRules
 
-    from .output import ResultFile, answered
+    from .output import ResultFile, Results, answered
     from .requests import RequestParser
     from .runner import BatchRun
 
@@ -174,11 +175,11 @@ def retry(s: Settings, src: Path, manifest: dict, failed: set[int], out: Path) -
                          "(their flags or -c file)")
     path = out.with_name(out.name + ".retry")
     file = ResultFile(path, flag="merge --retry-failed")
-    done, errored = answered([path])
+    results = Results(file, file, *answered([path]))
     engine = load_engine(s, "batch")
-    parser = RequestParser(engine.tok, sampling_params(s), manifest["seed"], engine.max_seq_len, s.thinking,
-                           s.reasoning_effort, vocab=engine.model_info.vocab_size)
-    run = BatchRun(engine, parser, file, file, s.model_name, done, errored)
+    parser = RequestParser(engine.tok, sampling_params(s), manifest["seed"], engine.max_seq_len,
+                           BodyRules(s.thinking, s.reasoning_effort, vocab=engine.model_info.vocab_size))
+    run = BatchRun(engine, parser, results, s.model_name)
     try:
         # the other lines read as blank: line numbers stay those of the input
         with open(src, "rb") as lines:

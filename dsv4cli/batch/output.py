@@ -12,6 +12,7 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dsv4cli.engine import Sequence
@@ -129,6 +130,16 @@ def answered(paths: list[Path | None]) -> tuple[set[str], set[int]]:
         done |= ids
         errored |= lines
     return done, errored
+
+
+@dataclass
+class Results:
+    """Where a run's records go (`errors` may be `out`) and what earlier runs wrote there (`answered`): the
+    custom_ids answered and the input lines recorded as errors, which the run skips."""
+    out: "ResultFile"
+    errors: "ResultFile"
+    done: set[str]
+    errored: set[int]
 
 
 def run_seed(out: Path, seed: int | None, resume: bool) -> int:

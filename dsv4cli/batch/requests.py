@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from dsv4cli.engine import SamplingParams
 from dsv4cli.openai import requests as body_requests
-from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser, load_json
+from dsv4cli.openai.requests import CHAT_URL, COMPLETIONS_URL, BadRequest, BodyParser, BodyRules, load_json
 from dsv4cli.tokenizer import Tokenizer
 
 from .shards import Shard
@@ -45,10 +45,9 @@ class RequestParser:
     """Parses lines in input order; remembers the custom_ids seen so a repeat is a `duplicate_custom_id`."""
 
     def __init__(self, tok: Tokenizer, defaults: SamplingParams, run_seed: int, max_seq_len: int,
-                 thinking: bool = False, reasoning_effort: str | None = None, shard: Shard | None = None,
-                 vocab: int | None = None):
+                 rules: BodyRules | None = None, shard: Shard | None = None):
         """`shard`: parse only that shard's lines (`parse` returns None for the others, untokenised)."""
-        self.bodies = BodyParser(tok, defaults, max_seq_len, thinking, reasoning_effort, vocab=vocab)
+        self.bodies = BodyParser(tok, defaults, max_seq_len, rules or BodyRules())
         self.run_seed, self.shard = run_seed, shard
         self.seen: set[str] = set()
 

@@ -18,8 +18,9 @@ from dsv4cli.config import Settings
 from dsv4cli.engine import EngineAPI, EngineFailed, Sequence, acceptance_text, drafter_label
 from dsv4cli.errors import RunError, UsageError
 from dsv4cli.loading import load_engine, sampling_params
+from dsv4cli.openai.requests import BodyRules
 
-from .output import ResultFile, answered, error_record, result_record, run_seed
+from .output import ResultFile, Results, answered, error_record, result_record, run_seed
 from .requests import BadLine, Request, RequestParser
 from .shards import (
     Shard,
@@ -39,11 +40,10 @@ class BatchRun:
     `dsv4 batch` drives it with `run`; `dsv4 serve`'s engine thread feeds an API batch into its own steps with
     `feed` and hands it each of its requests that ends (`finish`)."""
 
-    def __init__(self, engine: EngineAPI, parser: RequestParser, out: ResultFile, errors: ResultFile, model: str,
-                 done: set[str], errored: set[int], bar: Progress | None = None, name: str = "line"):
+    def __init__(self, engine: EngineAPI, parser: RequestParser, results: Results, model: str,
+                 bar: Progress | None = None, name: str = "line"):
         """`name`: engine request ids are NAME-LINE (a server runs several batches and online requests at once)."""
-        self.engine, self.parser, self.out, self.errors, self.model = engine, parser, out, errors, model
-        self.done, self.errored = done, errored         # from the output of an earlier run (--resume)
+        self.engine, self.parser, self.results, self.model = engine, parser, results, model
         self.bar, self.name = bar, name
         self.window = 2 * engine.max_batch
         self.in_flight: dict[str, tuple[Request, Sequence]] = {}     # by engine request id
@@ -100,14 +100,14 @@ class BatchRun:
                     self._tick()
                     continue
             except BadLine as bad:
-                if n not in self.errored:
-                    self.errors.append(error_record(bad))
+                if n not in self.results.errored:
+                    self.results.errors.append(error_record(bad))
                     self.failed += 1
                 else:
                     self.skipped += 1
                 self._tick()
                 continue
-            if req.custom_id in self.done:
+            if req.custom_id in self.results.done:
                 self.skipped += 1
                 self._tick()
                 continue
@@ -119,7 +119,7 @@ class BatchRun:
         if seq.error is not None:
             self._failed(req, seq.error)
             return
-        self.out.append(result_record(req, seq, self.model, self.engine.tok))
+        self.results.out.append(result_record(req, seq, self.model, self.engine.tok))
         self.ok += 1
         self.tokens += len(seq.output_ids)
         self._tick()
@@ -128,7 +128,7 @@ class BatchRun:
         """The engine failed this request: an error record (--resume runs it again), and the run goes on."""
         failed = BadLine("engine_error", error, req.custom_id)
         failed.line = req.line
-        self.errors.append(error_record(failed))
+        self.results.errors.append(error_record(failed))
         self.failed += 1
         self._tick()
 
@@ -189,18 +189,18 @@ def run_batch(s: Settings) -> int:
     # locked before anything is read or loaded: a second run on these files stops here
     out = ResultFile(out_path)
     errors = ResultFile(err_path, flag="--errors") if err_path else out
-    done, errored = answered([out_path, err_path] if s.resume else [])
+    results = Results(out, errors, *answered([out_path, err_path] if s.resume else []))
     manifest = shard_manifest(s, shard, src, out_path, err_path) if shard else None
     seed = manifest["seed"] if manifest else run_seed(out_path, s.seed, s.resume)
     total = count_lines(src)
     # the job's size at most (a line's own max_tokens may ask for fewer): `compile = auto` compiles only
     # a job long enough to gain from it
     share = total // shard.count if shard else total
-    engine = load_engine(s, "batch", job_tokens=max(share - len(done), 0) * s.max_tokens)
-    parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len, s.thinking, s.reasoning_effort,
-                           shard, engine.model_info.vocab_size)
+    engine = load_engine(s, "batch", job_tokens=max(share - len(results.done), 0) * s.max_tokens)
+    parser = RequestParser(engine.tok, sampling_params(s), seed, engine.max_seq_len,
+                           BodyRules(s.thinking, s.reasoning_effort, vocab=engine.model_info.vocab_size), shard)
     bar = progress_bar(total) if sys.stderr.isatty() else None
-    batch = BatchRun(engine, parser, out, errors, s.model_name, done, errored, bar)
+    batch = BatchRun(engine, parser, results, s.model_name, bar)
     interrupted, failed = False, None
     try:
         with open(src, "rb") as lines, bar or nullcontext():
@@ -218,7 +218,7 @@ def run_batch(s: Settings) -> int:
             except RunError as e:
                 failed = failed or e
         if manifest is not None:
-            manifest["counts"] = {"ok": len(done) + batch.ok, "errors": len(errored) + batch.failed}
+            manifest["counts"] = {"ok": len(results.done) + batch.ok, "errors": len(results.errored) + batch.failed}
             manifest["complete"] = not (failed or interrupted)
             write_manifest(out_path, manifest)
     label = f"batch shard {shard}" if shard else "batch"

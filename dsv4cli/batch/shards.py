@@ -16,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
+from dsv4cli.config import RENAMED, SAMPLING_KEYS, Settings, read_json
 from dsv4cli.errors import UsageError
 
 # the settings that decide a request's answer (the run seed is kept apart): shards and a merge's retries share them
-ANSWER_KEYS = (*(k for k in SAMPLING_KEYS if k != "seed"), "mtp", "max_seq_len", "thinking", "reasoning_effort")
+ANSWER_KEYS = (*(k for k in SAMPLING_KEYS if k != "seed"), "drafts", "max_seq_len", "thinking", "reasoning_effort")
 # each manifest field: its JSON type as `new_manifest` writes it, and how an error names that type
 MANIFEST_FIELDS = {"input": (str, "a string"), "input_sha256": (str, "a string"), "model": (str, "a string"),
                    "settings": (dict, "an object"), "shard": (dict, "an object"), "seed": (int, "an integer"),
@@ -149,6 +149,7 @@ def read_manifest(out: Path) -> dict | None:
         raise UsageError(f"{path}: {e}; not a manifest of dsv4 batch --shard") from None
     if why := manifest_problem(manifest):
         raise UsageError(f"{path}: {why}; not a manifest of dsv4 batch --shard")
+    manifest["settings"] = {RENAMED.get(k, k): v for k, v in manifest["settings"].items()}   # written before a rename
     return manifest
 
 

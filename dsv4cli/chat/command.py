@@ -106,7 +106,8 @@ class Chat:
             self.show(outcome.part)
         elif outcome.action == "stats":
             self.console.print(rows_table("session", self.session.totals.rows()))
-        if self.session.settings.mtp != self.engine.mtp:   # /set mtp or /load
+        s = self.session.settings
+        if (s.drafts, s.verify) != (self.engine.drafts, self.engine.verify):   # /set drafts or verify, or /load
             self.rebuild_engine()
         if outcome.action == "saved":
             self.save_state(outcome.path)
@@ -141,13 +142,13 @@ class Chat:
         self.console.print(Text(f"error: {message}", style="red"), soft_wrap=True)     # one line, however long
 
     def rebuild_engine(self) -> None:
-        """A new engine for the new drafts setting (mtp); the model stays loaded."""
+        """A new engine for the new drafts setting or verify rule; the model stays loaded."""
         s, old = self.session.settings, self.engine
         try:
-            self.engine = old.resized(1, s.mtp)
+            self.engine = old.resized(1, s.drafts, verify=s.verify)
         except ValueError as e:
-            self.session.settings = dataclasses.replace(s, mtp=old.mtp)
-            self.error(f"mtp {s.mtp}: {e}")
+            self.session.settings = dataclasses.replace(s, drafts=old.drafts, verify=old.verify)
+            self.error(f"drafts {s.drafts}: {e}")
 
     def state_header(self) -> dict[str, str]:
         """What a state file names besides the engine's identity; the encoding must match to load it."""
@@ -321,7 +322,5 @@ def run_chat(s: Settings, resume: Path | None = None) -> int:
 def chat(opts: CliOptions, resume: Path | None = typer.Option(
         None, "--resume", help="Continue a chat /save wrote: its transcript, and its decode state when beside it "
         "(FILE.safetensors), so the next reply prefills only what follows", dir_okay=False)) -> int:
-    """Chat with the model: streamed replies with live speed and MTP acceptance, /help for commands.
-    When stdin is not a terminal: one message per line in, one reply per line out."""
     settings, _ = opts.resolve()
     return run_chat(settings, resume)

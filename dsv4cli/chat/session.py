@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4cli.config import SPEC, Settings, check, format_value, parse_value, read_json, without_unlimited
+from dsv4cli.config import RENAMED, SPEC, Settings, check, format_value, parse_value, read_json, without_unlimited
 from dsv4cli.encoding import encode_messages
 from dsv4cli.engine import Metrics, TokenLogprob
 from dsv4cli.errors import UsageError
@@ -23,7 +23,7 @@ COMMANDS = {  # name: (arguments, what it does)
     "/regen": ("", "generate the last reply again"),
     "/undo": ("", "remove the last exchange (your message and its reply)"),
     "/system": ("[TEXT]", "set the system prompt; without TEXT remove it"),
-    "/set": ("KEY VALUE", "change a setting, e.g. /set temperature 0.7, /set mtp 2 (alone: list them)"),
+    "/set": ("KEY VALUE", "change a setting, e.g. /set temperature 0.7, /set drafts 2 (alone: list them)"),
     "/show": ("[settings|model|prompt|logprobs]",
               "show the settings, the model, the rendered prompt; logprobs: the last reply's (/set logprobs N)"),
     "/tools": ("[FILE]", "offer the tools in a JSON file (OpenAI form) to the model; without FILE remove them"),
@@ -33,7 +33,7 @@ COMMANDS = {  # name: (arguments, what it does)
     "/exit": ("", "quit (or Ctrl-D)"),
 }
 SHOW_PARTS = ("settings", "model", "prompt", "logprobs")
-# What /set may change: sampling, the MTP depth and the chat keys (system_file is read into system at the
+# What /set may change: sampling, the drafts setting and the chat keys (system_file is read into system at the
 # start; /system sets it); the model sections need a reload.
 SETTABLE = tuple(name for name, key in SPEC.items()
                  if key.section in ("sampling", "speculative", "chat") and name != "system_file")
@@ -280,6 +280,7 @@ class ChatSession:
             raise UsageError(f"/load {arg}: {e}") from None
         values = {}
         for name, value in settings.items():
+            name = RENAMED.get(name, name)       # a transcript saved before a key's rename
             if name not in SETTABLE:
                 raise UsageError(f"/load {arg}: settings.{name}: not a chat setting")
             unset = value is None and SPEC[name].default is None

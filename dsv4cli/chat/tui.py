@@ -68,14 +68,14 @@ def status_bar(m: Metrics, drafting: str, step_s: list[float], steps_run: str | 
         speed.append(stat("step", f"{sparkline(step_s)} {ms(step_s[-1])}"))
     if steps_run and decoding:      # first: a narrow terminal cuts the line's end
         speed.insert(0, stat("", steps_run))
-    mtp = [stat("drafter", drafting)]
+    drafter = [stat("drafter", drafting)]
     if drafting != "off":
         if "auto" in drafting:
-            mtp.append(stat("verified", f"{m.draft_tokens / m.drafts:.1f}" if m.drafts else "-"))
-        mtp += [stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
+            drafter.append(stat("verified", f"{m.draft_tokens / m.drafts:.1f}" if m.drafts else "-"))
+        drafter += [stat("accept", f"{100 * m.acceptance_rate:.1f}%" if m.drafts else "-"),
                 stat("per position", " ".join(f"{p:.2f}" for p in m.per_position) or "-"),
                 stat("mean acceptance length", f"{m.mean_acceptance_length:.2f}")]
-    bar = Text("\n", style="dim").join([Text(" · ").join(speed), Text(" · ").join(mtp)])
+    bar = Text("\n", style="dim").join([Text(" · ").join(speed), Text(" · ").join(drafter)])
     bar.no_wrap, bar.overflow = True, "ellipsis"
     return bar
 
@@ -261,7 +261,7 @@ def model_rows(engine: EngineAPI, settings: Settings) -> list[tuple[str, str]]:
             ("tensor parallel", str(settings.tp)),
             ("drafter", drafter_label(engine)),
             ("parameters", human_count(info.parameters)),
-            ("layers", f"{info.layers}" + (f" (+{info.mtp_layers} {kind.layers})" if kind else "")),
+            ("layers", f"{info.layers}" + (f" (+{info.drafter_layers} {kind.layers})" if kind else "")),
             ("vocab", str(info.vocab_size)),
             ("max_seq_len", str(engine.max_seq_len)),
             ("KV prefix reuse", "on: a turn prefills only what follows the state the previous turn left")]

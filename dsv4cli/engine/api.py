@@ -26,7 +26,8 @@ class EngineOptions:
     max_seq_len: int = 4096
     # drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step verifying as
     # many as pay off (`draft_length.py`); the MTP layer drafts 1
-    mtp: int | str = 1
+    drafts: int | str = 1
+    verify: str = "token"           # how sampled drafts are verified: "token" or "block" (`verify.py`)
     prefill_chunk: int = 256        # a prompt's rows in one chunk at most
     prefill_budget: int = 160       # prefill tokens per step: running streams wait at most this much between tokens
     graphs: bool = True             # decode-only steps captured as graphs where the platform can
@@ -60,7 +61,7 @@ class ModelInfo:
     dtype: str          # the float weights' dtype, e.g. "float32"
     device: str
     layers: int
-    mtp_layers: int     # the drafter's layers: the MTP layer, or DSpark's stages
+    drafter_layers: int     # the drafter's layers: the MTP layer, or DSpark's stages
     vocab_size: int
     drafter: str | None     # its kind's name (`drafters.drafter_named`): "dspark" (0731), "mtp" (the preview) or None
     block_size: int         # the most drafts a step can draft: one pass's block, DSpark's (0: no bound, or no drafter)
@@ -72,7 +73,7 @@ class ModelInfo:
         weights = "fp8+fp4" if held & set(RELEASE_FORMATS) else "w8a8" if torch.int8 in held else "float"
         return cls(parameters=held_parameters(model), weights=weights,
                    dtype=str(weight.dtype).removeprefix("torch."), device=str(weight.device), layers=cfg.n_layers,
-                   mtp_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size, drafter=cfg.drafter,
+                   drafter_layers=cfg.n_mtp_layers, vocab_size=cfg.vocab_size, drafter=cfg.drafter,
                    block_size=(kind.max_depth(cfg) if kind else None) or 0)
 
 
@@ -90,8 +91,9 @@ class EngineAPI(Protocol):
     device: torch.device
     max_batch: int
     max_seq_len: int
-    mtp: int | str      # the drafts-per-step setting: K, or "auto"
-    mtp_depth: int      # tokens drafted per step, and verified at most (0 = plain decoding)
+    drafts: int | str      # the drafts-per-step setting: K, or "auto"
+    draft_depth: int      # tokens drafted per step, and verified at most (0 = plain decoding)
+    verify: str         # how sampled drafts are verified: "token" or "block"
     totals: Metrics     # of every finished request
 
     @property
@@ -130,23 +132,25 @@ class EngineAPI(Protocol):
         """Stop what runs beside the engine (a compile, other ranks)."""
         ...
 
-    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> EngineAPI:
-        """The same loaded model with another batch size or MTP depth (and compiled step or not;
-        None: as this one)."""
+    def resized(self, max_batch: int, drafts: int, compile: bool | None = None, verify: str | None = None
+                ) -> EngineAPI:
+        """The same loaded model with another batch size or drafts setting (and compiled step or not, verify
+        rule; None: as this one)."""
         ...
 
 
 def drafter_label(engine: EngineAPI) -> str:
     """How the engine drafts, as the front ends name it: "DSpark auto (block 5)", "DSpark 3 of 5", "MTP 2" or
-    "off"."""
+    "off", and ", block verify" where sampled drafts are verified by the block rule."""
     info = engine.model_info
-    if not engine.mtp_depth:
+    if not engine.draft_depth:
         return "off"
     label = drafter_named(info.drafter).label
+    rule = ", block verify" if engine.verify == "block" else ""
     if info.block_size:
-        return f"{label} auto (block {info.block_size})" if engine.mtp == "auto" else \
-            f"{label} {engine.mtp} of {info.block_size}"
-    return f"{label} {engine.mtp_depth}"
+        return (f"{label} auto (block {info.block_size})" if engine.drafts == "auto" else
+                f"{label} {engine.drafts} of {info.block_size}") + rule
+    return f"{label} {engine.draft_depth}{rule}"
 
 
 def acceptance_text(m: Metrics) -> str:

@@ -1,4 +1,4 @@
-"""How many of DSpark's drafts a step verifies under `mtp = auto`: the length L that gives the most
+"""How many of DSpark's drafts a step verifies under `drafts = auto`: the length L that gives the most
 tokens per second, from what each draft is expected to add and what a step of L drafts costs here.
 
 A step that verifies L drafts commits, per slot, 1 + sum_{k<=L} prod_{i<=k} a_i tokens on average, where
@@ -67,7 +67,7 @@ class DraftLength:
         differ) for the decode rows [0, nb), `decoding` saying which slots decode, `params` their requests'
         SamplingParams. A slot whose drafts are stale (it stepped plain) verifies none; a sampled request
         with a seed verifies the whole block every step, so its tokens don't follow the measured costs: they
-        are those of --mtp at the block size, in every run and batch."""
+        are those of --drafts at the block size, in every run and batch."""
         live = [i for i, d in enumerate(decoding) if d]
         n = self.choose(nb, [self.confidence[i] for i in live])
         seeded = {i for i in live if params[i].temperature > 0 and params[i].seed is not None}

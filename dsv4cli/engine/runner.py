@@ -76,6 +76,7 @@ class RunnerShape:
     reuse_prefix: bool = False  # slots keep their state for the next prompt (`SlotState`)
     confidences: bool = False   # the result carries the next drafts' confidences, where the kind has them (auto)
     graphs: bool = True         # decode-only steps captured where the platform can
+    block_verify: bool = False  # sampled drafts verified jointly (`verify.verify_block`), else one by one
 
 
 class StepRunner:
@@ -90,15 +91,18 @@ class StepRunner:
         self.model, self.max_batch, self.swap = model, shape.max_batch, swap
         self.depth = self.drafter.depth if self.drafter is not None else 0
         self.confidences = shape.confidences and self.depth > 0 and drafter_kind(model.cfg).confidence
+        self.block_verify = shape.block_verify
         self.device = model.embed.weight.device
         self.state = SlotState(model, shape.max_batch, shape.max_seq_len, self.depth, shape.reuse_prefix)
         self.graphs = DecodeGraphs.for_device(self.device) if shape.graphs else None
-        self.compile_tag = (self.depth, shape.max_batch, shape.max_seq_len, self.state.cache.ring, self.confidences)
+        self.compile_tag = (self.depth, shape.max_batch, shape.max_seq_len, self.state.cache.ring, self.confidences,
+                            self.block_verify)
         self.compiled = CompiledSteps(self, self.device, background, remake, swap) if compile else None
 
     def __getstate__(self) -> dict:
         """What a saved compiled step keeps of the runner (its guards' view): what the step reads."""
-        return {k: self.__dict__[k] for k in ("model", "depth", "confidences", "device", "drafter", "state")}
+        return {k: self.__dict__[k] for k in ("model", "depth", "confidences", "block_verify", "device", "drafter",
+                                              "state")}
 
     # ---- host-side writes between steps --------------------------------------------------------
 
@@ -229,7 +233,8 @@ class StepRunner:
         # the draws' distributions: a greedy step's drafts are argmaxes (and its rows one-hot)
         q = st.draft_q[b, :L] if st.draft_q is not None and not key.sampling.greedy else None
         limit = st.limit[b] if key.plan.limits else None
-        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sampling, q=q, limit=limit)
+        tokens, n_acc, scored = commit_rows(logits, drafts, st.sampling, b, pos, key.sampling, q=q, limit=limit,
+                                            block=self.block_verify)
         n_acc = torch.where(st.active[b], n_acc, 0)
         if self.drafter is not None:
             # row i's next token: draft i+1, the committed one at row n_acc (past it, garbage the next step rewrites)
@@ -288,11 +293,11 @@ class StepRunner:
 PROPOSERS = {DSPARK: DSparkDrafter, MTP: MTPDrafter}
 
 
-def drafter_depth(cfg, mtp: int | str) -> int:
-    """The drafts a step drafts for the setting `mtp`: K, or auto's (DSpark's whole block, the MTP layer's 1),
+def drafter_depth(cfg, drafts: int | str) -> int:
+    """The drafts a step drafts for the setting `drafts`: K, or auto's (DSpark's whole block, the MTP layer's 1),
     none without a drafter."""
-    if mtp != "auto":
-        return mtp
+    if drafts != "auto":
+        return drafts
     kind = drafter_kind(cfg)
     return kind.auto_depth(cfg) if kind else 0
 
@@ -304,10 +309,10 @@ def make_drafter(model: Transformer, depth: int) -> Drafter | None:
         return None
     kind = drafter_kind(model.cfg)
     if kind is None:
-        raise ValueError("this checkpoint has no drafter (no MTP layer or DSpark stages); use mtp 0")
+        raise ValueError("this checkpoint has no drafter (no MTP layer or DSpark stages); use drafts 0")
     most = kind.max_depth(model.cfg)
     if most is not None and depth > most:
-        raise ValueError(f"mtp {depth}: above the {kind.label} block size {most} (one pass drafts {most} tokens)")
+        raise ValueError(f"drafts {depth}: above the {kind.label} block size {most} (one pass drafts {most} tokens)")
     return PROPOSERS[kind](model, depth)
 
 

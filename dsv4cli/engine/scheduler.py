@@ -95,7 +95,7 @@ def decode_state_bytes(cfg: ModelConfig, options: EngineOptions, float_bytes: in
     """What the decode state of an engine of `options` for a model of `cfg` takes (`SlotState.decode_state`'s),
     from the config alone: the memory check runs before any model is built."""
     return state_bytes(cfg, options.max_batch, options.max_seq_len,
-                       max_draft=max(drafter_depth(cfg, options.mtp), 1) + 1,
+                       max_draft=max(drafter_depth(cfg, options.drafts), 1) + 1,
                        spare=SPARE_RING_ROWS if options.reuse_prefix else 0, float_bytes=float_bytes)
 
 
@@ -152,7 +152,7 @@ class CallPlanning:
         chunk_keys = tuple(chunk_key(chunk, longest) for chunk in chunks)
         if decode is None:
             return StepKey(chunks=chunk_keys, sampling=SamplingMode.of(committing))
-        nb, context = decode.batch, context_bound(self.slots[:decode.batch], self.mtp_depth)
+        nb, context = decode.batch, context_bound(self.slots[:decode.batch], self.draft_depth)
         if bucketed and nb:
             nb, context = batch_bucket(nb, self.max_batch), context_bucket(context)
         return StepKey(chunks=chunk_keys, batch=nb, context=context, sampling=SamplingMode.of(committing),
@@ -197,21 +197,21 @@ class Engine(CallPlanning):
         this model and tokenizer again (`loading.load_weights`), for a compile in a process of its own."""
         o = self.options = options or EngineOptions()
         self.tok, self.reload = tokenizer, reload
-        self.max_batch, self.max_seq_len, self.mtp = o.max_batch, o.max_seq_len, o.mtp
-        shape = RunnerShape(o.max_batch, o.max_seq_len, drafter_depth(model.cfg, o.mtp), o.reuse_prefix,
-                            confidences=o.mtp == "auto", graphs=o.graphs)
+        self.max_batch, self.max_seq_len, self.drafts, self.verify = o.max_batch, o.max_seq_len, o.drafts, o.verify
+        shape = RunnerShape(o.max_batch, o.max_seq_len, drafter_depth(model.cfg, o.drafts), o.reuse_prefix,
+                            confidences=o.drafts == "auto", graphs=o.graphs, block_verify=o.verify == "block")
         background = o.compile and o.compile_in_background
         remake = (functools.partial(remade, reload, dataclasses.replace(shape, graphs=False))
                   if background and reload is not None else None)
         self.runner = StepRunner(model, shape, compile=o.compile, background=background, remake=remake, swap=o.swap)
         self.model, self.device, self.compiled = model, self.runner.device, self.runner.compiled
-        self.mtp_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
-        self.verified = drafter_depth(model.cfg, o.mtp)   # the drafts a step verifies, but under auto: --mtp L
-        self.lengths = DraftLength(self.mtp_depth, self.device, o.max_batch) if self.runner.confidences else None
-        self.constraints = Constraints(tokenizer, self.runner.state, self.mtp_depth)
+        self.draft_depth = self.runner.depth        # the drafts a step drafts, and verifies at most
+        self.verified = drafter_depth(model.cfg, o.drafts)   # the drafts a step verifies, but under auto: --drafts L
+        self.lengths = DraftLength(self.draft_depth, self.device, o.max_batch) if self.runner.confidences else None
+        self.constraints = Constraints(tokenizer, self.runner.state, self.draft_depth)
         self.slots: list[Sequence | None] = [None] * o.max_batch
         self.prefixes = PrefixReuse(model, self.runner.state.cache, o.max_batch, o.reuse_prefix, o.prefix_cache,
-                                    self.mtp_depth)
+                                    self.draft_depth)
         self.waiting: list[Sequence] = []
         self.prefilling: list[Sequence] = []    # in a slot, prompt not yet prefilled; oldest first
         self.totals, self.failed_steps = Metrics(), 0          # failed steps: in a row
@@ -244,11 +244,12 @@ class Engine(CallPlanning):
         if 0 <= seq.slot < self.max_batch and self.slots[seq.slot] is seq:
             self._free(seq.slot)
 
-    def resized(self, max_batch: int, mtp: int, compile: bool | None = None) -> "Engine":
-        """A new engine on the same loaded model with another batch size or MTP depth (compiled or not; None:
-        as this one)."""
-        compile = self.options.compile if compile is None else compile
-        return self.rebuilt(dataclasses.replace(self.options, max_batch=max_batch, mtp=mtp, compile=compile))
+    def resized(self, max_batch: int, drafts: int, compile: bool | None = None, verify: str | None = None) -> "Engine":
+        """A new engine on the same loaded model with another batch size or drafts setting (compiled or not, its
+        verify rule; None: as this one)."""
+        o = self.options
+        return self.rebuilt(dataclasses.replace(o, max_batch=max_batch, drafts=drafts, compile=o.compile if compile
+                                                is None else compile, verify=verify or o.verify))
 
     def rebuilt(self, options: EngineOptions) -> "Engine":
         """A new engine on the same loaded model with other options."""
@@ -382,7 +383,7 @@ class Engine(CallPlanning):
         self.prefixes.chunks_ran(chunks)
         if not (ending or key.batch or isinstance(out, tuple)):
             return []                       # nothing committed or scored: nothing to read
-        rows, scores = read_step(out, StepLayout.of(key, self.mtp_depth, self.runner.confidences))  # one host read
+        rows, scores = read_step(out, StepLayout.of(key, self.draft_depth, self.runner.confidences))  # one host read
         score_chunks(chunks, key.chunks, scores)
         if not (ending or key.batch):
             return []

@@ -64,12 +64,12 @@ class SlotState:
         self._views: dict[int, SlotView] = {}
 
     @staticmethod
-    def decode_state(model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool,
-                     device=None, dtype=None) -> DecodeState:
-        """The cache a SlotState allocates (on the meta device: its size, with nothing allocated). A step
-        writes K+1 rows past the last committed token; spare ring rows let a prompt resume a slot."""
+    def decode_state(model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool
+                     ) -> DecodeState:
+        """The cache a SlotState allocates (for a model on the meta device: its size, with nothing allocated). A
+        step writes K+1 rows past the last committed token; spare ring rows let a prompt resume a slot."""
         return DecodeState(model, max_batch, max_seq_len, max_draft=max(depth, 1) + 1,
-                           spare=SPARE_RING_ROWS if reuse_prefix else 0, device=device, dtype=dtype)
+                           spare=SPARE_RING_ROWS if reuse_prefix else 0)
 
     def view(self, slot: int) -> SlotView:
         """Slot `slot`'s views (cached: a step makes none)."""

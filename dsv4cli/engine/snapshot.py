@@ -21,7 +21,7 @@ from dsv4cli.model.model import RMSNorm
 def _carried(state: DecodeState, pos: int, kind: str):
     """(name, tensor [B, ...], ratio, lo, hi) of every `kind` ("ring" or "blocks") tensor at position `pos`."""
     caches = [(f"layers.{i}", c) for i, c in enumerate(state.layers)] + [(f"mtp.{i}", c) for i, c in
-                                                                          enumerate(state.mtp)]
+                                                                          enumerate(state.drafter)]
     for prefix, cache in caches:
         for field, (k, lo, hi) in cache.carried(pos, state.window).items():
             if k == kind:

@@ -9,6 +9,12 @@ it has no mass); when every draft is accepted a bonus token is drawn from the la
 Either way the output is distributed exactly as the target model's, and greedy rows (one-hot p) get
 exact-match acceptance. A row may verify fewer drafts than the step has (`limit`): it then commits what a
 step of that many drafts commits, token for token (its uniforms are keyed by position, not by step).
+
+That is the token rule (`verify`). The block rule (`verify_block`; Sun et al., "Block Verification
+Accelerates Speculative Decoding", ICLR 2025, Algorithm 2) judges the drafts jointly: it keeps the longest
+prefix whose stop test passes, where each prefix's test weighs what the drafts before it carried, and draws
+the correction from that prefix's own residual. Its output is distributed as the target's too, and its
+expected accepted length is never below the token rule's; on greedy rows it is prefix matching.
 """
 import torch
 
@@ -27,14 +33,15 @@ from .step_result import token_logprobs
 
 
 def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: slice, pos: torch.Tensor,
-                mode: SamplingMode, *, q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
+                mode: SamplingMode, *, q: torch.Tensor | None = None, limit: torch.Tensor | None = None,
+                block: bool = False):
     """The tokens K drafts commit: logits [B,K+1,V] of the rows [last, drafts] at positions pos.. of the
     slots `b` of `sp`, drafts [B,K] (K = 0: a prompt's first token), chosen as `mode` says: greedy rows take
     the logits' argmax (the tokens their distributions give); with logprobs, each candidate is scored by its
     own row's processed distribution (a correction token reports its probability under the model, not under
     the residual it was drawn from).
     `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes); `limit` [B]: the
-    drafts each row verifies, at most K (None: K).
+    drafts each row verifies, at most K (None: K); `block`: sampled rows verify by the block rule.
     Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
     if mode.greedy:
         return (*verify_greedy(logits.argmax(-1), drafts, limit), None)
@@ -45,7 +52,8 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
         onehot = torch.zeros_like(counts).scatter_(-1, drafts[..., None], 1.0).cumsum(1)
         counts = counts + torch.cat([torch.zeros_like(onehot[:, :1]), onehot], 1)[:, : k + 1]
     processed = hold_stops(processed_logits(logits, sp, b, counts), sp, b, pos)
-    tokens, n_acc = verify(target_probs(processed, sp, b, mode.sort), drafts, sp.seed[b], pos, q, limit)
+    rule = verify_block if block and k else verify
+    tokens, n_acc = rule(target_probs(processed, sp, b, mode.sort), drafts, sp.seed[b], pos, q, limit)
     return tokens, n_acc, token_logprobs(processed, tokens) if mode.logprobs else None
 
 
@@ -88,6 +96,47 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     last = sample_from(final_row, uniform(seed, final_pos, RNG_DRAW))
     tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
     tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
+    return tokens, n_acc
+
+
+def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
+                 q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
+    """`verify` by the block rule, for K >= 1 drafts. With w_0 = 1 and w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i))
+    (the mass drafts 1..i carry), the residual after i accepted drafts is r_i = max(w_i p_{i+1} - q_{i+1}, 0)
+    and the test of prefix i is h_i = |r_i| / (|r_i| + 1 - w_i), that of the whole block (i = L, the row's
+    limit) h_L = w_L. The row keeps the longest prefix i whose uniform passes its test (0 if none), then draws
+    from r_i, or from p_{L+1} after the whole block. Same arguments and result as `verify`."""
+    B, R, V = probs.shape
+    K = R - 1
+    dev = probs.device
+    L = torch.full((B,), K, device=dev) if limit is None else limit.clamp(max=K)
+    p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                  # [B,K]
+    # p/q; a draft q never draws (q = 0) carries mass only where p has it
+    ratio = p_draft if q is None else (p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)).nan_to_num(0.0)
+    w = [torch.ones(B, device=dev)]
+    for i in range(K):
+        w.append(torch.where(w[-1] > 0, torch.minimum(w[-1] * ratio[:, i], torch.ones_like(w[-1])), 0.0))
+    w = torch.stack(w, 1)                                                                   # [B,K+1]: w_0..w_K
+    # |r_i| for i < K; with argmax drafts (q one-hot at the next draft) r_i is w_i p_{i+1} without that draft
+    mass = w[:, :K] * (1.0 - p_draft) if q is None else \
+        (w[:, :K, None] * probs[:, :K] - q).clamp_(min=0.0).sum(-1)
+    test = torch.where(mass > 0, mass / (mass + 1.0 - w[:, :K]).clamp(min=1e-30), 0.0)   # h_0..h_{K-1}
+    test = torch.cat([test, w[:, K:]], 1)                                                  # h_K: never used as a prefix
+    prefix = torch.arange(K + 1, device=dev)
+    test = torch.where(prefix == L[:, None], w.gather(1, L[:, None]).expand(-1, K + 1), test)   # h_L = w_L
+    eta = uniform(seed[:, None], pos[:, None] + torch.arange(K, device=dev), RNG_ACCEPT)  # [B,K]: prefixes 1..K
+    passed = (eta <= test[:, 1:]) & (prefix[1:] <= L[:, None])
+    n_acc = (passed.long() * prefix[1:]).amax(-1)                                          # the longest, or 0
+    row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, V)).squeeze(1)                # p_{n+1}
+    if q is None:
+        residual = row.scatter(-1, torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]), 0.0)
+    else:
+        q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
+        residual = (w.gather(1, n_acc[:, None]) * row - q_row).clamp_(min=0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
+    final_row = torch.where((n_acc < L)[:, None], residual, row)                         # after the block: p_{L+1}
+    last = sample_from(final_row, uniform(seed, pos + n_acc, RNG_DRAW))
+    tokens = torch.cat([drafts, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None])
     return tokens, n_acc
 
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, eq=False)
 class DrafterKind:
     """A drafter kind. Its layers are the checkpoint's `mtp.N` (ModelConfig.n_mtp_layers of them), each a trunk
-    block and parts of its own; their state is DecodeState.mtp."""
+    block and parts of its own; their state is DecodeState.drafter."""
     name: str           # ModelConfig.drafter: what session files, metrics and --json output call it
     label: str          # how the front ends name it
     layers: str         # what its layers are called

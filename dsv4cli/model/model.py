@@ -234,21 +234,19 @@ class LayerCache:
     idx_*:    the same for the indexer's own compressor (ratio 4 only)
     """
 
-    def __init__(self, cfg: ModelConfig, ratio: int, batch: int, ring: int, max_len: int, device, dtype):
-        def zeros(*shape, dt=dtype):
-            return torch.zeros(*shape, device=device, dtype=dt)
-
+    def __init__(self, cfg: ModelConfig, ratio: int, batch: int, ring: int, max_len: int, zeros):
+        """`zeros(*shape, dtype=None)`: a zero tensor where the state lives (None: in its dtype)."""
         self.ratio = ratio
         self.win = zeros(batch, ring, cfg.head_dim)
         if ratio:
             span = block_span(ratio)
             blocks = max_len // ratio + 1
-            self.compress_kv = zeros(batch, ring, span * cfg.head_dim, dt=torch.float32)
-            self.compress_gate = zeros(batch, ring, span * cfg.head_dim, dt=torch.float32)
+            self.compress_kv = zeros(batch, ring, span * cfg.head_dim, dtype=torch.float32)
+            self.compress_gate = zeros(batch, ring, span * cfg.head_dim, dtype=torch.float32)
             self.compressed = zeros(batch, blocks, cfg.head_dim)
         if ratio == 4:
-            self.idx_kv = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
-            self.idx_gate = zeros(batch, ring, 2 * cfg.index_head_dim, dt=torch.float32)
+            self.idx_kv = zeros(batch, ring, 2 * cfg.index_head_dim, dtype=torch.float32)
+            self.idx_gate = zeros(batch, ring, 2 * cfg.index_head_dim, dtype=torch.float32)
             self.idx_compressed = zeros(batch, blocks, cfg.index_head_dim)
 
     def tensors(self):
@@ -287,20 +285,22 @@ class DecodeState:
     ended (prefix reuse).
     """
 
-    def __init__(self, model: "Transformer", batch: int, max_len: int, max_draft: int = 8, spare: int = 0,
-                 device=None, dtype=None):
+    def __init__(self, model: "Transformer", batch: int, max_len: int, max_draft: int = 8, spare: int = 0):
         cfg = model.cfg
-        device = device or model.embed.weight.device
-        dtype = dtype or model.dtype
+        device, dtype = model.embed.weight.device, model.dtype       # a meta model's: its size, nothing allocated
+
+        def zeros(*shape, dtype=dtype):
+            return torch.zeros(*shape, device=device, dtype=dtype)
+
         self.batch, self.max_len, self.max_draft, self.window = batch, max_len, max_draft, cfg.window_size
+        self.ratios = set(cfg.compress_ratios[: cfg.n_layers]) - {0}        # the trunk's compressed layers
         # rows any call reads before its first position: the window, or a largest-ratio block's candidates
         self.lookback = max(cfg.window_size, LARGEST_RATIO) - 1
         self.ring = self.lookback + 1 + max_draft + 1 + spare
         ratios = cfg.compress_ratios
-        self.layers = [LayerCache(cfg, ratios[i], batch, self.ring, max_len, device, dtype)
-                       for i in range(cfg.n_layers)]
-        self.mtp = [LayerCache(cfg, 0, batch, self.ring, max_len, device, dtype)
-                    for _ in range(cfg.n_mtp_layers)]
+        self.layers = [LayerCache(cfg, ratios[i], batch, self.ring, max_len, zeros) for i in range(cfg.n_layers)]
+        self.drafter = [LayerCache(cfg, 0, batch, self.ring, max_len, zeros)     # the drafter's layers, mtp.N
+                        for _ in range(cfg.n_mtp_layers)]
         table_len = max_len + max_draft + 2
         self.rope = {"main": rope_table(cfg, table_len, False, device),
                      "compress": rope_table(cfg, table_len, True, device)}
@@ -316,12 +316,12 @@ class DecodeState:
             view = copy.copy(self)
             view._views = {}
             view.layers = [c.view(index) for c in self.layers]
-            view.mtp = [c.view(index) for c in self.mtp]
+            view.drafter = [c.view(index) for c in self.drafter]
             self._views[key] = view
         return self._views[key]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for c in self.layers + self.mtp for t in c.tensors())
+        return sum(t.numel() * t.element_size() for c in self.layers + self.drafter for t in c.tensors())
 
 
 class CompressPlan:
@@ -331,8 +331,10 @@ class CompressPlan:
     shapes stay static (rows that don't exist write to the sink slot).
     """
 
-    def __init__(self, r: int, start, pos, S: int, ring: int, blocks: int, visible_blocks: int, table):
-        span = block_span(r)
+    def __init__(self, r: int, start, pos, state: DecodeState, context: int):
+        """`start` [B] and `pos` [B,S]: the call's first and every position; `context`: a bound on them all."""
+        span, S, ring, table = block_span(r), pos.shape[1], state.ring, state.rope["compress"]
+        blocks = state.max_len // r + 1
         n = -(-S // r)
         first = (r - 1 - start % r) % r                                        # [B]
         rows = first[:, None] + r * torch.arange(n, device=pos.device)          # [B,n]
@@ -347,7 +349,7 @@ class CompressPlan:
         self.ring_row = (cand % ring).flatten(1)[..., None]
         self.chunk_row = (cand - start[:, None, None]).clamp(0, S - 1).flatten(1)[..., None]
         self.cand_valid = cand >= 0
-        self.n_visible = visible_blocks                       # blocks a call may read: a static bound
+        self.n_visible = min(context // r, blocks - 1)        # blocks a call may read: a static bound
         self.closed = (pos + 1) // r                          # [B,S] blocks closed before each query
 
 
@@ -363,8 +365,8 @@ class CompressPlan:
 class CallPlan:
     """Everything the layers share for one call of the model: positions, RoPE rows, masks, write slots."""
 
-    def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, cfg: ModelConfig,
-                 compressed: bool = True, context: int | None = None, length: torch.Tensor | None = None):
+    def __init__(self, tokens: torch.Tensor, start: torch.Tensor, state: DecodeState, compressed: bool = True,
+                 context: int | None = None, length: torch.Tensor | None = None):
         B, S = tokens.shape
         dev = tokens.device
         self.B, self.S = B, S
@@ -372,7 +374,7 @@ class CallPlan:
         self.pos = start[:, None] + torch.arange(S, device=dev)                 # [B,S]
         p = self.pos.clamp(max=table_len - 1)
         self.rope = {k: (c[p].unsqueeze(2), s[p].unsqueeze(2)) for k, (c, s) in state.rope.items()}
-        R, W = state.ring, cfg.window_size
+        R, W = state.ring, state.window
         q = self.pos[..., None]
         slot_pos = q - (q - torch.arange(R, device=dev)) % R                    # position held by each slot
         self.ring_mask = (slot_pos >= 0) & (slot_pos > q - W) & (slot_pos < start[:, None, None])   # [B,S,R]
@@ -391,15 +393,10 @@ class CallPlan:
             rows = length[:, None] - keep + torch.arange(keep, device=dev)                           # [B,keep]
             self.write_rows, self.write_real = rows.clamp(min=0)[..., None], (rows >= 0)[..., None]
             self.write_slot = (start[:, None] + rows) % R
-        ratios = set(cfg.compress_ratios[: cfg.n_layers]) - {0} if compressed else set()
         # `context` (a host-side bound on every position in the call) limits how many compressed
         # blocks are read; without it the whole preallocated cache is read, masked.
         context = min(context or state.max_len, state.max_len)
-        self.plans = {}
-        for r in ratios:
-            blocks = state.max_len // r + 1
-            self.plans[r] = CompressPlan(r, start, self.pos, S, R, blocks, min(context // r, blocks - 1),
-                                         state.rope["compress"])
+        self.plans = {r: CompressPlan(r, start, self.pos, state, context) for r in state.ratios} if compressed else {}
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -1002,7 +999,7 @@ class Transformer(OpModule):
         land after an earlier one's. Returns each segment's streams [B,S,hc,D] (before hc_head: `logits`)
         and, for a drafter with target layers (DrafterKind.target_layers), its target features
         [B,S,len(target layers)*D]: the mean over the hc streams of each target layer's output."""
-        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, context=s.context, length=s.length) for s in segments]
+        calls = [CallPlan(s.tokens, s.start, s.state, context=s.context, length=s.length) for s in segments]
         tokens = join([s.tokens for s in segments])
         h = self.embed(tokens).unsqueeze(2).repeat(1, 1, self.cfg.hc_mult, 1)
         features = []
@@ -1024,8 +1021,8 @@ class Transformer(OpModule):
         """The MTP layer over several segments in one pass (as `forward_segments`): row p from the streams
         `hidden` at p and the segment's token at p, t_{p+1}. Returns each segment's MTP streams (usable as
         `hidden` for a deeper draft; `mtp_logits` gives their logits)."""
-        calls = [CallPlan(s.tokens, s.start, s.state, self.cfg, compressed=False, length=s.length) for s in segments]
-        x = self.mtp[0](join(hidden), join([s.tokens for s in segments]), calls, [s.state.mtp[0] for s in segments],
+        calls = [CallPlan(s.tokens, s.start, s.state, compressed=False, length=s.length) for s in segments]
+        x = self.mtp[0](join(hidden), join([s.tokens for s in segments]), calls, [s.state.drafter[0] for s in segments],
                         self.embed)
         return split(x, [call.shape for call in calls])
 
@@ -1041,9 +1038,9 @@ class Transformer(OpModule):
 
     def dspark_write(self, main_x, segment: Segment) -> None:
         """Each stage's ring gets the segment's real rows of main_x (`segment.length`: the committed ones)."""
-        call = CallPlan(segment.tokens, segment.start, segment.state, self.cfg, compressed=False,
+        call = CallPlan(segment.tokens, segment.start, segment.state, compressed=False,
                         length=segment.length)
-        for stage, cache in zip(self.mtp, segment.state.mtp):
+        for stage, cache in zip(self.mtp, segment.state.drafter):
             stage.attn.write(main_x, call, cache)
 
     def dspark_block(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, state: DecodeState,
@@ -1059,7 +1056,7 @@ class Transformer(OpModule):
         first, last = self.mtp[0], self.mtp[-1]
         h = getattr(first, "embed", self.embed)(ids).unsqueeze(2).repeat(1, 1, c.hc_mult, 1)
         plan = BlockPlan(anchor_pos, size, state, c)
-        for stage, cache in zip(self.mtp, state.mtp):
+        for stage, cache in zip(self.mtp, state.drafter):
             h = stage(h, plan, cache)
         y = self.ops.mhc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, c.norm_eps, c.hc_eps)
         y = y[:, :slots]

@@ -164,21 +164,29 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-class BodyParser:
-    """Parses request bodies against the run's sampling defaults, thinking setting and max_seq_len, and the
-    limits on a request's size: `max_messages` (None: none) and `max_prompt_tokens` (None: max_seq_len - 1).
-    `vocab`: the model's vocabulary size, which grammars are checked against (None: the tokenizer's)."""
+@dataclass(frozen=True)
+class BodyRules:
+    """What a body is read against besides the sampling defaults: thinking and its effort for a body that names
+    neither, the limits on a request's size (`max_messages`, None: none; `max_prompt_tokens`, None:
+    max_seq_len - 1), and the model's vocabulary size grammars are checked against (None: the tokenizer's)."""
+    thinking: bool = False
+    reasoning_effort: str | None = None
+    max_messages: int | None = None
+    max_prompt_tokens: int | None = None
+    vocab: int | None = None
 
-    def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, thinking: bool = False,
-                 reasoning_effort: str | None = None, max_messages: int | None = None,
-                 max_prompt_tokens: int | None = None, vocab: int | None = None):
+
+class BodyParser:
+    """Parses request bodies against the run's sampling defaults, max_seq_len and `rules`."""
+
+    def __init__(self, tok: Tokenizer, defaults: SamplingParams, max_seq_len: int, rules: BodyRules = BodyRules()):
         self.tok, self.defaults, self.max_seq_len = tok, defaults, max_seq_len
-        self.vocab = vocab or tok.vocab_size
-        self.thinking, self.reasoning_effort = thinking, reasoning_effort
-        self.max_messages = max_messages
+        self.vocab = rules.vocab or tok.vocab_size
+        self.thinking, self.reasoning_effort = rules.thinking, rules.reasoning_effort
+        self.max_messages = rules.max_messages
         fits = max_seq_len - 1                          # the reply needs a position too
-        self.max_prompt_tokens = min(max_prompt_tokens or fits, fits)
-        self.prompt_limit = (f"max_prompt_tokens is {max_prompt_tokens}" if self.max_prompt_tokens < fits
+        self.max_prompt_tokens = min(rules.max_prompt_tokens or fits, fits)
+        self.prompt_limit = (f"max_prompt_tokens is {rules.max_prompt_tokens}" if self.max_prompt_tokens < fits
                              else f"max_seq_len is {max_seq_len}")
 
     def parse(self, body, chat: bool, place: str = "", seed: int | None = None, server: bool = False,

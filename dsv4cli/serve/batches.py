@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from dsv4cli.batch.output import ResultFile, answered
+from dsv4cli.batch.output import ResultFile, Results, answered
 from dsv4cli.batch.requests import RequestParser
 from dsv4cli.batch.runner import BatchRun, count_lines
 from dsv4cli.engine import EngineAPI
 from dsv4cli.errors import RunError, UsageError
-from dsv4cli.openai.requests import BodyParser
+from dsv4cli.openai.requests import BodyParser, BodyRules
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 # the fields of a stored object the server reads, with their types: one without them is skipped at start
@@ -150,13 +150,13 @@ class ApiBatch:
             except OSError as e:
                 raise UsageError(f"its input file {batch['input_file_id']}: {e.strerror.lower()}") from None
             out, errors = (opened.enter_context(contextlib.closing(ResultFile(path))) for path in self.paths)
-            done, errored = answered(list(self.paths))           # what a server stopped mid-batch wrote
+            results = Results(out, errors, *answered(list(self.paths)))     # what a server stopped mid-batch wrote
             opened.pop_all()
         # background requests: a step that prefills an online prompt does not decode them (`engine.scheduler`)
         defaults = dataclasses.replace(bodies.defaults, background=True)
-        parser = RequestParser(bodies.tok, defaults, run["seed"], bodies.max_seq_len, bodies.thinking,
-                               bodies.reasoning_effort, vocab=bodies.vocab)
-        self.run = BatchRun(engine, parser, out, errors, model, done, errored, name=batch["id"])
+        parser = RequestParser(bodies.tok, defaults, run["seed"], bodies.max_seq_len,
+                               BodyRules(bodies.thinking, bodies.reasoning_effort, vocab=bodies.vocab))
+        self.run = BatchRun(engine, parser, results, model, name=batch["id"])
         self.run.start(self.input)
 
     @classmethod
@@ -178,8 +178,8 @@ class ApiBatch:
 
     def counts(self) -> dict:
         run = self.run
-        return self.batch["request_counts"] | {"completed": len(run.done) + run.ok,
-                                               "failed": len(run.errored) + run.failed}
+        return self.batch["request_counts"] | {"completed": len(run.results.done) + run.ok,
+                                               "failed": len(run.results.errored) + run.failed}
 
     def object(self) -> dict:
         """The batch object as the API shows it, its counts as of now."""
@@ -208,7 +208,7 @@ class ApiBatch:
 
     def _end(self, status: str, error: str | None) -> None:
         self.input.close()
-        for file in dict.fromkeys((self.run.out, self.run.errors)):
+        for file in dict.fromkeys((self.run.results.out, self.run.results.errors)):
             try:
                 file.close()
             except RunError as e:

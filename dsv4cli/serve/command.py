@@ -50,7 +50,7 @@ def run_serve(s: Settings) -> int:
                          f"{install_hint('serve')}") from None
     from dsv4cli.engine import drafter_label
     from dsv4cli.loading import load_engine, sampling_params
-    from dsv4cli.openai.requests import BodyParser
+    from dsv4cli.openai.requests import BodyParser, BodyRules
 
     from .batches import Store
     from .loop import EngineLoop
@@ -62,9 +62,10 @@ def run_serve(s: Settings) -> int:
               f"use the model", file=sys.stderr)
     store = Store(Path(s.batch_dir)) if s.batch_dir else None      # and a batch directory another server holds
     engine = load_engine(s, "serve")
-    parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, s.thinking, s.reasoning_effort,
-                        s.max_messages, s.max_prompt_tokens, engine.model_info.vocab_size)
-    metrics = ServerMetrics(engine.model_info.drafter if engine.mtp_depth else None, engine.mtp, engine.mtp_depth)
+    parser = BodyParser(engine.tok, sampling_params(s), engine.max_seq_len, BodyRules(
+        s.thinking, s.reasoning_effort, s.max_messages, s.max_prompt_tokens, engine.model_info.vocab_size))
+    metrics = ServerMetrics(engine.model_info.drafter if engine.draft_depth else None, engine.drafts,
+                            engine.draft_depth, engine.verify)
     # an engine that cannot go on ends the server: a supervisor restarts it (a server up but broken would not be)
     loop = EngineLoop(engine, s.max_waiting, metrics, on_fatal=lambda: setattr(server, "should_exit", True),
                       batch_slots=min(s.batch_slots or max(1, engine.max_batch // 4), engine.max_batch))
@@ -101,7 +102,5 @@ def run_serve(s: Settings) -> int:
                "max_prompt_tokens", "read_timeout", "max_connections", "shutdown_timeout", "batch_dir", "batch_slots",
                "max_file_bytes", "stored_responses_bytes")
 def serve(opts: CliOptions) -> int:
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions,
-    /v1/responses, streaming) and Anthropic's /v1/messages, with continuous batching."""
     settings, _ = opts.resolve()
     return run_serve(settings)

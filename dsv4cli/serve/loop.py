@@ -104,7 +104,7 @@ class EngineLoop:
         self.thread.join()
         with self.wake:
             left, self.batches, self.batch_inbox = self.batches + self.batch_inbox, [], []
-        for file in (file for batch in left for file in (batch.run.out, batch.run.errors)):
+        for file in (file for batch in left for file in (batch.run.results.out, batch.run.results.errors)):
             with contextlib.suppress(RunError):     # a full disk: the next start resumes what was written
                 file.close()
 

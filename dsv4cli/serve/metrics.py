@@ -29,10 +29,10 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self, drafter: str | None = None, mtp: int | str = 0, positions: int = 0):
-        """`drafter`: the engine's drafter kind ("dspark", "mtp", None: plain decoding), `mtp` its setting,
-        `positions` the drafts a step may verify (each gets its counters from the start, at 0)."""
-        self.drafter, self.mtp = drafter, mtp
+    def __init__(self, drafter: str | None = None, drafts: int | str = 0, positions: int = 0, verify: str = "token"):
+        """`drafter`: the engine's drafter kind ("dspark", "mtp", None: plain decoding), `drafts` its setting,
+        `positions` the drafts a step may verify (each gets its counters from the start, at 0), `verify` the rule."""
+        self.drafter, self.drafts_setting, self.verify = drafter, drafts, verify
         self.lock = threading.Lock()
         self.finished: Counter[str] = Counter()     # requests by finish reason
         self.prompt_tokens = self.generation_tokens = 0
@@ -95,8 +95,9 @@ class ServerMetrics:
                         *self.ttft.lines("dsv4:time_to_first_token_seconds")),
                 *metric("time_per_output_token_seconds", "histogram", "Mean time between a request's tokens.",
                         *self.tpot.lines("dsv4:time_per_output_token_seconds")),
-                *metric("spec_decode_info", "gauge", "The drafter (dspark, mtp or none) and the drafts setting.",
-                        f'dsv4:spec_decode_info{{drafter="{self.drafter or "none"}",mtp="{self.mtp}"}} 1'),
+                *metric("spec_decode_info", "gauge", "The drafter (dspark, mtp or none), the drafts setting and the "
+                        "verify rule.", f'dsv4:spec_decode_info{{drafter="{self.drafter or "none"}",'
+                        f'drafts="{self.drafts_setting}",verify="{self.verify}"}} 1'),
                 *metric("spec_decode_num_drafts_total", "counter", "Steps that verified drafts.",
                         f"dsv4:spec_decode_num_drafts_total {self.drafts}"),
                 *metric("spec_decode_num_draft_tokens_total", "counter", "Drafts verified.",

@@ -35,7 +35,6 @@ def inspect(
     check: bool = typer.Option(False, "--check", help="Also check every tensor's presence, shape and dtype"),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON object instead"),
 ) -> int:
-    """Describe a checkpoint from its config and headers: format, parameters, layers, memory."""
     from dsv4cli.config import BUNDLED_MODEL_DIR
 
     if model is None and not BUNDLED_MODEL_DIR.is_dir():
@@ -71,7 +70,6 @@ def convert(
     to: Target = typer.Option(Target.w8a8, "--to", help="w8a8: msModelSlim W8A8_DYNAMIC layout; bf16: official "
                               "layout; fp4: the official release's FP8 linears and FP4 experts"),
 ) -> int:
-    """Convert a checkpoint, streaming shard by shard with bounded memory."""
     src = model_dir(source)
     # torch from here: the model is named
     from dsv4cli.model.loader import LoadError
