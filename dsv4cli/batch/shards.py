@@ -20,7 +20,8 @@ from dsv4cli.config import RENAMED, SAMPLING_KEYS, Settings, read_json
 from dsv4cli.errors import UsageError
 
 # the settings that decide a request's answer (the run seed is kept apart): shards and a merge's retries share them
-ANSWER_KEYS = (*(k for k in SAMPLING_KEYS if k != "seed"), "drafts", "max_seq_len", "thinking", "reasoning_effort")
+ANSWER_KEYS = (*(k for k in SAMPLING_KEYS if k != "seed"), "drafts", "verify", "max_seq_len", "thinking",
+               "reasoning_effort")
 # each manifest field: its JSON type as `new_manifest` writes it, and how an error names that type
 MANIFEST_FIELDS = {"input": (str, "a string"), "input_sha256": (str, "a string"), "model": (str, "a string"),
                    "settings": (dict, "an object"), "shard": (dict, "an object"), "seed": (int, "an integer"),
