@@ -80,23 +80,7 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
         n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
     else:
         n_acc = torch.zeros(B, dtype=torch.long, device=probs.device)
-    final_row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, probs.shape[-1])).squeeze(1)
-    if K:
-        # rejected at row n: the residual of that row's distribution (bonus rows keep all)
-        if q is None:           # argmax drafts: the draft removed
-            rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]).squeeze(1)
-            residual = final_row.scatter(-1, rejected[:, None], 0.0)
-        else:
-            q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, q.shape[-1])).squeeze(1)
-            residual = (final_row - q_row).clamp_(min=0.0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, final_row)
-        rejected = n_acc < (K if limit is None else limit.clamp(max=K))     # else a bonus row
-        final_row = torch.where(rejected[:, None], residual, final_row)
-    final_pos = pos + n_acc
-    last = sample_from(final_row, uniform(seed, final_pos, RNG_DRAW))
-    tokens = torch.cat([drafts, last[:, None]], 1) if K else last[:, None]
-    tokens = tokens.scatter(1, n_acc[:, None], last[:, None])
-    return tokens, n_acc
+    return _draw_last(probs, drafts, seed, pos, n_acc, limit, q), n_acc
 
 
 def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
@@ -127,17 +111,28 @@ def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, 
     eta = uniform(seed[:, None], pos[:, None] + torch.arange(K, device=dev), RNG_ACCEPT)  # [B,K]: prefixes 1..K
     passed = (eta <= test[:, 1:]) & (prefix[1:] <= L[:, None])
     n_acc = (passed.long() * prefix[1:]).amax(-1)                                          # the longest, or 0
-    row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, V)).squeeze(1)                # p_{n+1}
-    if q is None:
-        residual = row.scatter(-1, torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None]), 0.0)
-    else:
-        q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
-        residual = (w.gather(1, n_acc[:, None]) * row - q_row).clamp_(min=0.0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
-    final_row = torch.where((n_acc < L)[:, None], residual, row)                         # after the block: p_{L+1}
-    last = sample_from(final_row, uniform(seed, pos + n_acc, RNG_DRAW))
-    tokens = torch.cat([drafts, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None])
-    return tokens, n_acc
+    return _draw_last(probs, drafts, seed, pos, n_acc, L, q, w.gather(1, n_acc[:, None])), n_acc
+
+
+def _draw_last(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, n_acc: torch.Tensor,
+               limit: torch.Tensor | None, q: torch.Tensor | None = None, weight: torch.Tensor | None = None):
+    """The tokens after `n_acc` [B] kept drafts: those drafts, then one drawn from row n_acc, the residual
+    max(w p - q, 0) where the row rejected (w: `weight` [B,1], 1 for the token rule; for argmax drafts p with the
+    draft removed), else the row itself (the bonus after all `limit` drafts). Returns tokens [B,K+1]."""
+    B, R, V = probs.shape
+    K = R - 1
+    row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
+    if K:
+        if q is None:
+            rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None])
+            residual = row.scatter(-1, rejected, 0.0)
+        else:
+            q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
+            residual = ((row if weight is None else weight * row) - q_row).clamp_(min=0.0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
+        row = torch.where((n_acc < (K if limit is None else limit.clamp(max=K)))[:, None], residual, row)
+    last = sample_from(row, uniform(seed, pos + n_acc, RNG_DRAW))
+    return torch.cat([drafts, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None])
 
 
 def verify_greedy(targets: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor | None = None):
