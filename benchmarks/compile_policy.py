@@ -1,6 +1,7 @@
 """The default compile policy against `--compile off`: a long chat (and serve) session, minute by minute.
 
-    python benchmarks/compile_policy.py [--minutes 20] [--serve-minutes 5] [--busy-cores 1] [--out F]
+    python benchmarks/compile_policy.py [--minutes 20] [--serve-minutes 5] [--verbs chat,serve] [--busy-cores 1]
+        [--out F]
 
 Each case runs in a fresh process with a cold cache (the default compiles from nothing), one after another:
 - chat: the engine `dsv4 chat` builds (one slot, the bundled model, DSpark auto, its sampling defaults),
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--reply-tokens", type=int, default=200)
     ap.add_argument("--think", type=float, default=5.0, help="seconds between a chat reply and the next message")
     ap.add_argument("--clients", type=int, default=2, help="serve: requests always in flight")
+    ap.add_argument("--verbs", default="chat,serve", help="which sessions to run (serve needs --serve-minutes)")
     ap.add_argument("--busy-cores", type=int, default=1, help="other processes spinning meanwhile")
     ap.add_argument("--inner", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None)
@@ -137,7 +139,7 @@ def main():
         print(json.dumps(session(a.inner, a.minutes, a.reply_tokens, a.think, a.clients)))
         return
     cases = []
-    for verb in ("chat", "serve") if a.serve_minutes else ("chat",):
+    for verb in (v for v in a.verbs.split(",") if v == "chat" or (v == "serve" and a.serve_minutes)):
         for mode in ("auto", "off"):
             print(f"compile_policy: {verb}, compile {mode}, {a.busy_cores} busy core(s)", file=sys.stderr, flush=True)
             cases.append(run_case(verb, mode, a, a.busy_cores))

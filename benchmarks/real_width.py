@@ -1,7 +1,8 @@
 """The fused decode step at DeepSeek V4 Flash's real widths, against the memory roofline.
 
     python benchmarks/real_width.py [--layers 4,128] [--experts 64] [--vocab 129280] [--threads 1]
-        [--batches 1,8] [--depths 0,1] [--contexts 1024] [--reps 5] [--drafter mtp|dspark] [--out FILE.json]
+        [--batches 1,8] [--depths 0,1] [--contexts 1024] [--reps 5] [--drafter mtp|dspark] [--prefill 256]
+        [--out FILE.json]
 
 The model has V4 Flash's widths (hidden 4096, 64 heads x 512, q/o rank 1024, 8 output groups,
 experts of width 2048 with 6 routed per token, the indexer's 64 x 128 heads and top-512, vocabulary
@@ -12,6 +13,7 @@ release does; W8A8's copies of them read the same bytes a step); random W8A8 wei
 files). The decode state is filled
 with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
 
+With `--prefill N`, a prompt's first chunk of N tokens (trunk and head) is timed too: prefill's speed.
 Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
 `--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the whole block of 5 runs
 through the stages at any L, the head and Markov head for its first L slots). Its time is split into
@@ -54,7 +56,7 @@ from torch import nn
 import dsv4cli.kernels
 from dsv4cli import platforms
 from dsv4cli.engine import Engine, EngineOptions
-from dsv4cli.model import ModelConfig, Transformer
+from dsv4cli.model import DecodeState, ModelConfig, Segment, Transformer
 from dsv4cli.model.loader import keep_fp32
 from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
 
@@ -580,6 +582,24 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
     return result
 
 
+def prefill(model: Transformer, tokens: int, reps: int) -> dict:
+    """A prompt's first chunk of `tokens` through the trunk (the cached path a step's prefill segment takes) and
+    the head on its last row: min and median seconds over `reps` after a warm-up, and tokens/s at the median."""
+    state = DecodeState(model, 1, tokens + 64)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(2))
+    times = []
+    for rep in range(reps + 1):
+        t = clock()
+        with torch.no_grad():
+            (rows,) = model.forward_segments([Segment(ids.to(DEVICE), torch.tensor([0], device=DEVICE), state)])
+            model.logits(rows.hidden[:, -1:])
+        if rep:
+            times.append(clock() - t)
+    median = sorted(times)[len(times) // 2]
+    return {"tokens": tokens, "s": {"min": round(min(times), 4), "median": round(median, 4)},
+            "tokens_per_s": round(tokens / median, 2)}
+
+
 def int8_gemm_peak() -> float | None:
     """Best ops/s (2 a multiply-add) of the CPU's exact int8 GEMM as the step runs it, 48 rows against a weight
     that stays in cache: the native kernels' (VNNI, or AMX where it takes 48 rows) or, where exact int8 GEMMs
@@ -639,6 +659,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time the compiled step (torch.compile)")
     ap.add_argument("--weights", default="w8a8", choices=["w8a8", "native"],
                     help="the W8A8 recipe's int8 linears, or the official release's FP8 linears and FP4 experts")
+    ap.add_argument("--prefill", default="", help="also time a prompt's first chunk of these lengths, e.g. 256,1024")
     ap.add_argument("--drafter", default="mtp", choices=["mtp", "dspark"],
                     help="the preview's MTP layer, or 0731's DSpark stages (depths: the drafts verified, 0-5)")
     a = ap.parse_args()
@@ -692,6 +713,9 @@ def main():
                     print(f"ctx {context} batch {batch} {name}: auto verifies {best}, {rates[best]:.3f} tok/s "
                           f"(43 layers); vs plain by depth {auto[-1]['vs_plain']}; block verification at peers' "
                           f"+{'/+'.join(map(str, BLOCK_GAINS))} mean length: {block}")
+    prefills = [prefill(model, int(n), a.reps) for n in a.prefill.split(",") if n]
+    for r in prefills:
+        print(f"prefill {r['tokens']} tokens: {r['s']['median']} s, {r['tokens_per_s']} tok/s")
     gpu = torch.cuda.get_device_name() if DEVICE.type == "cuda" else None
     report = {"benchmark": "real_width", "device": gpu or a.device,
               "machine": {"cpu": platform.processor() or platform.machine(),
@@ -702,6 +726,8 @@ def main():
               "experts": a.experts, "vocab": a.vocab, "drafter": a.drafter, "results": results}
     if auto:
         report["auto"] = auto
+    if prefills:
+        report["prefill"] = prefills
     report["meta"] = stamp(vars(a))
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ exact integer sums, and x in bf16 against the weight with E4M3's subnormals as 0
 import pytest
 import torch
 
-from dsv4cli.kernels import native, reference
+from dsv4cli.kernels import cpu, native, reference
 
 ROWS = [*range(1, 18), 100]
 
@@ -305,3 +305,54 @@ def test_only_the_avx512_build_on_vnni_and_bf16_has_the_fast_kernels():
         native.fp4_mm_q8(x, w4, s4, lib=avx2)
     if cpu.issuperset(native.LOWBIT_CPU_FLAGS["avx512"]):
         assert native.lowbit_library("avx512").fast == cpu.issuperset(native.LOWBIT_FAST_CPU_FLAGS)
+
+
+def fp4_experts(count: int, dim: int, inter: int, limit: float, g: torch.Generator) -> list:
+    """Routed experts of the release's FP4 bytes (scales kept near 2^0, so SwiGLU sees values of every size)."""
+    def projection(rows, k):
+        weight, _ = e2m1(rows, k, g)
+        return weight, torch.randint(124, 129, (rows, k // 32), generator=g, dtype=torch.uint8).view(
+            torch.float8_e8m0fnu)
+    experts = []
+    for _ in range(count):
+        (w1, s1), (w3, s3), (w2, s2) = projection(inter, dim), projection(inter, dim), projection(dim, inter)
+        experts.append(cpu.TensorExpert([w1, w3, w2], [s1, s3, s2], limit))
+    return experts
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.3])            # 0.3: the SwiGLU clamps bite
+@torch.no_grad()
+def test_fused_fp4_experts_give_each_experts_bits(fast, limit):
+    """A bf16 run's routed FP4 experts in one native call against each expert through `fp4_mm_q8` and torch's
+    ops between: the same bits, for a decode row, verify rows and a prefill chunk (experts with many rows; a
+    width past a whole step of 512 inputs); pairs routed to another rank's experts add nothing; an expert no
+    row is routed to is never read (its scales poisoned: every output unchanged); 2 threads give 1's bits."""
+    g = torch.Generator().manual_seed(int(limit * 10))
+    dim, inter, count, k = 640, 96, 8, 3
+    experts = fp4_experts(count, dim, inter, limit, g)
+    table = cpu.expert_table(experts)
+    assert table is not None and table.format == "fp4" and (table.dim, table.inter) == (dim, inter)
+    for tokens in (1, 4, 40):
+        x = (torch.randn(tokens, dim, generator=g) * 3).bfloat16()
+        weights = torch.rand(tokens, k, generator=g)
+        local = torch.stack([torch.randperm(count + 2, generator=g)[:k] - 1 for _ in range(tokens)])  # -1, 8: others'
+        want = reference.routed_experts(x, weights, local, experts)
+        got = cpu.routed_experts(x, weights, local, experts)
+        assert torch.equal(got, want)
+        unused = [s for e in set(range(count)) - set(local.flatten().tolist()) for s in experts[e].tensors[1]]
+        kept = [s.clone() for s in unused]
+        for scale in unused:
+            scale.view(torch.uint8).fill_(255)          # E8M0's NaN: any read of it shows
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            assert torch.equal(cpu.routed_experts(x, weights, local, experts), got)
+        finally:
+            torch.set_num_threads(threads)
+        for scale, old in zip(unused, kept):
+            scale.copy_(old)
+    x32 = torch.randn(2, dim, generator=g)             # an fp32 run takes the exact kernels, one expert at a time
+    local = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    weights = torch.rand(2, k, generator=g)
+    assert torch.equal(cpu.routed_experts(x32, weights, local, experts),
+                       reference.routed_experts(x32, weights, local, experts))

@@ -386,9 +386,12 @@ def routed_experts(x, weights, local, experts, shared=None, xq=None):
         q, sx = xq if xq is not None else (None, None)
         return routed_experts_op(x, weights, local, q, sx, [w for ws, _ in tensors for w in ws],
                                  [s for _, ss in tensors for s in ss], experts[0].limit, shared is not None)
-    if xq is not None and (table := find_table(experts, shared is not None)) is not None:
+    table = find_table(experts, shared is not None)
+    if table is not None and table.format == "int8" and xq is not None:
         return native.routed_experts(xq[0], xq[1], weights, local, table, experts[0].limit, x.dtype,
                                      shared is not None)
+    if table is not None and table.format == "fp4" and _fast(x):
+        return native.fp4_routed_experts(x, weights, local, table, experts[0].limit)
     return reference_routed_experts(x, weights, local, experts, shared, xq)
 
 
@@ -496,16 +499,16 @@ def grouped_experts(x, weights, local, experts: ExpertStack, xq=None) -> torch.T
 
 def expert_table(experts, shared=None):
     """A MoE layer's experts (then the shared one, if given: objects with `kernel_tensors()`) as the native
-    kernel runs them, or None where they aren't W8A8 packed for it (they then run one by one). The table
-    holds their tensors' addresses; a live one is found again by its first weight (`find_table`)."""
-    first = experts[0].kernel_tensors()[0][0]
-    if not (native.available() and first.dtype == torch.uint8):     # not packed for the native kernels
+    kernels run them in one call, or None where they aren't W8A8 packed for it or the release's FP4 with the
+    fast kernels here (they then run one by one). The table holds their tensors' addresses; a live one is
+    found again by its first weight (`find_table`)."""
+    if native.ExpertTable.format_of(experts[0].kernel_tensors()[0][0]) is None:
         return None
     if (found := find_table(experts, shared is not None)) is not None:
         return found
     tensors = [e.kernel_tensors() for e in [*experts, *([shared] if shared is not None else [])]]
     weights, scales = [ws for ws, _ in tensors], [ss for _, ss in tensors]
-    if not native.ExpertTable.usable(weights, scales):
+    if not native.ExpertTable.usable(weights, scales, shared is not None):
         return None
     return native.ExpertTable(weights, scales, shared is not None)
 
@@ -513,5 +516,5 @@ def expert_table(experts, shared=None):
 def find_table(experts, shared: bool):
     """The live table of these experts (holding the shared expert too, with `shared`), or None."""
     first = experts[0].kernel_tensors()[0][0]
-    found = native.ExpertTable.find(first, len(experts)) if first.dtype == torch.uint8 else None
+    found = native.ExpertTable.find(first, len(experts)) if native.ExpertTable.format_of(first) else None
     return found if found is not None and found.shared >= shared else None

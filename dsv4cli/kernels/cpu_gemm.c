@@ -16,6 +16,7 @@
           channels j and 16 + j side by side: a 32-bit lane widens to both with one shift and one mask,
           where unpacking 16-bit values to 32 bits took three shuffles that share the FMAs' ports (the gain:
           docs/decisions.md, Our own few-row GEMMs). */
+#include "cpu_load.h"
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -293,16 +294,6 @@ void dsv4_bf16_mm(const float *x, int64_t M, int64_t K, const uint16_t *wp, int6
    all, with the reference's arithmetic in the reference's order (kernels/__init__.py `expert_ffn`,
    `reference.w8a8_linear`, `reference.quantize_per_token`), so the sums are its sums; only SwiGLU's
    exp is libm's rather than torch's (both within an ulp). */
-
-/* fp32 -> bf16 -> fp32, rounding to nearest even (torch's conversion; NaN stays NaN). */
-static inline float round_bf16(float v) {
-    uint32_t u;
-    __builtin_memcpy(&u, &v, 4);
-    if ((u & 0x7fffffff) > 0x7f800000) return v;
-    u = (u + 0x7fff + ((u >> 16) & 1)) & 0xffff0000u;
-    __builtin_memcpy(&v, &u, 4);
-    return v;
-}
 
 #define AMAX_FLOOR 1e-4f    /* reference.AMAX_FLOOR */
 

@@ -27,6 +27,7 @@
    (8 lanes) for CPUs without it. The AVX-512 build on CPUs with VNNI and BF16 also has a bf16 run's faster
    kernels (fast mode, at the end): FP4 against x quantised to int8, FP8 against x in bf16. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -430,6 +431,7 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
    one pointer apart by constants. As in the exact kernels, every output is the same chain of operations
    whatever the rows beside it or the threads. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#include "cpu_load.h"
 #define Q8_STEP 512             /* inputs per step: 16 groups */
 #define AHEAD_UNITS 2           /* the weight is asked into L2 this many units ahead */
 #define GROUP_BYTES (256 << 10) /* the weight rows that meet each x row while in L2 */
@@ -546,21 +548,24 @@ static void q8_layout(const int8_t *q, int64_t M, int64_t K, int64_t steps, int8
     }
 }
 
-static int q8_block(const void *x, int bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
-                    const uint8_t *scale, int64_t scale_stride, float floor, float *y, int threads) {
+/* One weight a q8_run reads: N rows of packed E2M1 (w_stride bytes apart) with their E8M0 scales; y [M, N]. */
+struct q8_job {
+    const uint8_t *w, *scale;
+    int64_t N, w_stride, scale_stride;
+    float *y;
+};
+
+/* The weights of `jobs` (of K inputs each) against M rows of x' (q8_layout's xq, xc, hx), their units shared
+   among the threads as one list: one parallel region for a MoE expert's w1 and w3. */
+static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t *xq, const int32_t *xc,
+                  const float *hx, int64_t M, int threads) {
     const int R = FAST_R, MR = FAST_MR;
-    int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), units = (N + R - 1) / R;
-    int64_t all = steps + (rest != 0), group = fast_group(units, R * (K / 2 + K / 32), threads);
-    int8_t *q = malloc(M * K), *xq = aligned_alloc(64, all * M * Q8_STEP);
-    int32_t *xc = aligned_alloc(64, all * M * 64);
-    float *hx = malloc(M * sizeof *hx);
-    if (!q || !xq || !xc || !hx) {
-        free(q), free(xq), free(xc), free(hx);
-        return -1;
+    int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), units = 0, first[4];
+    for (int j = 0; j < n_jobs; j++) {
+        first[j] = units;
+        units += (jobs[j].N + R - 1) / R;
     }
-    dsv4_quantize_rows(x, bf16, M, K, floor, q, hx);
-    q8_layout(q, M, K, all, xq, xc, hx);
-    free(q);
+    int64_t group = fast_group(units, R * (K / 2 + K / 32), threads);
     int failed = 0;
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
@@ -574,25 +579,63 @@ static int q8_block(const void *x, int bf16, int64_t M, int64_t K, const uint8_t
             for (int64_t m0 = 0; m0 < M; m0 += MR)
                 for (int64_t u = g; u < g + group && u < units; u++) {
                     if (!tail || !tail_s) continue;
-                    int64_t i = u * R;
+                    int j = n_jobs - 1;
+                    while (first[j] > u) j--;
+                    const struct q8_job *job = &jobs[j];
+                    int64_t i = (u - first[j]) * R, N = job->N, ws = job->w_stride, ss = job->scale_stride;
                     int rows = (int)(N - i < R ? N - i : R), mr = M - m0 < MR ? (int)(M - m0) : MR;
                     const uint8_t *wr[R_MAX], *sr[R_MAX], *ar[R_MAX];
-                    unit_rows(w + i * w_stride, w_stride, rows, R, wr);
-                    unit_rows(scale + i * scale_stride, scale_stride, rows, R, sr);
-                    unit_rows(w + (i + AHEAD_UNITS * R) * w_stride, w_stride, R, R, ar);   /* past the end: no fault */
+                    unit_rows(job->w + i * ws, ws, rows, R, wr);
+                    unit_rows(job->scale + i * ss, ss, rows, R, sr);
+                    unit_rows(job->w + (i + AHEAD_UNITS * R) * ws, ws, R, R, ar);   /* past the end: no fault */
                     for (int r = 0; r < R && rest; r++) {
                         memcpy(tail + r * (Q8_STEP / 2), wr[r] + steps * (Q8_STEP / 2), rest);
                         memcpy(tail_s + r * 16, sr[r] + steps * 16, rest / (FP4_GROUP / 2));
                     }
 #define Q8_CALL(mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * Q8_STEP, \
-                             xc + m0 * 16, M, hx + m0, y + m0 * N + i, N, rows, R, mr_)
+                             xc + m0 * 16, M, hx + m0, job->y + m0 * N + i, N, rows, R, mr_)
                     FAST_ROWS(mr, Q8_CALL)
                 }
         free(tail);
         free(tail_s);
     }
-    free(xq), free(xc), free(hx);
     return failed ? -1 : 0;
+}
+
+/* x' scratch for M rows of K inputs (q8_layout's). */
+struct q8_x {
+    int8_t *xq;
+    int32_t *xc;
+    float *hx;
+};
+
+static int q8_alloc(struct q8_x *x, int64_t M, int64_t K) {
+    int64_t all = (K + Q8_STEP - 1) / Q8_STEP;
+    x->xq = aligned_alloc(64, all * M * Q8_STEP);
+    x->xc = aligned_alloc(64, all * M * 64);
+    x->hx = malloc(M * sizeof *x->hx);
+    return x->xq && x->xc && x->hx ? 0 : -1;
+}
+
+static void q8_free(struct q8_x *x) {
+    free(x->xq), free(x->xc), free(x->hx);
+}
+
+static int q8_block(const void *x, int bf16, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                    const uint8_t *scale, int64_t scale_stride, float floor, float *y, int threads) {
+    struct q8_x xs = {0};
+    int8_t *q = malloc(M * K);
+    if (!q || q8_alloc(&xs, M, K)) {
+        free(q), q8_free(&xs);
+        return -1;
+    }
+    dsv4_quantize_rows(x, bf16, M, K, floor, q, xs.hx);
+    q8_layout(q, M, K, (K + Q8_STEP - 1) / Q8_STEP, xs.xq, xs.xc, xs.hx);
+    free(q);
+    struct q8_job job = {w, scale, N, w_stride, scale_stride, y};
+    int failed = q8_run(&job, 1, K, xs.xq, xs.xc, xs.hx, M, threads);
+    q8_free(&xs);
+    return failed;
 }
 
 #define BF16_CHUNK 64           /* bytes of a weight row per step: two vectors of bf16 */
@@ -738,6 +781,76 @@ int dsv4_fp4_mm_q8(const void *x, int bf16, int64_t M, int64_t K, const uint8_t 
                      scale, scale_stride, floor, y + m0 * N, threads))
             return -1;
     return 0;
+}
+
+/* A MoE layer's routed FP4 experts in one call, for a bf16 run (`reference.routed_experts` with each expert's
+   three projections through dsv4_fp4_mm_q8): x [T,D] bf16 quantised per row once (the bits each projection's own
+   quantisation gives); per expert, its rows' w1 and w3 in one parallel pass, each rounded to bf16, SwiGLU
+   (the gate clamped from above at `limit`, the up projection both ways; limit 0: no clamp) times the routing
+   weight, rounded to bf16, quantised per row, w2, rounded to bf16 and added to y [T,D] (fp32, zeroed by the
+   caller) in expert order, as index_add_ adds them. local, rw [T, topk]: experts (this rank's indices; others
+   skipped) and routing weights. Expert e: w1[e], w3[e] [I, D/2] and w2[e] [D, I/2] packed E2M1, rows
+   contiguous; s1[e], s3[e] [I, D/32] and s2[e] [D, I/32] E8M0. D and I multiples of 32. Returns how many experts
+   it ran, or -1 where its scratch memory could not be had. */
+int dsv4_fp4_routed_experts(const uint16_t *x, int64_t T, int64_t D, const int64_t *local, const float *rw,
+                            int64_t topk, int64_t E, const uint8_t *const *w1, const uint8_t *const *w3,
+                            const uint8_t *const *w2, const uint8_t *const *s1, const uint8_t *const *s3,
+                            const uint8_t *const *s2, int64_t I, float limit, float floor, float *y, int threads) {
+    int64_t P = T * topk, most = 1, ran = 0;
+    int64_t *start = calloc(E + 1, sizeof *start), *order = malloc((P + 1) * sizeof *order);
+    for (int64_t p = 0; start && p < P; p++)
+        if (local[p] >= 0 && local[p] < E) start[local[p] + 1]++;
+    for (int64_t e = 0; start && e < E; e++) {
+        most = start[e + 1] > most ? start[e + 1] : most;
+        start[e + 1] += start[e];
+    }
+    int64_t wide = D > I ? D : I;
+    int8_t *q = malloc(T * D + most * wide), *rows_q = q + T * D;
+    float *sx = malloc(T * sizeof *sx), *gate = malloc(most * I * 2 * sizeof *gate), *up = gate + most * I;
+    float *out = malloc(most * D * sizeof *out);
+    int64_t *fill = malloc(E * sizeof *fill);
+    struct q8_x xs = {0};
+    int failed = !start || !order || !q || !sx || !gate || !out || !fill || q8_alloc(&xs, most, wide);
+    if (!failed) {
+        for (int64_t e = 0; e < E; e++) fill[e] = start[e];
+        for (int64_t p = 0; p < P; p++)                /* a stable counting sort: rows ascend per expert */
+            if (local[p] >= 0 && local[p] < E) order[fill[local[p]]++] = p;
+        dsv4_quantize_rows(x, 1, T, D, floor, q, sx);
+    }
+    for (int64_t e = 0; e < (failed ? 0 : E); e++) {
+        int64_t n = start[e + 1] - start[e];
+        const int64_t *pairs = order + start[e];
+        if (!n) continue;
+        ran++;
+        for (int64_t i = 0; i < n; i++) {
+            memcpy(rows_q + i * D, q + pairs[i] / topk * D, D);
+            xs.hx[i] = sx[pairs[i] / topk];
+        }
+        q8_layout(rows_q, n, D, (D + Q8_STEP - 1) / Q8_STEP, xs.xq, xs.xc, xs.hx);
+        struct q8_job up_jobs[2] = {{w1[e], s1[e], I, D / 2, D / 32, gate}, {w3[e], s3[e], I, D / 2, D / 32, up}};
+        if ((failed = q8_run(up_jobs, 2, D, xs.xq, xs.xc, xs.hx, n, threads))) break;
+        for (int64_t i = 0; i < n; i++) {
+            float *g = gate + i * I, *u = up + i * I, r = rw[pairs[i]];
+            for (int64_t c = 0; c < I; c++) {
+                float a = round_bf16(g[c]), b = round_bf16(u[c]);
+                if (limit > 0) {
+                    a = a > limit ? limit : a;
+                    b = b > limit ? limit : b < -limit ? -limit : b;
+                }
+                g[c] = round_bf16(a / (1.0f + expf(-a)) * b * r);
+            }
+        }
+        dsv4_quantize_rows(gate, 0, n, I, floor, rows_q, xs.hx);
+        q8_layout(rows_q, n, I, (I + Q8_STEP - 1) / Q8_STEP, xs.xq, xs.xc, xs.hx);
+        struct q8_job down = {w2[e], s2[e], D, I / 2, I / 32, out};
+        if ((failed = q8_run(&down, 1, I, xs.xq, xs.xc, xs.hx, n, threads))) break;
+        for (int64_t i = 0; i < n; i++) {
+            float *dst = y + pairs[i] / topk * D;
+            for (int64_t c = 0; c < D; c++) dst[c] += round_bf16(out[i * D + c]);
+        }
+    }
+    free(start), free(order), free(q), free(sx), free(gate), free(out), free(fill), q8_free(&xs);
+    return failed ? -1 : (int)ran;
 }
 
 /* dsv4_fp8_mm with x [M,K] bf16 (|x| < 2^64), in bf16 products (E4M3's subnormals as 0). */

@@ -275,9 +275,11 @@ def float_mm(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertTable:
-    """A MoE layer's W8A8 experts for `routed_experts`: their packed weights' and scales' addresses, held
-    with the tensors (which it keeps alive). weights, scales: (w1, w3, w2) `pack_int8` weights and
-    their channel scales per routed expert, then the shared expert's with `shared`.
+    """A MoE layer's experts for one native call (`routed_experts`, `fp4_routed_experts`): their weights' and
+    scales' addresses, held with the tensors (which it keeps alive). weights, scales: (w1, w3, w2) per routed
+    expert, then the shared expert's with `shared`: W8A8's `pack_int8` weights and channel scales (`format`
+    "int8"), or the release's packed FP4 and E8M0 scales ("fp4": routed experts only; its shared expert is
+    FP8).
 
     A table is found again by its first weight (`find`) while it lives: a compiled graph's host-experts
     op gets the experts' tensors, not the table, and building one again at every call would add its cost to
@@ -285,16 +287,24 @@ class ExpertTable:
     _live: "weakref.WeakValueDictionary[tuple[int, int], ExpertTable]" = weakref.WeakValueDictionary()
 
     def __init__(self, weights: list[tuple], scales: list[tuple], shared: bool):
+        self.format = self.format_of(weights[0][0])
+        fp4 = self.format == "fp4"
         weights = [[t.contiguous() for t in ws] for ws in weights]
-        scales = [[t.float().contiguous() for t in ss] for ss in scales]
+        scales = [[t.contiguous() if fp4 else t.float().contiguous() for t in ss] for ss in scales]
         self.tensors = (weights, scales)
         array = ctypes.c_void_p * len(weights)
         self.w1, self.w3, self.w2 = (array(*(ws[j].data_ptr() for ws in weights)) for j in range(3))
         self.s1, self.s3, self.s2 = (array(*(ss[j].data_ptr() for ss in scales)) for j in range(3))
         self.routed = len(weights) - shared
         self.shared = shared
-        self.inter, self.dim = weights[0][0].shape[0] * BLOCK, weights[0][0].shape[1] * 4
+        rows, cols = weights[0][0].shape[:2]
+        self.inter, self.dim = (rows, 2 * cols) if fp4 else (rows * BLOCK, cols * 4)
         ExpertTable._live[(self.w1[0], self.routed)] = self
+
+    @staticmethod
+    def format_of(weight: torch.Tensor) -> str | None:
+        """The table format an expert weight is held in, or None where no table reads it."""
+        return {torch.uint8: "int8", torch.float4_e2m1fn_x2: "fp4"}.get(weight.dtype)
 
     @staticmethod
     def find(first: torch.Tensor, routed: int) -> "ExpertTable | None":
@@ -303,11 +313,18 @@ class ExpertTable:
         return ExpertTable._live.get((first.data_ptr(), routed))
 
     @staticmethod
-    def usable(weights: list[tuple], scales: list[tuple]) -> bool:
-        """Whether these experts can be run by `routed_experts`: every weight `pack_int8`-packed, one
-        shape per projection, float scales (read as fp32, as the reference reads them)."""
+    def usable(weights: list[tuple], scales: list[tuple], shared: bool = False) -> bool:
+        """Whether these experts can be run in one call: one format and one shape per projection; int8:
+        every weight `pack_int8`-packed, float scales (read as fp32, as the reference reads them); fp4: routed
+        experts only, E8M0 scales, widths in groups of 32, on a CPU with the fast kernels."""
+        fmt = ExpertTable.format_of(weights[0][0])
+        if fmt is None or len({tuple(t.shape for t in ws) for ws in weights}) != 1:
+            return False
+        if fmt == "fp4":
+            return (not shared and lowbit_fast_available()
+                    and all(w.dtype == torch.float4_e2m1fn_x2 and w.shape[1] % 16 == 0 for ws in weights for w in ws)
+                    and all(s is not None and s.dtype == torch.float8_e8m0fnu for ss in scales for s in ss))
         return (available() and all(w.dtype == torch.uint8 for ws in weights for w in ws)
-                and len({tuple(t.shape for t in ws) for ws in weights}) == 1
                 and all(s is not None and s.is_floating_point() for ss in scales for s in ss))
 
 
@@ -330,6 +347,23 @@ def routed_experts(q: torch.Tensor, xs: torch.Tensor, weights: torch.Tensor, loc
         AMX_MIN_ROWS if lib.amx else 0)
     if ran < 0:
         raise MemoryError(f"no memory for the routed experts' scratch ({q.shape[0]} rows)")
+    return y
+
+
+def fp4_routed_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, table: ExpertTable,
+                       limit: float) -> torch.Tensor:
+    """A bf16 run's routed FP4 experts (an "fp4" table) in one call: `reference.routed_experts` with each
+    projection through `fp4_mm_q8`, the same bits; x [T, dim] bf16, weights and local [T, k] as
+    `routed_experts` takes them. Returns fp32 [T, dim]."""
+    from .reference import AMAX_FLOOR
+    x = x.bfloat16().contiguous()
+    weights, local = weights.float().contiguous(), local.to(torch.int64).contiguous()
+    y = torch.zeros(x.shape[0], table.dim)
+    if x.shape[0] and _fast(None).dsv4_fp4_routed_experts(
+            x.data_ptr(), x.shape[0], table.dim, local.data_ptr(), weights.data_ptr(), local.shape[1], table.routed,
+            table.w1, table.w3, table.w2, table.s1, table.s3, table.s2, table.inter, limit, AMAX_FLOOR, y.data_ptr(),
+            torch.get_num_threads()) < 0:
+        raise MemoryError(f"no memory for the routed experts' scratch ({x.shape[0]} rows)")
     return y
 
 
@@ -495,6 +529,9 @@ def lowbit_library(isa: str | None = None) -> ctypes.CDLL | None:
         lib.dsv4_fp8_mm_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, c_int, c_int, p, c_int]
         lib.dsv4_fp4_mm_q8.argtypes = [p, c_int, i64, i64, p, i64, i64, p, i64, ctypes.c_float, p, c_int]
         lib.dsv4_fp8_mm_bf16.restype = lib.dsv4_fp4_mm_q8.restype = c_int
+        lib.dsv4_fp4_routed_experts.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, p, p, i64, ctypes.c_float,
+                                                ctypes.c_float, p, c_int]
+        lib.dsv4_fp4_routed_experts.restype = c_int
     lib.isa, lib.fast = isa, fast
     return lib
 

@@ -709,9 +709,10 @@ class MoE(OpModule):
         """Choose, once, how the routed experts run: stacked for grouped GEMMs with the routing on the device
         (accelerators, and host experts that stayed plain: small ones), or one call of the kernel module's
         `routed_experts` with the routing read on the host (packed experts: their kernels read each
-        expert's weight in place; and the release's FP4 experts, read where the file's mapping holds them).
-        With one world rank the host call runs the shared expert too (with more, its output joins after the
-        all-reduce)."""
+        expert's weight in place; and the release's FP4 experts, read where the file's mapping holds them),
+        all of a layer's in one native call where the kernel module has a table for them (`expert_table`:
+        W8A8's, the release's FP4). With one world rank the host call runs the shared expert too where the
+        table holds it (with more, its output joins after the all-reduce)."""
         experts = self.local_experts()
         linears = [lin for e in experts for lin in (e.w1, e.w2, e.w3)]
         # packed in a layout of the kernels' own (read in place), not merely widened (`widen_w8a8`)
@@ -726,7 +727,7 @@ class MoE(OpModule):
             return
         self.stack = None          # packed now: each expert's weights are read where they are
         self.shared_inside = self.shared_experts is not None and world()[1] == 1
-        if experts[0].w1.quantized:
+        if experts[0].w1.format in ("int8", "fp4"):      # the formats a fused call may read
             shared = self.shared_experts if self.shared_inside else None
             self.table = self.ops.expert_table(experts, shared)
             if self.table is None and shared is not None and (table := self.ops.expert_table(experts)) is not None:
