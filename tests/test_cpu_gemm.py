@@ -9,9 +9,10 @@ import pytest
 import torch
 from tiny import chunk_logits, prompts, random_model, tiny_config
 
+from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.engine import Engine, EngineOptions, SamplingParams
 from dsv4cli.kernels import cpu, native, reference
-from dsv4cli.model import DecodeState
+from dsv4cli.model import DecodeState, load_model
 from dsv4cli.model.model import Linear, PackedWeight, ParallelHead
 from dsv4cli.model.quant import quantize_model, quantize_weight
 
@@ -176,6 +177,23 @@ def test_a_model_with_every_linear_packed_gives_the_plain_models_tokens(tok, mon
                                                                                                   params)]
     assert got == want
 
+
+
+@NATIVE
+def test_an_fp32_run_packs_a_bf16_weight_from_the_files_bytes(monkeypatch):
+    """The bundled model's LM head is stored in bf16: an fp32 run packs it from the file's bytes (widened first,
+    V4 Flash's head took 2 s and 2 GB more to load), to the bits the widened copy packs to; a weight the kernels
+    keep no packed copy of (under 2 MiB) is held widened to fp32."""
+    plain = load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32, progress=False)
+    assert plain.head.packed is None and plain.head.weight.dtype == torch.float32
+    packing, seen = cpu.pack_linear_fp32, []
+    monkeypatch.setattr(cpu, "pack_linear_fp32",
+                        lambda weight, groups=1: seen.append(weight) or packing(weight, groups))
+    monkeypatch.setattr(cpu, "PACK_MIN_BYTES", 0)
+    packed = load_model(BUNDLED_MODEL_DIR, "cpu", torch.float32, progress=False)
+    heads = [w.dtype for w in seen if w.shape == plain.head.weight.shape]
+    assert heads and set(heads) == {torch.bfloat16} and packed.head.packed.dtype == torch.bfloat16
+    assert torch.equal(packed.head.packed, native.pack_float(plain.head.weight, torch.bfloat16))
 
 def packed_and_plain_moes(dtype, limit):
     """The MoE layers of a W8A8 model prepared for the CPU (experts packed, so each layer runs them in one

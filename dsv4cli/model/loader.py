@@ -369,6 +369,7 @@ class Held(NamedTuple):
     scale: torch.Tensor | None = None
     offset: tuple[int, int] = (0, 0)
     mapped: tuple[torch.Tensor, ...] = ()     # those of tensor and scale that are views of the checkpoint's mapping
+    widen: torch.dtype | None = None          # held as stored for the kernels to pack; else widened to this
 
 
 def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", module: nn.Module | None = None,
@@ -379,7 +380,8 @@ def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", 
     host."""
     full = ckpt.view(item.sources[0])
     linear = module if isinstance(module, Linear) else None
-    keep = mapped and platforms.for_device(torch.device(device)).on_host_cores    # the mapping is host memory
+    platform = platforms.for_device(torch.device(device))
+    keep = mapped and platform.on_host_cores    # the mapping is host memory
 
     def own(t):          # the file's bytes as they are: mapped on the host, else copied to the device
         return t if keep else t.to(device, copy=True)
@@ -401,9 +403,14 @@ def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", 
         part = full[index]
         if item.kind == "float":
             want = torch.float32 if keep_fp32(item.name) else dtype
-            # a float tensor stored as the run holds it (a bf16 run's bf16 tensors) stays mapped too
-            held = Held(part if keep and part.dtype == want and part.is_contiguous() else
-                        part.to(device, want, copy=True))
+            # a float tensor stored as the run holds it (a bf16 run's bf16 tensors) stays mapped too; a bf16
+            # weight the kernels may pack (they hold bf16 values in bf16: an fp32 run's LM head) is packed from
+            # the file's bytes: widened first, V4 Flash's head took 2 s and 2 GB more to load
+            packable = (isinstance(module, PackedWeight) and platform.packs_weights and part.dtype == torch.bfloat16
+                        and want == torch.float32)
+            held = Held(part) if keep and part.is_contiguous() and (part.dtype == want or packable) else \
+                Held(part.to(device, want, copy=True))
+            held = held._replace(widen=want) if held.tensor.dtype != want else held
         elif item.kind == "index":
             held = Held(part.to(device, torch.int32, copy=True))
         elif item.kind == "fp8":
@@ -500,6 +507,8 @@ def load_model(path, device="cpu", dtype=torch.bfloat16, progress: bool | None =
             if packs and attr == "weight" and isinstance(modules[prefix], PackedWeight):
                 modules[prefix].ops = ops
                 modules[prefix].pack()
+            if held.widen is not None and modules[prefix].packed is None:     # no layout of the kernels took it
+                modules[prefix].weight = nn.Parameter(held.tensor.to(held.widen), requires_grad=False)
             advance(sum(ckpt.nbytes(n) for n in item.sources))
     model.eval().prepare()
     live = {p.data_ptr() for p in model.parameters()}
