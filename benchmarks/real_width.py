@@ -13,7 +13,10 @@ release does; W8A8's copies of them read the same bytes a step); random W8A8 wei
 files). The decode state is filled
 with random values, as if `--contexts` tokens had been prefilled, so long contexts cost no prefill.
 
-With `--prefill N`, a prompt's first chunk of N tokens (trunk and head) is timed too: prefill's speed.
+The kernels' packed weights (W8A8's int8, packed float) sit on 2 MiB pages where Linux allows (`madvise`); the
+release's weights, read in place, on 4 KiB pages unless `--huge-pages` (a checkpoint's mapping gets 2 MiB pages
+where the page cache holds 2 MiB folios: ext4 and xfs on recent kernels). With `--prefill N`, a prompt's first
+chunk of N tokens (trunk and head) is timed too: prefill's speed.
 Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
 `--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the whole block of 5 runs
 through the stages at any L, the head and Markov head for its first L slots). Its time is split into
@@ -56,6 +59,7 @@ from torch import nn
 import dsv4cli.kernels
 from dsv4cli import platforms
 from dsv4cli.engine import Engine, EngineOptions
+from dsv4cli.kernels.native import weight_buffer
 from dsv4cli.model import DecodeState, ModelConfig, Segment, Transformer
 from dsv4cli.model.loader import keep_fp32
 from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
@@ -98,6 +102,7 @@ PROFILES = {"0731 prose (peers)": DSPARK_ACCEPTANCE, "agentic": (0.85, 0.72, 0.6
 # +0.08 (its DSpark recipe turns it on), SGLang +0.10 at temperature 1 (docs/peers-dec-2026.md)
 BLOCK_GAINS = (0.05, 0.08, 0.10)
 DEVICE = torch.device("cpu")
+HUGE_PAGES = False      # --huge-pages
 PARTS = ("attention", "moe", "head", "drafter", "other")
 
 
@@ -156,6 +161,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "w8a8") -> 
             if (weights == "native" and isinstance(module, Linear) and attr == "weight" and is_release_fp8(name)
                     and (".experts." in name or module.holds_fp8)):
                 w, scale = release_weight(name, p.shape, g)
+                if HUGE_PAGES:      # as a file's mapping is where the page cache holds 2 MiB folios
+                    w = weight_buffer(*w.shape, dtype=torch.uint8).copy_(w.view(torch.uint8)).view(w.dtype)
                 module.weight = nn.Parameter(w, requires_grad=False)
                 module.scale = nn.Parameter(scale, requires_grad=False)
                 continue
@@ -659,12 +666,14 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time the compiled step (torch.compile)")
     ap.add_argument("--weights", default="w8a8", choices=["w8a8", "native"],
                     help="the W8A8 recipe's int8 linears, or the official release's FP8 linears and FP4 experts")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="native: the release's weights on 2 MiB pages (the packed W8A8 weights always are)")
     ap.add_argument("--prefill", default="", help="also time a prompt's first chunk of these lengths, e.g. 256,1024")
     ap.add_argument("--drafter", default="mtp", choices=["mtp", "dspark"],
                     help="the preview's MTP layer, or 0731's DSpark stages (depths: the drafts verified, 0-5)")
     a = ap.parse_args()
-    global DEVICE
-    DEVICE = torch.device(a.device)
+    global DEVICE, HUGE_PAGES
+    DEVICE, HUGE_PAGES = torch.device(a.device), a.huge_pages
     torch.set_num_threads(a.threads)
     ratios = [int(r) for r in a.layers.split(",")]
     cfg = {**V4_FLASH, "num_hidden_layers": len(ratios), "compress_ratios": ratios + [0],
