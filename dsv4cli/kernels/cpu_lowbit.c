@@ -436,6 +436,10 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
 #define AHEAD_UNITS 2           /* the weight is asked into L2 this many units ahead */
 #define GROUP_BYTES (256 << 10) /* the weight rows that meet each x row while in L2 */
 #define FAST_R 2                /* weight rows read side by side */
+/* with one row of x, more: a unit's fixed work (its pointers, scales, sums' reductions) over more bytes; 1 KiB
+   FP8 rows read at 0.75 of the streaming read with 2, 1.0 with 4 (docs/decisions.md) */
+#define ONE_ROW_R 4
+#define ONE_ROW_FP4_K 2048      /* FP4 rows of more inputs keep FAST_R: with 4, their registers spill */
 #define FAST_MR 4               /* x rows per register tile, at most */
 #define FAST_ROWS(mr, call) switch (mr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
                                           default: call(4); }
@@ -475,7 +479,7 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
     for (int64_t c = 0; c <= steps; c++) {
         if (c == steps && !tail) break;
         const int8_t *xs = xq + c * M * Q8_STEP;
-        __m512i t[FAST_R][4], sum[FAST_R * FAST_MR];     /* R * MR * CH <= 8 */
+        __m512i t[ONE_ROW_R][4], sum[FAST_R * FAST_MR];     /* R * MR * CH <= 8 */
         for (int r = 0; r < R; r++) {
             const uint8_t *p = c < steps ? w[r] + c * (Q8_STEP / 2) : tail + r * (Q8_STEP / 2);
             __m512i l[4];
@@ -495,7 +499,7 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
                 sum[i * CH + k] = k ? _mm512_setzero_si512() : _mm512_load_si512(xc + (c * M + i % MR) * 16);
         UNROLL
         for (int v = 0; v < 8; v++) {
-            __m512i code[FAST_R];
+            __m512i code[ONE_ROW_R];
             for (int r = 0; r < R; r++) code[r] = q8_codes(t[r][v / 2], v % 2);
             for (int m = 0; m < MR; m++) {
                 __m512i xv = _mm512_load_si512(xs + m * Q8_STEP + v * 64);
@@ -559,7 +563,7 @@ struct q8_job {
    among the threads as one list: one parallel region for a MoE expert's w1 and w3. */
 static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t *xq, const int32_t *xc,
                   const float *hx, int64_t M, int threads) {
-    const int R = FAST_R, MR = FAST_MR;
+    const int R = M == 1 && K <= ONE_ROW_FP4_K ? ONE_ROW_R : FAST_R, MR = FAST_MR;
     int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), units = 0, first[4];
     for (int j = 0; j < n_jobs; j++) {
         first[j] = units;
@@ -593,8 +597,12 @@ static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t
                         memcpy(tail_s + r * 16, sr[r] + steps * 16, rest / (FP4_GROUP / 2));
                     }
 #define Q8_CALL(mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * Q8_STEP, \
-                             xc + m0 * 16, M, hx + m0, job->y + m0 * N + i, N, rows, R, mr_)
-                    FAST_ROWS(mr, Q8_CALL)
+                             xc + m0 * 16, M, hx + m0, job->y + m0 * N + i, N, rows, FAST_R, mr_)
+                    if (R == ONE_ROW_R)
+                        q8_tile(wr, sr, ar, steps, rest ? tail : NULL, tail_s, xq, xc, M, hx, job->y + i, N, rows,
+                                ONE_ROW_R, 1);
+                    else
+                        FAST_ROWS(mr, Q8_CALL)
                 }
         free(tail);
         free(tail_s);
@@ -656,10 +664,10 @@ INLINE void fp8_bf16(__m512i b, __m512i *lo, __m512i *hi) {
 INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int64_t tiles, int64_t first,
                       int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const uint16_t *xs,
                       int64_t M, const float *sc, float *y, int64_t N, int rows, const int R, const int MR) {
-    __m512 acc[FAST_R * FAST_MR];
+    __m512 acc[R_MAX * FAST_MR];
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; t++) {
-        __m512 part[2 * FAST_R * FAST_MR];               /* chunk 2t's products, then 2t + 1's */
+        __m512 part[2 * R_MAX * FAST_MR];               /* chunk 2t's products, then 2t + 1's */
         for (int i = 0; i < 2 * R * MR; i++) part[i] = _mm512_setzero_ps();
         const uint16_t *xt = xs + t * M * FP8_TILE;
         int edge = 2 * t <= first || 2 * t + 1 >= last;      /* chunks outside the inputs read nothing */
@@ -668,7 +676,7 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
             int64_t c = 2 * t + h;
             __mmask64 in = c < first || c > last ? 0 : (c == first ? first_mask : ~0ull) & (c == last ? last_mask
                                                                                                        : ~0ull);
-            __m512i lo[FAST_R], hi[FAST_R];
+            __m512i lo[R_MAX], hi[R_MAX];
             for (int r = 0; r < R; r++) {
                 const uint8_t *p = w[r] + BF16_CHUNK * c - col0;
                 if (ahead) _mm_prefetch((const char *)ahead[r] + BF16_CHUNK * c, _MM_HINT_T1);
@@ -716,7 +724,7 @@ static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64
 
 static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                       const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
-    const int R = FAST_R, MR = FAST_MR;
+    const int R = M == 1 ? ONE_ROW_R : FAST_R, MR = FAST_MR;
     int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
     int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
     __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
@@ -757,8 +765,12 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
                     unit_rows(w + i * w_stride, w_stride, rows, R, wr);
                     unit_rows(w + (i + AHEAD_UNITS * R) * w_stride - col0, w_stride, R, R, ar);
 #define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, tiles, first, last, first_mask, last_mask, col0, \
-                                 xs + m0 * FP8_TILE, M, sc, y + m0 * N + i, N, rows, R, mr_)
-                    FAST_ROWS(mr, BF16_CALL)
+                                 xs + m0 * FP8_TILE, M, sc, y + m0 * N + i, N, rows, FAST_R, mr_)
+                    if (M == 1)
+                        bf16_tile(wr, ar, tiles, first, last, first_mask, last_mask, col0, xs, M, sc, y + i, N, rows,
+                                  ONE_ROW_R, 1);
+                    else
+                        FAST_ROWS(mr, BF16_CALL)
                 }
         free(sc);
     }
