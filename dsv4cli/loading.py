@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from dsv4cli import platforms
+from dsv4cli import kernels, platforms
 from dsv4cli.config import SAMPLING_KEYS, Settings, read_json
 from dsv4cli.encoding import is_tool
 from dsv4cli.engine import COMPILE_BUDGET, Engine, EngineAPI, EngineOptions, SamplingParams, decode_state_bytes
@@ -18,6 +18,7 @@ from dsv4cli.hub import missing_model
 from dsv4cli.model import ConfigError, LoadError, ModelConfig, Transformer, load_model
 from dsv4cli.model.drafters import drafter_kind
 from dsv4cli.model.footprint import footprint, tp_problem
+from dsv4cli.model.loader import open_checkpoint, weights_mode
 from dsv4cli.tokenizer import Tokenizer
 from dsv4cli.units import human_bytes
 
@@ -40,8 +41,18 @@ def pick_device(name: str) -> torch.device:
         raise UsageError(str(e)) from None
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    return getattr(torch, platforms.for_device(device).default_dtype if name == "auto" else name)
+def pick_dtype(s: Settings, device: torch.device) -> torch.dtype:
+    """--dtype; `auto`: the platform's default, or the kernels' own choice for a run holding the official release's
+    FP8/FP4 as stored (`release_dtype`: bf16 on a CPU with the fast kernels)."""
+    if s.dtype != "auto":
+        return getattr(torch, s.dtype)
+    try:
+        ckpt = open_checkpoint(s.model_dir)
+        release_native = ckpt.format == "fp8" and weights_mode(ckpt, s.weights, device) == "native"
+    except LoadError:          # the load says what is wrong
+        release_native = False
+    chosen = kernels.module_for(device).release_dtype() if release_native else None
+    return getattr(torch, chosen or platforms.for_device(device).default_dtype)
 
 
 def sampling_params(s: Settings) -> SamplingParams:
@@ -95,7 +106,7 @@ def check_limits(s: Settings, cfg: ModelConfig, device: torch.device, verb: str)
     for token in s.stop_token_ids:
         if token >= cfg.vocab_size:
             raise UsageError(f"--stop-token-id {token}: not a token id; the vocabulary has {cfg.vocab_size}")
-    dtype = pick_dtype(s.dtype, device)
+    dtype = pick_dtype(s, device)
     try:
         parameters, held = footprint(s.model_dir, s.tp, float_bytes=dtype.itemsize, weights=s.weights, device=device)
     except LoadError as e:
@@ -133,7 +144,7 @@ def load_weights(s: Settings, device: torch.device) -> tuple[Transformer, Tokeni
         torch.set_num_threads(s.threads)
     try:
         tokenizer = Tokenizer.from_dir(s.model_dir)
-        model = load_model(s.model_dir, device=device, dtype=pick_dtype(s.dtype, device), weights=s.weights,
+        model = load_model(s.model_dir, device=device, dtype=pick_dtype(s, device), weights=s.weights,
                            mmap_weights=s.mmap, mlock=s.mlock)
     except (LoadError, ValueError) as e:
         raise UsageError(str(e)) from None

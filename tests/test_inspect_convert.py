@@ -9,6 +9,7 @@ from test_w8a8 import assert_matches_fake_quant, fake_quant_reference
 from tiny import random_model, tiny_config, write_checkpoint
 
 from dsv4cli.cli import main
+from dsv4cli.config import Settings
 from dsv4cli.model import LoadError, ModelConfig, Transformer, load_model
 from dsv4cli.model import loader as loader_module
 from dsv4cli.model import model as model_module
@@ -181,3 +182,20 @@ def test_convert_to_the_releases_layout_and_run_it_every_way(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "fp4")]) == 0
     out = capsys.readouterr().out
     assert all(f"--weights {mode}" in out for mode in ("native", "w8a8", "float")) and "FP4" in out
+
+
+def test_dtype_auto_takes_bf16_for_the_releases_bytes_where_the_fast_kernels_run(tmp_path):
+    """`--dtype auto` on the CPU: bf16 for a run holding the release's FP8/FP4 as stored where the fast kernels
+    run (their speed at W8A8's accuracy), else fp32, as for W8A8 and float checkpoints and the release
+    re-quantised or decoded; a dtype asked for is kept."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.kernels import native
+    from dsv4cli.loading import pick_dtype
+
+    convert(BUNDLED_MODEL_DIR, tmp_path / "fp4", to="fp4", progress=False)
+    release, cpu = str(tmp_path / "fp4"), torch.device("cpu")
+    fast = torch.bfloat16 if native.lowbit_fast_available() else torch.float32
+    assert [pick_dtype(Settings(model=release, weights=w), cpu) for w in ("auto", "native")] == [fast, fast]
+    others = [Settings(model=release, weights="w8a8"), Settings(model=release, weights="float"),
+              Settings(model=release, dtype="float32"), Settings(), Settings(model=str(tmp_path))]   # no checkpoint
+    assert [pick_dtype(s, cpu) for s in others] == [torch.float32] * len(others)

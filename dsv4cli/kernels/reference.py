@@ -338,6 +338,12 @@ def routed_experts(x, weights, local, experts, shared=None, xq=None) -> torch.Te
     return y
 
 
+def release_dtype() -> str | None:
+    """The activations' dtype `--dtype auto` takes where the official release's FP8/FP4 are held as stored, when
+    it is not the platform's default (its kernels are faster in it), or None."""
+    return None
+
+
 def expert_table(experts, shared=None):
     """A MoE layer's experts (then the shared one, if given) as a fused kernel of the platform's holds them,
     or None (the reference has none: `routed_experts` runs them one by one)."""
