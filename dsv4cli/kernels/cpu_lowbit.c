@@ -437,7 +437,7 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
 #define GROUP_BYTES (256 << 10) /* the weight rows that meet each x row while in L2 */
 #define FAST_R 2                /* weight rows read side by side */
 /* with one row of x, more: a unit's fixed work (its pointers, scales, sums' reductions) over more bytes; 1 KiB
-   FP8 rows read at 0.75 of the streaming read with 2, 1.0 with 4 (docs/decisions.md) */
+   FP8 rows read at 0.75 of the streaming read with 2, 0.9-1.0 with 4 (docs/decisions.md) */
 #define ONE_ROW_R 4
 #define ONE_ROW_FP4_K 2048      /* FP4 rows of more inputs keep FAST_R: with 4, their registers spill */
 #define FAST_MR 4               /* x rows per register tile, at most */
@@ -559,8 +559,8 @@ struct q8_job {
     float *y;
 };
 
-/* The weights of `jobs` (of K inputs each) against M rows of x' (q8_layout's xq, xc, hx), their units shared
-   among the threads as one list: one parallel region for a MoE expert's w1 and w3. */
+/* The weights of `jobs` (at most 4, of K inputs each) against M rows of x' (q8_layout's xq, xc, hx), their units
+   shared among the threads as one list: one parallel region for a MoE expert's w1 and w3. */
 static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t *xq, const int32_t *xc,
                   const float *hx, int64_t M, int threads) {
     const int R = M == 1 && K <= ONE_ROW_FP4_K ? ONE_ROW_R : FAST_R, MR = FAST_MR;
