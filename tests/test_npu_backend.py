@@ -7,6 +7,7 @@ import torch
 from tiny import random_model, tiny_config
 
 from dsv4cli import kernels, loading, platforms
+from dsv4cli.config import Settings
 from dsv4cli.kernels import reference
 from dsv4cli.kernels.reference import ExpertStack
 from dsv4cli.model import load_model
@@ -259,7 +260,7 @@ def test_a_platform_registered_here_runs_the_whole_w8a8_model(npu950, monkeypatc
     save_w8a8(random_model(cfg, seed=1), cfg, tmp_path)
     monkeypatch.setitem(platforms._REGISTRY, "cpu", HostWithNpuKernels())
     device = loading.pick_device("auto")
-    dtype = loading.pick_dtype("auto", device)
+    dtype = loading.pick_dtype(Settings(model=str(tmp_path)), device)
     assert dtype == torch.bfloat16
     model = load_model(tmp_path, device=device, dtype=dtype)
     blocks = [*model.layers, *model.mtp]

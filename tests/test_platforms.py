@@ -64,8 +64,8 @@ def test_a_registered_platform_is_picked_and_drives_the_device_choices(monkeypat
 
     monkeypatch.setitem(platforms._REGISTRY, "meta", MetaAccelerator())
     device = loading.pick_device("auto")
-    assert device == torch.device("meta") and loading.pick_dtype("auto", device) == torch.float16
-    assert loading.pick_dtype("bfloat16", device) == torch.bfloat16
+    assert device == torch.device("meta") and loading.pick_dtype(Settings(), device) == torch.float16
+    assert loading.pick_dtype(Settings(dtype="bfloat16"), device) == torch.bfloat16
     graphs = DecodeGraphs.for_device(device)
     assert graphs.graph_cls is torch.cuda.CUDAGraph
     assert "meta" in platforms.names() and platforms.for_device(device).dist_backend == "gloo"
