@@ -72,6 +72,11 @@ except ImportError:
     DSparkDrafter = MTPDrafter = DSparkAttention = None
 from dsv4cli.model.quant import FP32_TENSORS, is_w8a8_linear
 
+try:            # an older checkout names no drafter kinds
+    from dsv4cli.model.drafters import drafter_kind
+except ImportError:
+    drafter_kind = None
+
 try:            # an older checkout holds no release formats
     from dsv4cli.model.quant import is_release_fp8
 except ImportError:
@@ -149,7 +154,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "w8a8") -> 
     """V4-shaped model with random weights: the W8A8 recipe's linears int8 + per-channel scales (`weights`
     w8a8), or the release's FP8 linears and FP4 routed experts (native), the rest float (fp32 where the
     checkpoints keep fp32), materialised tensor by tensor."""
-    dspark = getattr(cfg, "drafter", None) == "dspark"
+    kind = drafter_kind(cfg) if drafter_kind else getattr(cfg, "drafter", None) == "dspark"   # (an older checkout)
     with torch.device("meta"):
         model = Transformer(cfg)
     g = torch.Generator(DEVICE).manual_seed(0)
@@ -166,7 +171,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "w8a8") -> 
                 module.weight = nn.Parameter(w, requires_grad=False)
                 module.scale = nn.Parameter(scale, requires_grad=False)
                 continue
-            int8 = weights == "w8a8" and (is_w8a8_linear(name, dspark) if dspark else is_w8a8_linear(name))
+            int8 = weights == "w8a8" and (is_w8a8_linear(name, kind) if kind else is_w8a8_linear(name))
             if isinstance(module, Linear) and attr == "weight" and int8 and not getattr(module, "float_only", False):
                 module.weight = nn.Parameter(torch.randint(-127, 128, p.shape, generator=g, dtype=torch.int8,
                                                            device=DEVICE),
