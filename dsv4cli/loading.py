@@ -6,6 +6,7 @@ import functools
 import gc
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -46,13 +47,18 @@ def pick_dtype(s: Settings, device: torch.device) -> torch.dtype:
     FP8/FP4 as stored (`release_dtype`: bf16 on a CPU with the fast kernels)."""
     if s.dtype != "auto":
         return getattr(torch, s.dtype)
-    try:
-        ckpt = open_checkpoint(s.model_dir)
-        release_native = ckpt.format == "fp8" and weights_mode(ckpt, s.weights, device) == "native"
-    except LoadError:          # the load says what is wrong
-        release_native = False
-    chosen = kernels.module_for(device).release_dtype() if release_native else None
+    chosen = kernels.module_for(device).release_dtype() if holds_release(s.model_dir, s.weights, device) else None
     return getattr(torch, chosen or platforms.for_device(device).default_dtype)
+
+
+@functools.cache        # asked by the memory check and by the load: the shards' headers read once
+def holds_release(model_dir: Path, weights: str, device: torch.device) -> bool:
+    """Whether a run holds the official release's FP8/FP4 as stored (`--weights` resolving to native)."""
+    try:
+        ckpt = open_checkpoint(model_dir)
+        return ckpt.format == "fp8" and weights_mode(ckpt, weights, device) == "native"
+    except LoadError:          # the load says what is wrong
+        return False
 
 
 def sampling_params(s: Settings) -> SamplingParams:

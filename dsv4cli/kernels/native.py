@@ -37,6 +37,8 @@ import torch
 
 from dsv4cli.cache import user_cache_dir
 
+from .reference import AMAX_FLOOR
+
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c",
                                                                 "cpu_rope.c", "cpu_quant.c")]
 HEADERS = [Path(__file__).with_name("cpu_load.h")]     # included by the sources: part of what a build is of
@@ -355,7 +357,6 @@ def fp4_routed_experts(x: torch.Tensor, weights: torch.Tensor, local: torch.Tens
     """A bf16 run's routed FP4 experts (an "fp4" table) in one call: `reference.routed_experts` with each
     projection through `fp4_mm_q8`, the same bits; x [T, dim] bf16, weights and local [T, k] as
     `routed_experts` takes them. Returns fp32 [T, dim]."""
-    from .reference import AMAX_FLOOR
     x = x.bfloat16().contiguous()
     weights, local = weights.float().contiguous(), local.to(torch.int64).contiguous()
     y = torch.zeros(x.shape[0], table.dim)
@@ -636,7 +637,6 @@ def fp4_mm_q8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     bits of `reference.quantize_per_token`: q, sx), times the FP4 weight in exact int32 sums per group of 32, each
     times its scale into fp32 sums: y = sx * sum_g 2^(e_g - 127) * sum_{k in g} q[k] e2m1[k]. Returns fp32
     [..., N]. lib: a `lowbit_library` build with the fast kernels (default: this CPU's)."""
-    from .reference import AMAX_FLOOR
     n, k = weight.shape[0], _fp4_checked(weight, scale)
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} inputs where the weight has {k}")
