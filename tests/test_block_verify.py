@@ -14,7 +14,7 @@ import torch
 
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.engine import Engine, EngineOptions, SamplingParams
-from dsv4cli.engine.verify import verify, verify_block
+from dsv4cli.engine.verify import expected_accepted, verify, verify_block
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
 
@@ -173,6 +173,30 @@ def test_the_code_draws_what_the_rule_says():
                 want[tuple(drafts[:n].tolist()) + (y,)] = float(chance * pr)
         got = outcomes(p.float(), drafts, None if argmax else q.float(), limit, n=100_000)
         assert close(got, want, n=100_000), (K, V, limit, argmax)
+
+
+def test_expected_acceptance_is_the_rules_own():
+    """`expected_accepted` (what `benchmarks/verify_rules.py` compares the rules by, on the same drafted blocks)
+    gives each rule's mean accepted drafts for the drafts given, as the exact rules do: on the block worked by
+    hand (block 3/16 x 2 + 3/16 = 9/16, token 1/2 + 3/16 = 11/16), on random blocks with sampled and argmax
+    drafts and limits."""
+    got = [expected_accepted(P[None], D[None], Q[None], block=b).item() for b in (True, False)]
+    assert got == pytest.approx([9 / 16, 11 / 16], abs=1e-6)
+    g = torch.Generator().manual_seed(7)
+    for K, V, limit, argmax in ((3, 4, None, False), (3, 4, 2, False), (2, 5, None, True), (4, 3, 3, False)):
+        p = torch.softmax(torch.randn(K + 1, V, generator=g, dtype=torch.float64) * 1.2, -1)
+        q = torch.softmax(torch.randn(K, V, generator=g, dtype=torch.float64) * 1.2, -1)
+        drafts = torch.multinomial(q, 1, generator=g).squeeze(-1)
+        if argmax:
+            q = torch.nn.functional.one_hot(drafts, V).double()
+        L = K if limit is None else limit
+        exact = ([[Fraction(x) for x in r] for r in p[:L + 1].tolist()],
+                 [[Fraction(x) for x in r] for r in q[:L].tolist()])
+        for rule, block in ((block_rule, True), (token_rule, False)):
+            want = sum(n * c for n, (c, _) in rule(*exact, tuple(drafts[:L].tolist())).items())
+            got = expected_accepted(p[None], drafts[None], None if argmax else q[None],
+                                    None if limit is None else torch.tensor([limit]), block=block)
+            assert got.item() == pytest.approx(float(want), abs=1e-9), (K, V, limit, argmax, rule.__name__)
 
 
 def test_greedy_rows_match_prefixes():

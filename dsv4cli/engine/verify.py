@@ -85,11 +85,24 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
 
 def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
                  q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
-    """`verify` by the block rule, for K >= 1 drafts. With w_0 = 1 and w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i))
-    (the mass drafts 1..i carry), the residual after i accepted drafts is r_i = max(w_i p_{i+1} - q_{i+1}, 0)
-    and the test of prefix i is h_i = |r_i| / (|r_i| + 1 - w_i), that of the whole block (i = L, the row's
-    limit) h_L = w_L. The row keeps the longest prefix i whose uniform passes its test (0 if none), then draws
-    from r_i, or from p_{L+1} after the whole block. Same arguments and result as `verify`."""
+    """`verify` by the block rule, for K >= 1 drafts: the row keeps the longest prefix i whose uniform passes
+    its test h_i (`_block_tests`; 0 if none), then draws from r_i, or from p_{L+1} after the whole block. Same
+    arguments and result as `verify`."""
+    K = probs.shape[1] - 1
+    dev = probs.device
+    L, _, w, test = _block_tests(probs, drafts, q, limit)
+    prefix = torch.arange(K + 1, device=dev)
+    eta = uniform(seed[:, None], pos[:, None] + torch.arange(K, device=dev), RNG_ACCEPT)  # [B,K]: prefixes 1..K
+    passed = (eta <= test[:, 1:]) & (prefix[1:] <= L[:, None])
+    n_acc = (passed.long() * prefix[1:]).amax(-1)                                          # the longest, or 0
+    return _draw_last(probs, drafts, seed, pos, n_acc, L, q, w.gather(1, n_acc[:, None])), n_acc
+
+
+def _block_tests(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, limit: torch.Tensor | None):
+    """The block rule's quantities for K >= 1 drafts (arguments as `verify`): with w_0 = 1 and
+    w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)) (the mass drafts 1..i carry), the residual after i accepted drafts
+    is r_i = max(w_i p_{i+1} - q_{i+1}, 0) and the test of prefix i is h_i = |r_i| / (|r_i| + 1 - w_i), that of
+    the whole block (i = L, the row's limit) h_L = w_L. Returns (L [B], p/q [B,K], w [B,K+1], h [B,K+1])."""
     B, R, V = probs.shape
     K = R - 1
     dev = probs.device
@@ -104,14 +117,27 @@ def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, 
     # |r_i| for i < K; with argmax drafts (q one-hot at the next draft) r_i is w_i p_{i+1} without that draft
     mass = w[:, :K] * (1.0 - p_draft) if q is None else \
         (w[:, :K, None] * probs[:, :K] - q).clamp_(min=0.0).sum(-1)
-    test = torch.where(mass > 0, mass / (mass + 1.0 - w[:, :K]).clamp(min=1e-30), 0.0)   # h_0..h_{K-1}
+    # 1 - w first: where w_i rounds to 1 a tiny |r_i| gives h_i = 1, not |r_i| / 0
+    test = torch.where(mass > 0, mass / (mass + (1.0 - w[:, :K])).clamp(min=1e-30), 0.0)  # h_0..h_{K-1}
     test = torch.cat([test, w[:, K:]], 1)                                                  # h_K: never used as a prefix
     prefix = torch.arange(K + 1, device=dev)
     test = torch.where(prefix == L[:, None], w.gather(1, L[:, None]).expand(-1, K + 1), test)   # h_L = w_L
-    eta = uniform(seed[:, None], pos[:, None] + torch.arange(K, device=dev), RNG_ACCEPT)  # [B,K]: prefixes 1..K
-    passed = (eta <= test[:, 1:]) & (prefix[1:] <= L[:, None])
-    n_acc = (passed.long() * prefix[1:]).amax(-1)                                          # the longest, or 0
-    return _draw_last(probs, drafts, seed, pos, n_acc, L, q, w.gather(1, n_acc[:, None])), n_acc
+    return L, ratio, w, test
+
+
+def expected_accepted(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None = None,
+                      limit: torch.Tensor | None = None, block: bool = False) -> torch.Tensor:
+    """The drafts each row accepts on average over the verifier's uniforms, given these drafts (arguments as
+    `verify`, K >= 1): the token rule's sum over i of prod_{j<=i} min(1, p_j(d_j) / q_j(d_j)); the block rule's
+    sum over i of P(some prefix >= i passes) = 1 - prod_{j=i..L} (1 - h_j). Averaged over drafted blocks it is
+    each rule's expected acceptance, compared on the same blocks (`benchmarks/verify_rules.py`). [B] float."""
+    K = probs.shape[1] - 1
+    L, ratio, _, test = _block_tests(probs, drafts, q, limit)
+    inside = torch.arange(1, K + 1, device=probs.device) <= L[:, None]                   # prefixes 1..L
+    if not block:
+        return (ratio.clamp(max=1.0).cumprod(-1) * inside).sum(-1)
+    fail = torch.where(inside, 1.0 - test[:, 1:].clamp(max=1.0), 1.0)
+    return (inside * (1.0 - fail.flip(1).cumprod(1).flip(1))).sum(-1)
 
 
 def _draw_last(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, n_acc: torch.Tensor,

@@ -100,12 +100,12 @@ DSPARK = DrafterKind(
                           "own_vocabulary_copies": cfg.dspark_vocab_copies},
     summary=_dspark_summary)
 
-# The preview checkpoints' MTP layer (engine/mtp.py), chained for depth K: argmax drafts.
+# The preview checkpoints' MTP layer (engine/mtp.py), chained for depth K, sampled.
 MTP = DrafterKind(
     name="mtp", label="MTP", layers="MTP layers", layers_key="num_nextn_predict_layers",
     present=lambda cfg: cfg.n_mtp_layers > 0,
     auto_depth=lambda cfg: 1, max_depth=lambda cfg: None,
-    samples=False, confidence=False, target_layers=lambda cfg: (),
+    samples=True, confidence=False, target_layers=lambda cfg: (),
     write_ahead=lambda depth: depth,    # its chain writes pos + n_acc + K - 1: below the committed tokens + K
     in_transformers=True,
     vocab_copies=lambda cfg: {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.head.weight"},
