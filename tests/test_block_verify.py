@@ -171,7 +171,7 @@ def test_the_code_draws_what_the_rule_says():
         for n, (chance, last) in exact.items():
             for y, pr in enumerate(last):
                 want[tuple(drafts[:n].tolist()) + (y,)] = float(chance * pr)
-        got = outcomes(p.float(), drafts, None if argmax else q.float(), limit, n=100_000)
+        got = outcomes(p.float(), drafts, q.float(), limit, n=100_000)
         assert close(got, want, n=100_000), (K, V, limit, argmax)
 
 
@@ -194,8 +194,8 @@ def test_expected_acceptance_is_the_rules_own():
                  [[Fraction(x) for x in r] for r in q[:L].tolist()])
         for rule, block in ((block_rule, True), (token_rule, False)):
             want = sum(n * c for n, (c, _) in rule(*exact, tuple(drafts[:L].tolist())).items())
-            got = expected_accepted(p[None], drafts[None], None if argmax else q[None],
-                                    None if limit is None else torch.tensor([limit]), block=block)
+            got = expected_accepted(p[None], drafts[None], q[None], None if limit is None else torch.tensor([limit]),
+                                    block=block)
             assert got.item() == pytest.approx(float(want), abs=1e-9), (K, V, limit, argmax, rule.__name__)
 
 
@@ -208,7 +208,7 @@ def test_greedy_rows_match_prefixes():
     drafts = torch.where(torch.rand(B, K, generator=g) < 0.7, targets[:, :K], torch.randint(0, V, (B, K), generator=g))
     q = torch.softmax(torch.randn(B, K, V, generator=g), -1)
     one_hot = torch.nn.functional.one_hot(targets, V).float()
-    for draws in (q, None):
+    for draws in (q, torch.nn.functional.one_hot(drafts, V).float()):
         tokens, n_acc = verify_block(one_hot, drafts, torch.arange(B), torch.zeros(B, dtype=torch.long), draws)
         matched = (drafts == targets[:, :K]).long().cumprod(-1).sum(-1)
         assert torch.equal(n_acc, matched)

@@ -60,7 +60,7 @@ def test_every_kind_has_every_part(kind):
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
 def test_the_description_is_what_the_modules_do(kind, tok):
     """The stages are its stage module, the footprint's arithmetic lists what they hold, the trunk gives target
-    features where it has target layers, and its proposals carry q and confidences as it says."""
+    features where it has target layers, and its sampled proposals carry q, and confidences as it says."""
     model = model_of(kind)
     cfg = model.cfg
     assert all(type(stage) is STAGES[kind] for stage in model.mtp) and len(model.mtp) == cfg.n_mtp_layers
@@ -83,7 +83,7 @@ def test_the_description_is_what_the_modules_do(kind, tok):
     assert proposals
     for p in proposals:
         assert p.drafts.shape[1] == 2
-        assert (p.q is not None) == kind.samples and (p.confidence is not None) == kind.confidence
+        assert p.q is not None and (p.confidence is not None) == kind.confidence
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)

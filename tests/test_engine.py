@@ -48,14 +48,16 @@ def test_context_exhaustion(model, tok):
 
 
 def test_verify_is_distribution_exact():
-    """With argmax drafts, committed tokens follow the target rows exactly: the first token ~ p0,
-    and given it equals draft 1, the second ~ p1 (chi-square over 40k independent seeds)."""
+    """With argmax drafts (a one-hot q, as a grammar forces them), committed tokens follow the target rows
+    exactly: the first token ~ p0, and given it equals draft 1, the second ~ p1 (chi-square over 40k
+    independent seeds)."""
     V, N = 6, 40_000
     g = torch.Generator().manual_seed(0)
     p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, -1)
     drafts = torch.tensor([p[0].argmax(), p[1].argmax()])
     probs = p.expand(N, -1, -1)
-    tokens, n_acc = verify(probs, drafts.expand(N, -1), torch.arange(N), torch.zeros(N, dtype=torch.long))
+    q = torch.nn.functional.one_hot(drafts, V).float().expand(N, -1, -1)
+    tokens, n_acc = verify(probs, drafts.expand(N, -1), torch.arange(N), torch.zeros(N, dtype=torch.long), q)
     first = tokens[:, 0]
     second = tokens[n_acc >= 1, 1]
 
@@ -260,7 +262,8 @@ def test_verify_greedy_is_verify_on_one_hot_rows():
         other = torch.randint(0, 5, (64, k), generator=g)
         drafts = torch.where(torch.rand(64, k, generator=g) < 0.7, targets[:, :k], other)
         one_hot = torch.zeros(64, k + 1, 5).scatter_(-1, targets[..., None], 1.0)
-        want = verify(one_hot, drafts, torch.arange(64), torch.zeros(64, dtype=torch.long))
+        q = torch.zeros(64, k, 5).scatter_(-1, drafts[..., None], 1.0)     # drafts from any q
+        want = verify(one_hot, drafts, torch.arange(64), torch.zeros(64, dtype=torch.long), q)
         got = verify_greedy(targets, drafts)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert k == 0 or set(got[1].tolist()) == set(range(k + 1))

@@ -45,9 +45,9 @@ class DraftRows(NamedTuple):
 
 class Proposal(NamedTuple):
     """A segment's next drafts [B, D] (D: the drafter's drafts a step), the distributions they were drawn
-    from [B, D, V] (None: argmaxes, or a step of greedy rows only; DrafterKind.samples), and each draft's
-    confidence [B, D]: the chance it is accepted given the ones before it (None: the drafter doesn't say;
-    DrafterKind.confidence)."""
+    from [B, D, V] at the requests' settings (None: a step of greedy rows only, whose drafts are argmaxes), and
+    each draft's confidence [B, D]: the chance it is accepted given the ones before it (None: the drafter
+    doesn't say; DrafterKind.confidence)."""
     drafts: torch.Tensor
     q: torch.Tensor | None
     confidence: torch.Tensor | None

@@ -36,8 +36,8 @@ class SlotState:
     last:      [B] long, the last committed token, not yet run through the trunk
     pos:       [B] long, its position
     drafts:    [B, max(K, 1)] long, the drafts the next step verifies (K: the drafter's drafts a step)
-    draft_q:   [B, K, V] the distributions they were drawn from (a drafter that samples its drafts:
-               DrafterKind.samples)
+    draft_q:   [B, K, V] the distributions they were drawn from (one-hot where a grammar forced them; read in
+               sampled steps only)
     confidence: [B, K] each draft's chance of acceptance given the earlier ones (DrafterKind.confidence)
     limit:     [B] long, the drafts a slot's row verifies in a step whose key says `limits` (the host's
                choice, written before the step)
@@ -57,9 +57,8 @@ class SlotState:
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)
         self.limit = torch.zeros(max_batch, dtype=torch.long, device=device)
         kind = drafter_kind(model.cfg) if depth else None
-        samples, confidence = bool(kind and kind.samples), bool(kind and kind.confidence)
-        self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if samples else None
-        self.confidence = torch.zeros(max_batch, depth, device=device) if confidence else None
+        self.draft_q = torch.zeros(max_batch, depth, model.cfg.vocab_size, device=device) if kind else None
+        self.confidence = torch.zeros(max_batch, depth, device=device) if kind and kind.confidence else None
         self.sampling = SlotParams(max_batch, model.cfg.vocab_size, device)
         self._views: dict[int, SlotView] = {}
 

@@ -2,12 +2,11 @@
 verifier every drafter's drafts go through, and the one way a committed token is chosen (a prompt's first
 token is a row with no drafts).
 
-Drafts drawn from a distribution q (DSpark's Markov-biased one) are accepted with probability
-min(1, p(d)/q(d)); on rejection the token is drawn from the residual max(p - q, 0), renormalised (p where
-it has no mass); when every draft is accepted a bonus token is drawn from the last row. Argmax drafts
-(the MTP layer's) have a one-hot q: accept with probability p(d), on rejection draw from p with d removed.
-Either way the output is distributed exactly as the target model's, and greedy rows (one-hot p) get
-exact-match acceptance. A row may verify fewer drafts than the step has (`limit`): it then commits what a
+Drafts drawn from a distribution q (the drafter's at the request's settings; one-hot where a grammar
+forced them) are accepted with probability min(1, p(d)/q(d)); on rejection the token is drawn from the
+residual max(p - q, 0), renormalised (p where it has no mass); when every draft is accepted a bonus token is
+drawn from the last row. The output is distributed exactly as the target model's, and greedy rows (one-hot
+p) get exact-match acceptance. A row may verify fewer drafts than the step has (`limit`): it then commits what a
 step of that many drafts commits, token for token (its uniforms are keyed by position, not by step).
 
 That is the token rule (`verify`). The block rule (`verify_block`; Sun et al., "Block Verification
@@ -40,7 +39,7 @@ def commit_rows(logits: torch.Tensor, drafts: torch.Tensor, sp: SlotParams, b: s
     the logits' argmax (the tokens their distributions give); with logprobs, each candidate is scored by its
     own row's processed distribution (a correction token reports its probability under the model, not under
     the residual it was drawn from).
-    `q` [B,K,V]: the distributions the drafts were drawn from (None: they are argmaxes); `limit` [B]: the
+    `q` [B,K,V]: the distributions the drafts were drawn from (None only with K = 0); `limit` [B]: the
     drafts each row verifies, at most K (None: K); `block`: sampled rows verify by the block rule.
     Returns (tokens [B,K+1], n_accepted [B], what `token_logprobs` gives for the tokens or None)."""
     if mode.greedy:
@@ -62,7 +61,7 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     """Speculative verification of K drafts with K+1 target rows.
 
     probs [B,K+1,V]: row i is the target distribution after the i-th draft; drafts [B,K] drawn from q
-    [B,K,V] (None: argmax drafts, q one-hot); pos [B] the position of row 0; limit [B] the drafts each row
+    [B,K,V] (None only with K = 0); pos [B] the position of row 0; limit [B] the drafts each row
     verifies (None: K; 0: the row samples its first distribution, as plain decoding). Returns (tokens [B,K+1],
     n_accepted [B]): the committed tokens are tokens[:, :n_accepted+1] (accepted drafts, then a correction
     or bonus token).
@@ -71,10 +70,9 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     K = R - 1
     rows = pos[:, None] + torch.arange(R, device=probs.device)
     if K:
-        p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)          # [B,K]
-        if q is not None:       # min(1, p/q): a draft q never draws (q = 0) is accepted only where p has it
-            p_draft = p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        accept = uniform(seed[:, None], rows[:, :K], RNG_ACCEPT) < p_draft
+        # min(1, p/q): a draft q never draws (q = 0) is accepted only where p has it
+        ratio = probs[:, :K].gather(-1, drafts.unsqueeze(-1)) / q.gather(-1, drafts.unsqueeze(-1))
+        accept = uniform(seed[:, None], rows[:, :K], RNG_ACCEPT) < ratio.squeeze(-1)
         if limit is not None:
             accept &= torch.arange(K, device=probs.device) < limit[:, None]
         n_acc = accept.long().cumprod(-1).sum(-1)                                   # leading accepts
@@ -83,8 +81,8 @@ def verify(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: t
     return _draw_last(probs, drafts, seed, pos, n_acc, limit, q), n_acc
 
 
-def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor,
-                 q: torch.Tensor | None = None, limit: torch.Tensor | None = None):
+def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, q: torch.Tensor,
+                 limit: torch.Tensor | None = None):
     """`verify` by the block rule, for K >= 1 drafts: the row keeps the longest prefix i whose uniform passes
     its test h_i (`_block_tests`; 0 if none), then draws from r_i, or from p_{L+1} after the whole block. Same
     arguments and result as `verify`."""
@@ -98,7 +96,7 @@ def verify_block(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, 
     return _draw_last(probs, drafts, seed, pos, n_acc, L, q, w.gather(1, n_acc[:, None])), n_acc
 
 
-def _block_tests(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None, limit: torch.Tensor | None):
+def _block_tests(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, limit: torch.Tensor | None):
     """The block rule's quantities for K >= 1 drafts (arguments as `verify`): with w_0 = 1 and
     w_i = min(1, w_{i-1} p_i(d_i) / q_i(d_i)) (the mass drafts 1..i carry), the residual after i accepted drafts
     is r_i = max(w_i p_{i+1} - q_{i+1}, 0) and the test of prefix i is h_i = |r_i| / (|r_i| + 1 - w_i), that of
@@ -109,14 +107,12 @@ def _block_tests(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
     L = torch.full((B,), K, device=dev) if limit is None else limit.clamp(max=K)
     p_draft = probs[:, :K].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)                  # [B,K]
     # p/q; a draft q never draws (q = 0) carries mass only where p has it
-    ratio = p_draft if q is None else (p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)).nan_to_num(0.0)
+    ratio = (p_draft / q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)).nan_to_num(0.0)
     w = [torch.ones(B, device=dev)]
     for i in range(K):
         w.append(torch.where(w[-1] > 0, torch.minimum(w[-1] * ratio[:, i], torch.ones_like(w[-1])), 0.0))
     w = torch.stack(w, 1)                                                                   # [B,K+1]: w_0..w_K
-    # |r_i| for i < K; with argmax drafts (q one-hot at the next draft) r_i is w_i p_{i+1} without that draft
-    mass = w[:, :K] * (1.0 - p_draft) if q is None else \
-        (w[:, :K, None] * probs[:, :K] - q).clamp_(min=0.0).sum(-1)
+    mass = (w[:, :K, None] * probs[:, :K] - q).clamp_(min=0.0).sum(-1)                    # |r_i|, i < K
     # 1 - w first: where w_i rounds to 1 a tiny |r_i| gives h_i = 1, not |r_i| / 0
     test = torch.where(mass > 0, mass / (mass + (1.0 - w[:, :K])).clamp(min=1e-30), 0.0)  # h_0..h_{K-1}
     test = torch.cat([test, w[:, K:]], 1)                                                  # h_K: never used as a prefix
@@ -125,8 +121,8 @@ def _block_tests(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | No
     return L, ratio, w, test
 
 
-def expected_accepted(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None = None,
-                      limit: torch.Tensor | None = None, block: bool = False) -> torch.Tensor:
+def expected_accepted(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, limit: torch.Tensor | None = None,
+                      block: bool = False) -> torch.Tensor:
     """The drafts each row accepts on average over the verifier's uniforms, given these drafts (arguments as
     `verify`, K >= 1): the token rule's sum over i of prod_{j<=i} min(1, p_j(d_j) / q_j(d_j)); the block rule's
     sum over i of P(some prefix >= i passes) = 1 - prod_{j=i..L} (1 - h_j). Averaged over drafted blocks it is
@@ -143,19 +139,15 @@ def expected_accepted(probs: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor
 def _draw_last(probs: torch.Tensor, drafts: torch.Tensor, seed: torch.Tensor, pos: torch.Tensor, n_acc: torch.Tensor,
                limit: torch.Tensor | None, q: torch.Tensor | None = None, weight: torch.Tensor | None = None):
     """The tokens after `n_acc` [B] kept drafts: those drafts, then one drawn from row n_acc, the residual
-    max(w p - q, 0) where the row rejected (w: `weight` [B,1], 1 for the token rule; for argmax drafts p with the
-    draft removed), else the row itself (the bonus after all `limit` drafts). Returns tokens [B,K+1]."""
+    max(w p - q, 0) where the row rejected (w: `weight` [B,1], 1 for the token rule), else the row itself (the
+    bonus after all `limit` drafts). Returns tokens [B,K+1]."""
     B, R, V = probs.shape
     K = R - 1
     row = probs.gather(1, n_acc.view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
     if K:
-        if q is None:
-            rejected = torch.cat([drafts, drafts[:, :1]], 1).gather(1, n_acc[:, None])
-            residual = row.scatter(-1, rejected, 0.0)
-        else:
-            q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
-            residual = ((row if weight is None else weight * row) - q_row).clamp_(min=0.0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
+        q_row = q.gather(1, n_acc.clamp(max=K - 1).view(B, 1, 1).expand(-1, 1, V)).squeeze(1)
+        residual = ((row if weight is None else weight * row) - q_row).clamp_(min=0.0)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, row)
         row = torch.where((n_acc < (K if limit is None else limit.clamp(max=K)))[:, None], residual, row)
     last = sample_from(row, uniform(seed, pos + n_acc, RNG_DRAW))
     return torch.cat([drafts, last[:, None]], 1).scatter(1, n_acc[:, None], last[:, None])

@@ -25,7 +25,6 @@ class DrafterKind:
     present: Callable[[ModelConfig], bool]      # the config says the checkpoint has it (asked in DRAFTERS' order)
     auto_depth: Callable[[ModelConfig], int]    # the drafts a step drafts under mtp = auto
     max_depth: Callable[[ModelConfig], int | None]   # the most a step can draft: one pass's block (None: no bound)
-    samples: bool       # it draws drafts at the request's settings: the slots keep their q for the verifier
     confidence: bool    # it estimates each draft's chance of acceptance (auto chooses how many to verify by it)
     target_layers: Callable[[ModelConfig], tuple[int, ...]]    # trunk layers whose outputs it reads
     # a bound on where its writes reach at D drafts a step: below the slot's committed tokens + write_ahead(D)
@@ -82,7 +81,7 @@ DSPARK = DrafterKind(
     layers_key="n_mtp_layers (the DSpark stages past num_hidden_layers in compress_ratios)",
     present=lambda cfg: cfg.dspark_block_size > 0,
     auto_depth=lambda cfg: cfg.dspark_block_size, max_depth=lambda cfg: cfg.dspark_block_size,
-    samples=True, confidence=True, target_layers=lambda cfg: cfg.dspark_target_layer_ids,
+    confidence=True, target_layers=lambda cfg: cfg.dspark_target_layer_ids,
     write_ahead=lambda depth: 0,        # its rings take committed rows only
     in_transformers=False,
     vocab_copies=lambda cfg: {"embed.weight": "mtp.0.embed.weight",
@@ -105,7 +104,7 @@ MTP = DrafterKind(
     name="mtp", label="MTP", layers="MTP layers", layers_key="num_nextn_predict_layers",
     present=lambda cfg: cfg.n_mtp_layers > 0,
     auto_depth=lambda cfg: 1, max_depth=lambda cfg: None,
-    samples=True, confidence=False, target_layers=lambda cfg: (),
+    confidence=False, target_layers=lambda cfg: (),
     write_ahead=lambda depth: depth,    # its chain writes pos + n_acc + K - 1: below the committed tokens + K
     in_transformers=True,
     vocab_copies=lambda cfg: {"embed.weight": "mtp.0.emb.tok_emb.weight", "head.weight": "mtp.0.head.weight"},
