@@ -242,7 +242,7 @@ class Sweep:
     max_tokens: int
     compile_modes: tuple[bool, ...] = (False,)
     temperatures: tuple[float, ...] = (0.0,)
-    rules: tuple[str, ...] = ("token",)
+    rules: tuple[str, ...] = ("block",)
 
 
 def configurations(engine: EngineAPI, peer: EngineAPI | None, sweep: Sweep, batch: int):

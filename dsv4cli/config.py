@@ -245,7 +245,7 @@ class Settings:
         flags=("--drafts", "--mtp"),
     )
     verify: str = _key(
-        "speculative", "token", "How sampled drafts are verified: token (each draft alone, accepted with probability "
+        "speculative", "block", "How sampled drafts are verified: token (each draft alone, accepted with probability "
         "min(1, p/q)) or block (the drafts jointly, Sun et al. 2024: the same output distribution, never fewer "
         "drafts accepted in expectation); greedy rows match prefixes either way", choices=("token", "block")
     )

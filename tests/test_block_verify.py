@@ -154,10 +154,10 @@ def test_the_rule_is_lossless_and_accepts_at_least_as_much_as_the_token_rule():
     assert (two[block_rule], two[token_rule]) == (Fraction(11, 9), Fraction(10, 9))
 
 
-def test_the_code_draws_what_the_rule_says():
-    """`verify_block` against `block_rule` on random blocks, with sampled and argmax drafts (q one-hot), a
-    limit below the block, and several rows at once."""
-    g = torch.Generator().manual_seed(4)
+def random_blocks(seed: int):
+    """Blocks over small vocabularies: sampled drafts, argmax ones (q one-hot), limits below the block. Yields
+    (p [K+1,V], q [K,V], drafts [K], limit or None, the verified part's p, q and drafts in Fractions)."""
+    g = torch.Generator().manual_seed(seed)
     for K, V, limit, argmax in ((3, 4, None, False), (3, 4, 2, False), (2, 5, None, True), (4, 3, 3, False)):
         p = torch.softmax(torch.randn(K + 1, V, generator=g, dtype=torch.float64) * 1.2, -1)
         q = torch.softmax(torch.randn(K, V, generator=g, dtype=torch.float64) * 1.2, -1)
@@ -165,38 +165,33 @@ def test_the_code_draws_what_the_rule_says():
         if argmax:
             q = torch.nn.functional.one_hot(drafts, V).double()
         L = K if limit is None else limit
-        exact = block_rule([[Fraction(x) for x in r] for r in p[:L + 1].tolist()],
-                           [[Fraction(x) for x in r] for r in q[:L].tolist()], tuple(drafts[:L].tolist()))
+        yield p, q, drafts, limit, ([[Fraction(x) for x in r] for r in p[:L + 1].tolist()],
+                                    [[Fraction(x) for x in r] for r in q[:L].tolist()], tuple(drafts[:L].tolist()))
+
+
+def test_the_code_draws_what_the_rule_says():
+    """`verify_block` against `block_rule` on random blocks (`random_blocks`), several rows at once."""
+    for p, q, drafts, limit, exact in random_blocks(4):
         want = {}
-        for n, (chance, last) in exact.items():
+        for n, (chance, last) in block_rule(*exact).items():
             for y, pr in enumerate(last):
                 want[tuple(drafts[:n].tolist()) + (y,)] = float(chance * pr)
         got = outcomes(p.float(), drafts, q.float(), limit, n=100_000)
-        assert close(got, want, n=100_000), (K, V, limit, argmax)
+        assert close(got, want, n=100_000), (q, limit)
 
 
 def test_expected_acceptance_is_the_rules_own():
     """`expected_accepted` (what `benchmarks/verify_rules.py` compares the rules by, on the same drafted blocks)
     gives each rule's mean accepted drafts for the drafts given, as the exact rules do: on the block worked by
-    hand (block 3/16 x 2 + 3/16 = 9/16, token 1/2 + 3/16 = 11/16), on random blocks with sampled and argmax
-    drafts and limits."""
+    hand (block 3/16 x 2 + 3/16 = 9/16, token 1/2 + 3/16 = 11/16) and on random blocks."""
     got = [expected_accepted(P[None], D[None], Q[None], block=b).item() for b in (True, False)]
     assert got == pytest.approx([9 / 16, 11 / 16], abs=1e-6)
-    g = torch.Generator().manual_seed(7)
-    for K, V, limit, argmax in ((3, 4, None, False), (3, 4, 2, False), (2, 5, None, True), (4, 3, 3, False)):
-        p = torch.softmax(torch.randn(K + 1, V, generator=g, dtype=torch.float64) * 1.2, -1)
-        q = torch.softmax(torch.randn(K, V, generator=g, dtype=torch.float64) * 1.2, -1)
-        drafts = torch.multinomial(q, 1, generator=g).squeeze(-1)
-        if argmax:
-            q = torch.nn.functional.one_hot(drafts, V).double()
-        L = K if limit is None else limit
-        exact = ([[Fraction(x) for x in r] for r in p[:L + 1].tolist()],
-                 [[Fraction(x) for x in r] for r in q[:L].tolist()])
+    for p, q, drafts, limit, exact in random_blocks(7):
         for rule, block in ((block_rule, True), (token_rule, False)):
-            want = sum(n * c for n, (c, _) in rule(*exact, tuple(drafts[:L].tolist())).items())
+            want = sum(n * c for n, (c, _) in rule(*exact).items())
             got = expected_accepted(p[None], drafts[None], q[None], None if limit is None else torch.tensor([limit]),
                                     block=block)
-            assert got.item() == pytest.approx(float(want), abs=1e-9), (K, V, limit, argmax, rule.__name__)
+            assert got.item() == pytest.approx(float(want), abs=1e-9), (q, limit, rule.__name__)
 
 
 def test_greedy_rows_match_prefixes():

@@ -312,7 +312,7 @@ def test_metrics_are_prometheus_text(server):
     assert values["dsv4:time_to_first_token_seconds_count"] >= 1
     assert values["dsv4:spec_decode_num_draft_tokens_total"] >= values["dsv4:spec_decode_num_accepted_tokens_total"] > 0
     # the bundled model drafts with DSpark, auto: a counter for every block position, the mean length
-    assert values['dsv4:spec_decode_info{drafter="dspark",drafts="auto",verify="token"}'] == 1
+    assert values['dsv4:spec_decode_info{drafter="dspark",drafts="auto",verify="block"}'] == 1
     for kind in ("accepted", "verified"):
         assert [f'dsv4:spec_decode_num_{kind}_tokens_per_pos_total{{position="{i}"}}' in values
                 for i in range(6)] == [True] * 5 + [False]

@@ -27,7 +27,7 @@ class EngineOptions:
     # drafts verified per step (0: plain decoding), or "auto": a DSpark drafter's block, each step verifying as
     # many as pay off (`draft_length.py`); the MTP layer drafts 1
     drafts: int | str = 1
-    verify: str = "token"           # how sampled drafts are verified: "token" or "block" (`verify.py`)
+    verify: str = "block"           # how sampled drafts are verified: "block" or "token" (`verify.py`)
     prefill_chunk: int = 256        # a prompt's rows in one chunk at most
     prefill_budget: int = 160       # prefill tokens per step: running streams wait at most this much between tokens
     graphs: bool = True             # decode-only steps captured as graphs where the platform can
@@ -141,12 +141,12 @@ class EngineAPI(Protocol):
 
 def drafter_label(engine: EngineAPI) -> str:
     """How the engine drafts, as the front ends name it: "DSpark auto (block 5)", "DSpark 3 of 5", "MTP 2" or
-    "off", and ", block verify" where sampled drafts are verified by the block rule."""
+    "off", and ", token verify" where sampled drafts are verified one by one (the block rule is the default)."""
     info = engine.model_info
     if not engine.draft_depth:
         return "off"
     label = drafter_named(info.drafter).label
-    rule = ", block verify" if engine.verify == "block" else ""
+    rule = ", token verify" if engine.verify == "token" else ""
     if info.block_size:
         return (f"{label} auto (block {info.block_size})" if engine.drafts == "auto" else
                 f"{label} {engine.drafts} of {info.block_size}") + rule
