@@ -667,8 +667,8 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
     __m512 acc[R_MAX * FAST_MR];
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; t++) {
-        __m512 part[2 * R_MAX * FAST_MR];               /* chunk 2t's products, then 2t + 1's */
-        for (int i = 0; i < 2 * R * MR; i++) part[i] = _mm512_setzero_ps();
+        __m512 part[R_MAX * FAST_MR];                   /* the tile's products */
+        for (int i = 0; i < R * MR; i++) part[i] = _mm512_setzero_ps();
         const uint16_t *xt = xs + t * M * FP8_TILE;
         int edge = 2 * t <= first || 2 * t + 1 >= last;      /* chunks outside the inputs read nothing */
         UNROLL
@@ -686,15 +686,14 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
                 const uint16_t *xm = xt + m * FP8_TILE + 64 * h;
                 __m512bh xlo = (__m512bh)_mm512_load_si512(xm), xhi = (__m512bh)_mm512_load_si512(xm + 32);
                 for (int r = 0; r < R; r++) {
-                    __m512 *p = &part[2 * (r * MR + m) + h];
+                    __m512 *p = &part[r * MR + m];
                     *p = _mm512_dpbf16_ps(_mm512_dpbf16_ps(*p, (__m512bh)lo[r], xlo), (__m512bh)hi[r], xhi);
                 }
             }
         }
         __m512 s = _mm512_set1_ps(sc[t]);
         UNROLL
-        for (int i = 0; i < R * MR; i++) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(part[2 * i], part[2 * i + 1]), s,
-                                                                  acc[i]);
+        for (int i = 0; i < R * MR; i++) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
     }
     for (int r = 0; r < R && r < rows; r++)
         for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]);
