@@ -420,12 +420,12 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
 
    FP8 x bf16 (`dsv4_fp8_mm_bf16`): the bf16 with bits ((b & 0x7f) << 4) | ((b & 0x80) << 8) is e4m3(b) * 2^-120
    exactly: b into a word's high byte (an unpack), an arithmetic shift by 4 and a mask decode 32 bytes, on
-   ports vdpbf16ps leaves free (Zen 4). vdpbf16ps sums pairs of products in fp32, per 128-input tile in two
-   chains added at its end, and the tile's sums go times its scale into the row's. vdpbf16ps reads bf16
-   subnormals as 0 and writes fp32 subnormals as 0: E4M3's subnormals (|v| < 2^-6) count as 0, and products of
-   the decoded weights (2^-126 and up) with x below 1 would be lost, so x comes in times 2^64 (exact for
-   |x| < 2^64; bf16 subnormals become normal; products |x e4m3| from 2^-70 up are kept) and the tile scales
-   times 2^120 / 2^64 = 2^56.
+   ports vdpbf16ps leaves free (Zen 4). vdpbf16ps sums pairs of products in fp32, per 128-input tile in one
+   chain (two added at its end cost 5-7 % at 4-6 rows of x), and the tile's sums go times its scale into the
+   row's. vdpbf16ps reads bf16 subnormals as 0 and writes fp32 subnormals as 0: E4M3's subnormals (|v| < 2^-6)
+   count as 0, and products of the decoded weights (2^-126 and up) with x below 1 would be lost, so x comes in
+   times 2^64 (exact for |x| < 2^64; bf16 subnormals become normal; products |x e4m3| from 2^-70 up are kept)
+   and the tile scales times 2^120 / 2^64 = 2^56.
 
    x is laid out step by step (tile by tile), the block's rows side by side in each, so a tile's rows of x are
    one pointer apart by constants. As in the exact kernels, every output is the same chain of operations
