@@ -14,6 +14,7 @@ import torch
 
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.engine import Engine, EngineOptions, SamplingParams
+from dsv4cli.engine.api import drafter_label
 from dsv4cli.engine.verify import expected_accepted, verify, verify_block
 from dsv4cli.model import load_model
 from dsv4cli.tokenizer import Tokenizer
@@ -236,6 +237,16 @@ def test_a_limit_commits_what_a_shorter_block_commits():
 @pytest.fixture(scope="module")
 def tok():
     return Tokenizer.from_dir(BUNDLED_MODEL_DIR)
+
+
+def test_the_block_rule_is_the_default_and_the_label_names_the_other(tok):
+    """Engines verify sampled drafts by the block rule unless told otherwise (as the settings do), and the front
+    ends' drafter label names the rule only where it is the token rule."""
+    model = load_model(BUNDLED_MODEL_DIR, dtype=torch.float32)
+    labels = {rule: drafter_label(Engine(model, tok, EngineOptions(max_batch=1, max_seq_len=64, drafts=3,
+                                                                     **({} if rule is None else {"verify": rule}))))
+              for rule in (None, "block", "token")}
+    assert labels == {None: "DSpark 3 of 5", "block": "DSpark 3 of 5", "token": "DSpark 3 of 5, token verify"}
 
 
 @torch.no_grad()
