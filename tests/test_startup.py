@@ -149,17 +149,18 @@ def test_the_footprint_by_arithmetic_is_the_built_models(checkpoints):
 
 @pytest.mark.parametrize("cfg", configs()[:6], ids=lambda cfg: f"{cfg.n_layers}x{cfg.dim}-{cfg.drafter}")
 def test_the_decode_state_bytes_by_arithmetic_are_the_allocated_ones(cfg):
-    """What SlotState allocates (built on the meta device), for each drafter depth, with and without chat's spare
-    ring rows, bf16 and fp32, a sequence length on and off a block boundary."""
+    """What SlotState allocates (built on the meta device: the decode state, the drafts' distributions and the
+    sampling rows), for each drafter depth, with and without chat's spare ring rows, bf16 and fp32, a sequence
+    length on and off a block boundary."""
     model = meta_model(cfg)
     for mtp in (0, 1, 3, "auto"):
         for mode in ("chat", "generate"):
             for dtype in (torch.bfloat16, torch.float32):
                 for batch, max_len in ((1, 4096), (3, 1000)):
                     options = shape_options(Settings(drafts=mtp, max_batch=batch, max_seq_len=max_len), mode)
-                    allocated = SlotState.decode_state(model.to(dtype), batch, max_len, drafter_depth(cfg, mtp),
-                                                       reuse_prefix=mode == "chat").nbytes()
-                    assert decode_state_bytes(cfg, options, dtype.itemsize) == allocated, (mtp, mode, dtype, batch)
+                    slots = SlotState(model.to(dtype), batch, max_len, drafter_depth(cfg, mtp),
+                                      reuse_prefix=mode == "chat")
+                    assert decode_state_bytes(cfg, options, dtype.itemsize) == slots.nbytes(), (mtp, mode, dtype, batch)
     assert state_bytes(cfg, 2, 4096, 2, 0, 2) == 2 * state_bytes(cfg, 1, 4096, 2, 0, 2)
 
 

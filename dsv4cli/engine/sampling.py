@@ -124,6 +124,11 @@ class SlotParams:
         self.stops = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         self._views: dict[int, SlotParams] = {}
 
+    @staticmethod
+    def bytes_per_slot(vocab: int) -> int:
+        """A slot's bytes: six fp32 and four long settings, two fp32 and two bool rows of the vocabulary."""
+        return 6 * 4 + 4 * 8 + (2 * 4 + 2) * vocab
+
     def view(self, slot: int) -> "SlotParams":
         """One slot's settings as a SlotParams of one row (views: writes land here), cached like
         DecodeState's views."""

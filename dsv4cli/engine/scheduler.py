@@ -29,6 +29,7 @@ from .prefix import SPARE_RING_ROWS, PrefixReuse, scored
 from .request import Event, Metrics, Sequence, TokenLogprob
 from .runner import ChunkKey, DraftPlan, RunnerShape, StepKey, StepRunner, drafter_depth, remade
 from .sampling import SamplingMode, SamplingParams
+from .slots import SlotState
 from .step_result import RowResult, StepLayout, read_logprob, read_step
 
 # Steps failing in a row before the engine counts as broken (a device error that outlives the requests it
@@ -92,11 +93,12 @@ def streams_to_decode(running: list[Sequence], chunks: list[tuple[Sequence, int,
 
 
 def decode_state_bytes(cfg: ModelConfig, options: EngineOptions, float_bytes: int) -> int:
-    """What the decode state of an engine of `options` for a model of `cfg` takes (`SlotState.decode_state`'s),
-    from the config alone: the memory check runs before any model is built."""
-    return state_bytes(cfg, options.max_batch, options.max_seq_len,
-                       max_draft=max(drafter_depth(cfg, options.drafts), 1) + 1,
-                       spare=SPARE_RING_ROWS if options.reuse_prefix else 0, float_bytes=float_bytes)
+    """What the slots of an engine of `options` for a model of `cfg` hold (`SlotState.nbytes`: the decode state
+    and the per-slot rows beside it), from the config alone: the memory check runs before any model is built."""
+    depth = drafter_depth(cfg, options.drafts)
+    return (state_bytes(cfg, options.max_batch, options.max_seq_len, max_draft=max(depth, 1) + 1,
+                        spare=SPARE_RING_ROWS if options.reuse_prefix else 0, float_bytes=float_bytes)
+            + SlotState.bytes_beside_cache(cfg, options.max_batch, depth))
 
 
 def chunk_key(chunk: tuple[Sequence, int, int], longest: int) -> ChunkKey:
