@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny import chunk_logits, prompts, random_model, tiny_config
 
+from dsv4cli import platforms
 from dsv4cli.config import BUNDLED_MODEL_DIR
 from dsv4cli.engine import Engine, EngineOptions, SamplingParams
 from dsv4cli.kernels import cpu, native, reference
@@ -429,14 +430,9 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")]
 
 
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this machine")
-def test_packed_weights_ask_for_huge_pages():
-    """A packed weight's whole 2 MiB pages are marked for huge pages before they are written (what lets a
-    1-row GEMM read experts chosen at random at the bandwidth); the values are the weight's."""
-    weight = torch.randint(-128, 128, (1024, 8192), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
-    packed = native.pack_int8(weight)
-    assert torch.equal(native.unpack_int8(packed), weight)
-    first = -(-packed.data_ptr() // native.HUGE_PAGE) * native.HUGE_PAGE    # the first whole huge page in it
+def huge_page_eligible(t: torch.Tensor) -> str | None:
+    """smaps' THPeligible for the first whole 2 MiB page inside `t`'s memory."""
+    first = -(-t.data_ptr() // native.HUGE_PAGE) * native.HUGE_PAGE
     eligible, inside = None, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
@@ -446,4 +442,27 @@ def test_packed_weights_ask_for_huge_pages():
                 inside = lo <= first < hi
             elif inside and line.startswith("THPeligible:"):
                 eligible = line.split()[1]
-    assert eligible == "1"
+    return eligible
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages on this machine")
+def test_packed_weights_ask_for_huge_pages():
+    """A packed weight's whole 2 MiB pages are marked for huge pages before they are written (what lets a
+    1-row GEMM read experts chosen at random at the bandwidth); the values are the weight's."""
+    weight = torch.randint(-128, 128, (1024, 8192), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    packed = native.pack_int8(weight)
+    assert torch.equal(native.unpack_int8(packed), weight)
+    assert huge_page_eligible(packed) == "1"
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="huge pages only where asked for: Linux's madvise mode")
+def test_release_weights_copied_at_load_ask_for_huge_pages():
+    """`--no-mmap` copies the release's FP4 experts and FP8 linears as stored; on the CPU onto 2 MiB pages where
+    Linux allows, as the packed weights (4 MiB each: a whole huge page inside wherever they start)."""
+    cpu = platforms.for_device("cpu")
+    g = torch.Generator().manual_seed(1)
+    for t in (torch.randint(0, 256, (2048, 2048), generator=g, dtype=torch.uint8).view(torch.float4_e2m1fn_x2),
+              torch.randn(8192, 1024, generator=g).to(torch.float8_e4m3fn)[:, :512]):    # a rank's columns
+        held = cpu.weight_copy(t, torch.device("cpu"))
+        assert held.dtype == t.dtype and torch.equal(held.view(torch.uint8), t.view(torch.uint8))
+        assert huge_page_eligible(held) == "1"

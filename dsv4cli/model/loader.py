@@ -384,7 +384,7 @@ def read_item(ckpt: Checkpoint, item: Item, device, dtype, mode: str = "float", 
     keep = mapped and platform.on_host_cores    # the mapping is host memory
 
     def own(t):          # the file's bytes as they are: mapped on the host, else copied to the device
-        return t if keep else t.to(device, copy=True)
+        return t if keep else platform.weight_copy(t, device)
 
     def requantized(t):                 # the release's weight as W8A8 holds it, or float where W8A8 keeps float
         prefix = item.name.rpartition(".")[0]

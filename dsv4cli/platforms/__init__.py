@@ -81,6 +81,10 @@ class Platform:
     def free_memory(self, device: torch.device) -> int:
         raise NotImplementedError
 
+    def weight_copy(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A copy of a weight read as stored (`--no-mmap`, or a device apart from the host) on `device`."""
+        return t.to(device, copy=True)
+
     def synchronize(self, device: torch.device) -> None:
         pass
 

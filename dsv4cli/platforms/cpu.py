@@ -45,6 +45,15 @@ class CpuPlatform(Platform):
     def free_memory(self, device) -> int:
         return _available_bytes()
 
+    def weight_copy(self, t, device):
+        """On 2 MiB pages where Linux allows, as the packed weights are: a step reads experts chosen at random
+        (docs/decisions.md, Packed weights on 2 MiB pages; a mapped file's pages are the page cache's)."""
+        from dsv4cli.kernels.native import weight_buffer
+
+        out = weight_buffer(*t.shape, dtype=t.dtype)
+        out.view(torch.uint8).copy_(t.view(torch.uint8))
+        return out
+
     def compile_unavailable_reason(self) -> str | None:
         compilers = (os.environ.get("CXX"), "g++", "c++", "clang++")      # inductor's C++ code needs one
         if not any(c and shutil.which(c) for c in compilers):
