@@ -43,11 +43,13 @@ the 43 layers; "auto" is, for that profile and two others (agentic text, a poor 
 most, which the engine's cost-based choice converges to, with every depth's ratio against plain.
 """
 import argparse
+import functools
 import inspect
 import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -192,6 +194,23 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, weights: str = "w8a8") -> 
             module._parameters[attr] = nn.Parameter(t, requires_grad=False)
     model.eval()
     return model.prepare() if hasattr(model, "prepare") else model    # (an older checkout, for before/after)
+
+
+def twice_over(model: Transformer, cfg: ModelConfig) -> Transformer:
+    """The model with its trunk's layers twice over (`cfg`: its config with them), each layer a second time
+    after the others: the same modules and weights, so it takes no memory of its own (two W8A8 models of 64
+    experts did not fit 24 GB). A weight read again a layer later has had the other layers' hundreds of MB
+    read in between, so the caches hold none of it."""
+    with torch.device("meta"):
+        deeper = Transformer(cfg)
+    n = len(model.layers)
+    for name, child in model.named_children():
+        setattr(deeper, name, nn.ModuleList(model.layers[i % n] for i in range(cfg.n_layers)) if name == "layers"
+                else child)
+    for name, p in model.named_parameters(recurse=False):
+        setattr(deeper, name, p)
+    deeper.ops = model.ops
+    return deeper.eval()
 
 
 def held_bytes(t: torch.Tensor) -> int:
@@ -419,6 +438,7 @@ class StepProfile:
     def __exit__(self, *exc):
         for owner, orig, name in reversed(self._patches):
             setattr(owner, name, orig)
+        self._patches.clear()
 
     def _add(self, part, seconds, weights, state=(0, 0)):
         if self._drafting:          # the drafter's time is its whole call's
@@ -483,42 +503,104 @@ def compiled_step_times(engine, batch, depth, context_bound, reps) -> tuple[list
     return times[1:], times[0], kernel_calls(step.sources[key])
 
 
+class FilledStep:
+    """An engine for `model` and its decode step for slots [0, batch) verifying `depth` drafts, the decode state
+    filled with random values as if `context` tokens had been prefilled; `refill()` puts positions, last tokens
+    and drafts back before a step."""
+
+    def __init__(self, model: Transformer, batch: int, depth: int, context: int):
+        self.engine = Engine(model, None, EngineOptions(max_batch=batch, max_seq_len=context + 64, drafts=depth,
+                                                        graphs=False))
+        self.batch, self.depth, self.context = batch, depth, context
+        self.context_bound = -(-(context + depth + 1) // 512) * 512
+        self.state, self.step, self.key, self.owner = decode_step(self.engine, batch, depth, self.context_bound)
+        self.vocab = model.cfg.vocab_size
+        self.g = torch.Generator(DEVICE).manual_seed(1)
+        for cache in self.state.cache.layers + self.state.cache.drafter:
+            for t in cache.tensors():
+                t.normal_(0, 1, generator=self.g)
+
+    def refill(self):
+        self.state.pos.fill_(self.context - 1)
+        self.state.last.copy_(torch.randint(0, self.vocab, (self.batch,), generator=self.g, device=DEVICE))
+        self.state.drafts.copy_(torch.randint(0, self.vocab, self.state.drafts.shape, generator=self.g,
+                                              device=DEVICE))
+
+
+def layer_scaling(steps: list[FilledStep], layers: list[int], reps: int, stream: StreamRead, compiled: bool,
+                  bytes_43: int) -> dict:
+    """The same decode step of models that differ only in their trunk's layer count (`layers`), eager and, where
+    asked, compiled, the models and modes in turn rep by rep (this machine's speed drifts): each one's median
+    step, and the 43-layer step as the shallowest one's plus the measured cost per layer. The compiled graph has
+    no module boundaries left to time, so this is how the compiled step scales; eager, it checks the
+    block-by-block estimate. Roofline: `bytes_43` (the block-by-block count) over the median bandwidth read."""
+    from dsv4cli.engine.compiled import CompiledSteps
+    calls = {("eager", i): f.step for i, f in enumerate(steps)}
+    for i, f in enumerate(steps if compiled else ()):
+        calls["compiled", i] = functools.partial(CompiledSteps(f.owner, DEVICE), f.key)
+    times, reads = defaultdict(list), []
+    for rep in range(reps + 1):                          # the first warms up (and compiles)
+        for (mode, i), call in calls.items():
+            steps[i].refill()
+            t = clock()
+            with torch.no_grad():
+                call()
+            if rep:
+                times[mode, i].append(clock() - t)
+        if rep:
+            reads.append(stream(tries=2))
+    bw = statistics.median(reads)
+    out = {"layers": layers, "stream_read_gb_s": round(bw / 1e9, 3), "v4_flash_43_layers": {}}
+    for mode in sorted({m for m, _ in calls}):
+        t = [statistics.median(times[mode, i]) for i in range(len(steps))]
+        per_layer = (t[-1] - t[0]) / (layers[-1] - layers[0])
+        t43 = t[0] + per_layer * (V4_FLASH_CSA + V4_FLASH_OTHER - layers[0])
+        out[f"{mode}_ms"] = [round(x * 1e3, 2) for x in t]
+        out["v4_flash_43_layers"][mode] = {"step_ms": round(t43 * 1e3, 1), "ms_per_layer": round(per_layer * 1e3, 2),
+                                           "roofline": round(bytes_43 / bw / t43, 3)}
+    return out
+
+
 def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_peak, compile_too=False) -> dict:
-    engine = Engine(model, None, EngineOptions(max_batch=batch, max_seq_len=context + 64, drafts=depth, graphs=False))
-    context_bound = -(-(context + depth + 1) // 512) * 512
-    state, step, _, _ = decode_step(engine, batch, depth, context_bound)
-    g = torch.Generator(DEVICE).manual_seed(1)
-    for cache in state.cache.layers + state.cache.drafter:
-        for t in cache.tensors():
-            t.normal_(0, 1, generator=g)
-    vocab = cfg.vocab_size
-    steps, parts, reads = [], [], []
-    with StepProfile(model, cfg) as prof:
-        prof.batch_rows, prof.query_rows, prof.context = batch, batch * (depth + 1), context
-        for rep in range(reps + 1):                      # the first is a warm-up
-            state.pos.fill_(context - 1)
-            state.last.copy_(torch.randint(0, vocab, (batch,), generator=g, device=DEVICE))
-            state.drafts.copy_(torch.randint(0, vocab, state.drafts.shape, generator=g, device=DEVICE))
-            # each step against a bandwidth reading taken just before it: this shared machine's
-            # bandwidth drifts by 1.5x within a run, which moved whole-run fractions by as much
-            bw = stream(tries=2)
-            prof.reset()
+    filled = FilledStep(model, batch, depth, context)
+    engine, context_bound, step = filled.engine, filled.context_bound, filled.step
+    steps, profiled, parts, reads = [], [], [], []
+    prof = StepProfile(model, cfg)
+    prof.batch_rows, prof.query_rows, prof.context = batch, batch * (depth + 1), context
+    for rep in range(reps + 1):                      # the first is a warm-up
+        # each step against a bandwidth reading taken just before it: this shared machine's
+        # bandwidth drifts by 1.5x within a run, which moved whole-run fractions by as much
+        bw = stream(tries=2)
+        filled.refill()
+        t = clock()
+        with torch.no_grad():
+            step()
+        dt = clock() - t
+        # then the same step split into parts: the profile's hooks (Python on every module and GEMM call) add
+        # ~3 ms a layer, so the step's time and roofline are the step's without them
+        filled.refill()
+        prof.reset()
+        with prof:
             t = clock()
             with torch.no_grad():
                 step()
-            dt = clock() - t
-            if rep:
-                steps.append(dt)
-                reads.append(bw)
-                parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
+            dt_profiled = clock() - t
+        if rep:
+            steps.append(dt)
+            reads.append(bw)
+            profiled.append(dt_profiled)
+            parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
                               {k: list(v) for k, v in prof.block_time.items()},
                               {k: list(v) for k, v in prof.block_bytes.items()},
                               dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops),
-                              dict(prof.int8_ops), {k: list(v) for k, v in prof.gemms.items()}))
-    mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose parts are reported
+                          dict(prof.int8_ops), {k: list(v) for k, v in prof.gemms.items()}))
+    mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose bandwidth reading is used
     median, bw = steps[mid], reads[mid]
-    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops, int8_ops, gemms = parts[mid]
-    times["other"] = median - sum(v for k, v in times.items() if k != "other")
+    mid_profiled = profiled.index(sorted(profiled)[len(profiled) // 2])      # and the one whose parts are reported
+    median_profiled = profiled[mid_profiled]
+    times, nbytes, block_time, block_bytes, core_time, core_bytes, core_flops, flops, int8_ops, gemms = \
+        parts[mid_profiled]
+    times["other"] = median_profiled - sum(v for k, v in times.items() if k != "other")
     total = [sum(v[i] for v in nbytes.values()) for i in (0, 1)]
 
     core_part = {"dspark": "drafter"}       # the attention cores' flops: the trunk's attention, the drafter's
@@ -548,6 +630,8 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
     result = {
         "batch": batch, "mtp": depth, "context": context, "rows_per_step": batch * (depth + 1),
         "step_ms": {"min": round(min(steps) * 1e3, 2), "median": round(median * 1e3, 2)},
+        # the step with the profile's hooks, whose parts are below: their times include the hooks'
+        "profiled_step_ms": round(median_profiled * 1e3, 2),
         "stream_read_gb_s": round(bw / 1e9, 3),
         "bytes_held": total[0], "bytes_stored": total[1], "roofline": roof(total[0], median),
         "parts": {p: {"ms": round(times.get(p, 0.0) * 1e3, 2), "bytes_held": nbytes.get(p, [0, 0])[0],
@@ -581,9 +665,12 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
                               "compile_s": round(compile_s, 1),
                               "kernel_calls": calls}
     if "csa" in block_time and "hca" in block_time:
-        rest_t = median - sum(sum(v) for v in block_time.values())
+        rest_t = median_profiled - sum(sum(v) for v in block_time.values())
         rest_b = total[0] - sum(b[0] for v in block_bytes.values() for b in v)
-        t43 = V4_FLASH_CSA * block_time["csa"][0] + V4_FLASH_OTHER * block_time["hca"][0] + rest_t
+        # the profiled blocks scaled, then brought to the step without the hooks (their share taken evenly;
+        # --deeper measures the 43-layer step from a layer's cost without any)
+        t43 = (V4_FLASH_CSA * block_time["csa"][0] + V4_FLASH_OTHER * block_time["hca"][0] + rest_t) \
+            * median / median_profiled
         b43 = V4_FLASH_CSA * block_bytes["csa"][0][0] + V4_FLASH_OTHER * block_bytes["hca"][0][0] + rest_b
         result["v4_flash_43_layers"] = {"step_ms": round(t43 * 1e3, 1), "bytes_held": b43, "roofline": roof(b43, t43),
                                         "tokens_per_s": round(batch * (depth + 1) / t43, 2) if depth == 0 else None}
@@ -673,6 +760,9 @@ def main():
                     help="the W8A8 recipe's int8 linears, or the official release's FP8 linears and FP4 experts")
     ap.add_argument("--huge-pages", action="store_true",
                     help="native: the release's weights on 2 MiB pages (the packed W8A8 weights always are)")
+    ap.add_argument("--deeper", action="store_true",
+                    help="also time the step of the model with its layers twice over (`twice_over`), the two in "
+                         "turn (eager, and compiled with --compile): the 43-layer step from the cost of a layer")
     ap.add_argument("--prefill", default="", help="also time a prompt's first chunk of these lengths, e.g. 256,1024")
     ap.add_argument("--drafter", default="mtp", choices=["mtp", "dspark"],
                     help="the preview's MTP layer, or 0731's DSpark stages (depths: the drafts verified, 0-5)")
@@ -681,16 +771,21 @@ def main():
     DEVICE, HUGE_PAGES = torch.device(a.device), a.huge_pages
     torch.set_num_threads(a.threads)
     ratios = [int(r) for r in a.layers.split(",")]
-    cfg = {**V4_FLASH, "num_hidden_layers": len(ratios), "compress_ratios": ratios + [0],
-           "n_routed_experts": a.experts, "vocab_size": a.vocab}
-    if a.drafter == "dspark":
-        cfg.update(DSPARK, compress_ratios=ratios + [0, 0, 0],
-                   dspark_noise_token_id=min(DSPARK["dspark_noise_token_id"], a.vocab - 1),
-                   dspark_target_layer_ids=list(range(len(ratios)))[-3:])
-    cfg = ModelConfig.from_dict(cfg)
+
+    def flash_config(trunk: list[int]) -> ModelConfig:
+        cfg = {**V4_FLASH, "num_hidden_layers": len(trunk), "compress_ratios": trunk + [0],
+               "n_routed_experts": a.experts, "vocab_size": a.vocab}
+        if a.drafter == "dspark":       # the last three trunk layers as targets (as many as --layers has)
+            cfg.update(DSPARK, compress_ratios=trunk + [0, 0, 0],
+                       dspark_noise_token_id=min(DSPARK["dspark_noise_token_id"], a.vocab - 1),
+                       dspark_target_layer_ids=list(range(len(trunk)))[-min(3, len(ratios)):])
+        return ModelConfig.from_dict(cfg)
+
     t = clock()
-    model = build_model(cfg, getattr(torch, a.dtype), a.weights)
+    model = build_model(flash_config(ratios), getattr(torch, a.dtype), a.weights)
     built = clock() - t
+    # --deeper: the same model with the layers twice over, to measure what a layer costs in the whole step
+    deeper = twice_over(model, flash_config(ratios * 2)) if a.deeper else None
     stream = StreamRead()
     first_bw, peak, int8_peak = stream(), matmul_peak(), int8_gemm_peak()
     int8_note = f", int8 GEMM {int8_peak / 1e9:.0f} GOP/s" if int8_peak else ""
@@ -702,12 +797,17 @@ def main():
         for batch in [int(b) for b in a.batches.split(",")]:
             for depth in [int(d) for d in a.depths.split(",")]:
                 r = run(model, model.cfg, batch, depth, context, a.reps, stream, peak, int8_peak, a.compile)
+                if deeper is not None and "v4_flash_43_layers" in r:
+                    r["layer_scaling"] = layer_scaling(
+                        [FilledStep(m, batch, depth, context) for m in (model, deeper)], [len(ratios), 2 * len(ratios)],
+                        a.reps, stream, a.compile, r["v4_flash_43_layers"]["bytes_held"])
                 parts = "  ".join(f"{p} {v['ms']} ms ({v['roofline']})" for p, v in r["parts"].items())
                 core = "  ".join(f"{k} {v['ms']} ms ({v['roofline']}, compute {v['compute_roofline']})"
                          for k, v in r["attention_core"].items())
                 print(f"ctx {context} batch {batch} depth {depth}: step {r['step_ms']['median']} ms, roofline "
                       f"{r['roofline']} (with compute: {r['bound_roofline']})  |  {parts}  |  core: {core}  |  "
-                      f"43 layers: {r.get('v4_flash_43_layers')}  |  compiled: {r.get('compiled')}")
+                      f"43 layers: {r.get('v4_flash_43_layers')}  |  compiled: {r.get('compiled')}"
+                      + (f"  |  43 layers by layer count: {r['layer_scaling']}" if "layer_scaling" in r else ""))
                 results.append(r)
             if a.drafter == "dspark":
                 # the 43-layer step time of each depth, and what it yields at each acceptance profile: auto
