@@ -156,6 +156,26 @@ def test_cli_describes_the_bundled_model_by_default(tmp_path, capsys, monkeypatc
     assert code == 0 and json.loads(out)["format"] == "w8a8"
 
 
+def test_inspect_says_what_a_run_at_the_defaults_holds_beside_the_weights(capsys):
+    """The decode state `inspect` reports is what a chat's slots at the default settings allocate (built on the
+    meta device, drafts `auto` included), and the prefix cache is the default's."""
+    from dsv4cli.config import BUNDLED_MODEL_DIR
+    from dsv4cli.engine.runner import drafter_depth
+    from dsv4cli.engine.slots import SlotState
+    from dsv4cli.model.loader import open_checkpoint
+
+    code, out, _ = run(capsys, "inspect", "--json")
+    state, s, cfg = json.loads(out)["run_state"], Settings(), open_checkpoint(BUNDLED_MODEL_DIR).config
+    with torch.device("meta"):
+        model = Transformer(cfg).to(torch.bfloat16)
+    slots = SlotState(model, s.max_batch, s.max_seq_len, drafter_depth(cfg, s.drafts), reuse_prefix=True)
+    assert state == {"max_batch": s.max_batch, "max_seq_len": s.max_seq_len, "decode_state_bytes": slots.nbytes(),
+                     "prefix_cache_bytes": s.prefix_cache_bytes}
+    assert slots.draft_q is not None            # the bundled model drafts: its distributions are counted
+    code, out, _ = run(capsys, "inspect")
+    assert code == 0 and f"decode state at --max-batch {s.max_batch} x --max-seq-len {s.max_seq_len}" in out
+
+
 def test_convert_to_the_releases_layout_and_run_it_every_way(tmp_path, capsys):
     """`convert --to fp4`: the bundled W8A8 model in the release's FP8/FP4 layout (the release's scale rule), which
     loads as an official release; greedy text at fp32 is the same held as stored (`--weights native`) and decoded

@@ -3,7 +3,10 @@ headers alone (no tensor data is read)."""
 import torch
 from rich.table import Table
 
+from dsv4cli.config import Settings
+from dsv4cli.engine import decode_state_bytes
 from dsv4cli.errors import UsageError
+from dsv4cli.loading import shape_options
 from dsv4cli.model.drafters import drafter_kind, drafter_named
 from dsv4cli.model.footprint import count_parameters, model_tensors, tensor_bytes, tp_problem
 from dsv4cli.model.loader import Checkpoint, LoadError, open_checkpoint, plan
@@ -45,7 +48,17 @@ def describe(path, tp: int = 1, float_bytes: int = 2) -> dict:
         "routed_experts": cfg.n_routed_experts, "experts_per_token": cfg.n_activated_experts,
         "tp": tp, "weight_bytes_per_card": sum(by_mode[modes[0]].values()), "weights": by_mode,
         "kv_bytes_per_token": cfg.kv_bytes_per_token,
+        "run_state": run_state(cfg, float_bytes),
     }
+
+
+def run_state(cfg, float_bytes: int) -> dict:
+    """What a chat run at the default settings holds besides the weights, per card (every rank holds the
+    whole decode state: V4's attention has one KV head): its decode state and the prefix cache."""
+    run = Settings()
+    return {"max_batch": run.max_batch, "max_seq_len": run.max_seq_len,
+            "decode_state_bytes": decode_state_bytes(cfg, shape_options(run, "chat"), float_bytes),
+            "prefix_cache_bytes": run.prefix_cache_bytes}
 
 
 def check(path) -> list[str]:
@@ -81,9 +94,17 @@ def render(info: dict) -> Table:
             ("experts", f"{info['routed_experts']} routed, {info['experts_per_token']} per token"),
             *((f"--weights {mode}, per card (tp={info['tp']})", held_line(held))
               for mode, held in info["weights"].items()),
-            ("KV cache per token", human_bytes(info["kv_bytes_per_token"]))):
+            ("KV cache per token", human_bytes(info["kv_bytes_per_token"])),
+            ("a run's state, per card", state_line(info["run_state"]))):
         table.add_row(key, value)
     return table
+
+
+def state_line(state: dict) -> str:
+    """'2.1 GiB decode state at --max-batch 8 x --max-seq-len 4096 (+ 1 GiB prefix cache in chat, serve, batch)'"""
+    return (f"{human_bytes(state['decode_state_bytes'])} decode state at --max-batch {state['max_batch']} x "
+            f"--max-seq-len {state['max_seq_len']} (+ {human_bytes(state['prefix_cache_bytes'])} prefix cache in chat, "
+            "serve and batch)")
 
 
 HELD = {"fp4": "FP4", "fp8": "FP8", "int8": "int8", "float": "float"}
