@@ -101,7 +101,7 @@ def render(info: dict) -> Table:
 
 
 def state_line(state: dict) -> str:
-    """'2.1 GiB decode state at --max-batch 8 x --max-seq-len 4096 (+ 1 GiB prefix cache in chat, serve, batch)'"""
+    """'738 MiB decode state at --max-batch 8 x --max-seq-len 4096 (+ 1 GiB prefix cache in chat, serve and batch)'"""
     return (f"{human_bytes(state['decode_state_bytes'])} decode state at --max-batch {state['max_batch']} x "
             f"--max-seq-len {state['max_seq_len']} (+ {human_bytes(state['prefix_cache_bytes'])} prefix cache in chat, "
             "serve and batch)")
