@@ -21,7 +21,7 @@ has AVX-512 VNNI and BF16, the same FP4 and FP8 weights through the fast kernels
 `native.fp8_mm_bf16`, bf16 x). A weight under 4x the last-level cache is held as copies that together are not
 (experts taken in turn), each call sweeping them; its rows also give the time of one call on one weight. The
 release-format and native int8 copies lie in one buffer per weight, on 2 MiB pages where Linux allows
-(`native.weight_buffer`): on 4 KiB pages a plain read of such copies ran at 17-19 GB/s where 2 MiB pages gave 30
+(`platforms.cpu.weight_buffer`): on 4 KiB pages a plain read of such copies ran at 17-19 GB/s where 2 MiB pages gave 30
 (a Zen 4 VM, one thread), and the fast FP4 kernel at one row read 18 GB/s from copies each in a buffer of its own
 (half of each 4.25 MiB on 4 KiB pages) where one buffer gave 21.
 """
@@ -39,6 +39,7 @@ from meta import stamp
 from real_width import StreamRead
 
 from dsv4cli.kernels import cpu, native
+from dsv4cli.platforms.cpu import weight_buffer
 
 
 def timed(fn) -> float:
@@ -71,7 +72,7 @@ def flash_kernels(rows: int, kind: str, g: torch.Generator) -> dict:
         return lambda m: [gemm(x[:m], w) for w in copies]
 
     def held(count, *shape):    # `count` copies in one buffer: all on 2 MiB pages where Linux allows
-        return list(native.weight_buffer(count, *shape, dtype=torch.uint8))
+        return list(weight_buffer(count, *shape, dtype=torch.uint8))
 
     kernels, fast = {}, native.lowbit_fast_available()
     for name, fmt, n, k in FLASH_WEIGHTS:

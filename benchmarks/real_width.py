@@ -61,10 +61,10 @@ from torch import nn
 import dsv4cli.kernels
 from dsv4cli import platforms
 from dsv4cli.engine import Engine, EngineOptions
-from dsv4cli.kernels.native import weight_buffer
 from dsv4cli.model import DecodeState, ModelConfig, Segment, Transformer
 from dsv4cli.model.loader import keep_fp32
 from dsv4cli.model.model import Attention, Block, Gate, Linear, MoE, ParallelHead
+from dsv4cli.platforms.cpu import weight_buffer
 
 try:            # an older checkout has no DSpark drafter
     from dsv4cli.engine.dspark import DSparkDrafter

@@ -16,6 +16,7 @@ from dsv4cli.kernels import cpu, native, reference
 from dsv4cli.model import DecodeState, load_model
 from dsv4cli.model.model import Linear, PackedWeight, ParallelHead
 from dsv4cli.model.quant import quantize_model, quantize_weight
+from dsv4cli.platforms.cpu import HUGE_PAGE
 
 NATIVE = pytest.mark.skipif(not native.available(), reason="no x86-64 CPU with AVX-512 VNNI, or no C compiler")
 # the float GEMM: the native one, or without it the AVX2 op (`cpu_float.cpp`)
@@ -432,7 +433,7 @@ def _thp_mode() -> str | None:
 
 def huge_page_eligible(t: torch.Tensor) -> str | None:
     """smaps' THPeligible for the first whole 2 MiB page inside `t`'s memory."""
-    first = -(-t.data_ptr() // native.HUGE_PAGE) * native.HUGE_PAGE
+    first = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
     eligible, inside = None, False
     with open("/proc/self/smaps") as smaps:
         for line in smaps:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from dsv4cli.cache import user_cache_dir
+from dsv4cli.platforms.cpu import weight_buffer
 
 from .reference import AMAX_FLOOR
 
@@ -181,35 +182,6 @@ def float_packable(weight: torch.Tensor, groups: int = 1) -> bool:
     """Whether `float_mm` can read this float weight packed (`groups` projections of their own, each in whole
     blocks): the native kernels', or else the AVX2 op's."""
     return (weight.shape[0] // groups) % BLOCK == 0 and (available() or avx2_available())
-
-
-HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if platform.system() != "Linux":
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-    libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return libc
-
-
-def weight_buffer(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor for a packed weight, asked onto 2 MiB pages (madvise, before anything is written, so its
-    pages fault in huge where Linux's transparent huge pages allow): a 1-row GEMM through experts chosen at
-    random reads faster (the TLB's reach, and the hardware prefetchers stop at each page's end;
-    docs/decisions.md: Packed weights on 2 MiB pages). Nothing changes where Linux says no."""
-    out = torch.empty(*shape, dtype=dtype)
-    start = -(-out.data_ptr() // HUGE_PAGE) * HUGE_PAGE          # the whole huge pages inside the buffer
-    end = (out.data_ptr() + out.numel() * out.element_size()) // HUGE_PAGE * HUGE_PAGE
-    if end > start and (libc := _libc()) is not None:
-        libc.madvise(start, end - start, MADV_HUGEPAGE)            # a refusal (THP off) leaves 4 KiB pages
-    return out
 
 
 def pack_int8(weight: torch.Tensor) -> torch.Tensor:
