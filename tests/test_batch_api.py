@@ -239,7 +239,8 @@ def kept_store(tmp_path_factory):
 
 
 def damage(store, batch_id, kind):
-    """Damage `store` one way (the batch `batch_id` is one of its two); the damaged entry and what it reads."""
+    """Damage `store` one way (the batch `batch_id` is one of its two); the damaged entry and what it reads (the
+    temporaries left, for "cut short")."""
     path = store / "batches" / f"{batch_id}.json"
     if kind == "cut":
         path.write_bytes(path.read_bytes()[:40])
@@ -250,6 +251,10 @@ def damage(store, batch_id, kind):
     elif kind == "stray":
         path = store / "files" / "notes.json"
         path.write_text("my notes\n")
+    elif kind == "cut short":       # a server killed while it took an upload in, and while it stored a batch
+        for path in (store / "files" / ".upload.k9x2", store / "batches" / f".{batch_id}.json.q7.tmp"):
+            path.write_bytes(b"{}\n" * 1000)
+        return [f"batches/.{batch_id}.json.q7.tmp", "files/.upload.k9x2"]        # in the order they are named
     else:   # an unfinished batch whose input was removed by hand (its file and file object)
         other = stored(store, batch_id) | {"id": "batch_gone", "input_file_id": "file-gone", "status": "in_progress",
                                            "dsv4": {"output": "file-out", "errors": "file-err", "seed": 1}}
@@ -258,10 +263,11 @@ def damage(store, batch_id, kind):
     return f"{path.parent.name}/{path.name}"
 
 
-@pytest.mark.parametrize("kind", ["cut", "emptied", "odd", "stray", "input removed"])
+@pytest.mark.parametrize("kind", ["cut", "emptied", "odd", "stray", "input removed", "cut short"])
 def test_a_damaged_batch_dir_starts_naming_what_it_skips(kept_store, tmp_path, kind):
-    """One damaged entry is skipped and named in one line, or fails its batch alone; the server starts, the healthy
-    batch and file are served and a new batch runs."""
+    """One damaged entry is skipped and named in one line, or fails its batch alone; what a killed server was
+    writing is removed, each named; the server starts, the healthy batch and file are served and a new batch
+    runs."""
     store = tmp_path / "store"
     shutil.copytree(kept_store[0], store)
     file_id, (healthy, damaged) = kept_store[1], kept_store[2]
@@ -275,7 +281,10 @@ def test_a_damaged_batch_dir_starts_naming_what_it_skips(kept_store, tmp_path, k
                                                        completion_window="24h").id)
         assert batch.status == "completed", batch
         warnings = [line for line in server.log.read_text().splitlines() if line.startswith("warning: ")]
-        if skipped is None:
+        if isinstance(skipped, list):
+            assert warnings == [f"warning: --batch-dir {store}: removed {name}, a write cut short" for name in skipped]
+            assert not any((store / name).exists() for name in skipped)
+        elif skipped is None:
             gone = client.batches.retrieve("batch_gone")
             assert gone.status == "failed" and "file-gone: no such file or directory" in gone.errors.data[0].message
             assert stored(store, "batch_gone")["status"] == "failed"
@@ -314,7 +323,9 @@ def test_a_full_disk_is_507_fails_only_the_batch_and_loses_nothing(tmp_path):
             file_id = client.files.create(file=src, purpose="batch").id
             batch = wait_for(client, client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                                            completion_window="24h").id)
-            assert batch.status == "failed" and "no space left on device" in batch.errors.data[0].message, batch
+            message = batch.errors.data[0].message          # in the API's words, not `dsv4 batch`'s flags
+            assert batch.status == "failed" and "no space left on device" in message, batch
+            assert message.startswith("result file ") and "restart dsv4 serve, which resumes the batch" in message
             refused(server.post("/v1/batches", {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
                                                 "completion_window": "24h"}, key=None))
             assert server.proc.poll() is None

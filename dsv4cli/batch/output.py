@@ -36,10 +36,12 @@ def error_record(bad: BadLine) -> dict:
 
 class ResultFile:
     """An append-only JSONL file this process holds locked: one write per record, fsync at most once a
-    second and on close. `flag` names the file in errors."""
+    second and on close. `flag` names the file in errors, `again` says how its run goes on after a failed
+    write."""
 
-    def __init__(self, path: Path, fsync_every: float = 1.0, flag: str = "-o/--output"):
-        self.path, self.fsync_every, self.flag = path, fsync_every, flag
+    def __init__(self, path: Path, fsync_every: float = 1.0, flag: str = "-o/--output",
+                 again: str = "rerun with --resume"):
+        self.path, self.fsync_every, self.flag, self.again = path, fsync_every, flag, again
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -80,7 +82,7 @@ class ResultFile:
         """A write that failed (a full disk, most likely): the records before it are whole (a torn last one
         is cut off by --resume), and the requests not written are answered by --resume."""
         fix = "free space" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix it"
-        return RunError(f"{self.flag} {self.path}: cannot write: {e.strerror.lower()}; {fix} and rerun with --resume "
+        return RunError(f"{self.flag} {self.path}: cannot write: {e.strerror.lower()}; {fix} and {self.again} "
                         "(the results so far are kept)")
 
 

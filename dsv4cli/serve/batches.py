@@ -6,8 +6,9 @@ own runner (`BatchRun`), fed into the server's engine steps by the engine thread
 error records are appended to two files whose ids are fixed when the batch is created (and shown once it
 ends) exactly as `dsv4 batch` appends them, so a server killed mid-batch resumes it at its next start the
 way `--resume` does (a torn last line cut off, answered ids skipped): every request once. DIR is locked by
-one server at a time. At start an object that cannot be read is skipped (named on stderr), and an unfinished
-batch that cannot resume is stored as failed: one damaged entry never stops the server.
+one server at a time. At start what a killed server was writing is removed, an object that cannot be read is
+skipped (each named on stderr), and an unfinished batch that cannot resume is stored as failed: one damaged
+entry never stops the server.
 """
 import contextlib
 import dataclasses
@@ -54,9 +55,20 @@ class Store:
             fcntl.flock(self.held, fcntl.LOCK_EX | fcntl.LOCK_NB)     # held while the process lives
         except BlockingIOError:
             raise UsageError(f"--batch-dir {root}: another dsv4 serve uses it") from None
+        self._sweep()
         self.files = self._load("files", FILE_FIELDS)
         batches = self._load("batches", BATCH_FIELDS).values()
         self.batches = {b["id"]: b for b in sorted(batches, key=lambda b: (b["created_at"], b["id"]))}
+
+    def _sweep(self) -> None:
+        """Remove what a server killed mid-write left (DIR is this process's alone now): an upload cut short
+        (`upload`'s `.upload.*`), an object's temporary (`_write_json`'s `.*.tmp`); each named on stderr."""
+        left = [*(self.root / "files").glob(".upload.*"), *(self.root / "files").glob(".*.tmp"),
+                *(self.root / "batches").glob(".*.tmp")]
+        for path in sorted(left):
+            with contextlib.suppress(OSError):
+                path.unlink()
+                warn(f"--batch-dir {self.root}: removed {path.parent.name}/{path.name}, a write cut short")
 
     def _load(self, sub: str, fields: dict[str, type]) -> dict[str, dict]:
         """The objects in DIR/sub by id; one that cannot be used is skipped and named."""
@@ -149,7 +161,8 @@ class ApiBatch:
                 self.input = opened.enter_context(open(store.path(batch["input_file_id"]), "rb"))
             except OSError as e:
                 raise UsageError(f"its input file {batch['input_file_id']}: {e.strerror.lower()}") from None
-            out, errors = (opened.enter_context(contextlib.closing(ResultFile(path))) for path in self.paths)
+            out, errors = (opened.enter_context(contextlib.closing(ResultFile(
+                path, flag="result file", again="restart dsv4 serve, which resumes the batch"))) for path in self.paths)
             results = Results(out, errors, *answered(list(self.paths)))     # what a server stopped mid-batch wrote
             opened.pop_all()
         # background requests: a step that prefills an online prompt does not decode them (`engine.scheduler`)
