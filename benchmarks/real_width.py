@@ -590,9 +590,9 @@ def run(model, cfg, batch, depth, context, reps, stream: StreamRead, peak, int8_
             reads.append(bw)
             profiled.append(dt_profiled)
             parts.append((dict(prof.time), {k: list(v) for k, v in prof.bytes.items()},
-                              {k: list(v) for k, v in prof.block_time.items()},
-                              {k: list(v) for k, v in prof.block_bytes.items()},
-                              dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops),
+                          {k: list(v) for k, v in prof.block_time.items()},
+                          {k: list(v) for k, v in prof.block_bytes.items()},
+                          dict(prof.core_time), dict(prof.core_bytes), dict(prof.core_flops), dict(prof.flops),
                           dict(prof.int8_ops), {k: list(v) for k, v in prof.gemms.items()}))
     mid = steps.index(sorted(steps)[len(steps) // 2])       # the median rep, whose bandwidth reading is used
     median, bw = steps[mid], reads[mid]
