@@ -124,10 +124,9 @@ class SlotParams:
         self.stops = torch.zeros(n, vocab, dtype=torch.bool, device=device)
         self._views: dict[int, SlotParams] = {}
 
-    @staticmethod
-    def bytes_per_slot(vocab: int) -> int:
-        """A slot's bytes: six fp32 and four long settings, two fp32 and two bool rows of the vocabulary."""
-        return 6 * 4 + 4 * 8 + (2 * 4 + 2) * vocab
+    def nbytes(self) -> int:
+        """The bytes of its tensors (on the meta device: what it would allocate)."""
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if isinstance(t, torch.Tensor))
 
     def view(self, slot: int) -> "SlotParams":
         """One slot's settings as a SlotParams of one row (views: writes land here), cached like

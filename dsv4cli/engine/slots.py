@@ -64,21 +64,20 @@ class SlotState:
 
     def nbytes(self) -> int:
         """The bytes of every tensor the slots hold, the cache's included."""
-        own = [self.last, self.pos, self.drafts, self.active, self.limit, self.draft_q, self.confidence,
-               *(t for t in vars(self.sampling).values() if isinstance(t, torch.Tensor))]
-        return self.cache.nbytes() + sum(t.numel() * t.element_size() for t in own if t is not None)
+        own = [self.last, self.pos, self.drafts, self.active, self.limit, self.draft_q, self.confidence]
+        return (self.cache.nbytes() + self.sampling.nbytes()
+                + sum(t.numel() * t.element_size() for t in own if t is not None))
 
     @staticmethod
     def bytes_beside_cache(cfg: ModelConfig, max_batch: int, depth: int) -> int:
-        """What `nbytes` counts besides the cache, from the config alone: per slot the positions and drafts,
-        the sampling settings with their [V] rows (`SlotParams.bytes_per_slot`), and the drafts' distributions
-        [K, V] (fp32: at V4's vocabulary 2.6 MB a slot for 5 drafts)."""
+        """What `nbytes` counts besides the cache, from the config alone (no model): the sampling settings with
+        their [V] rows (a SlotParams on the meta device), and per slot the positions and drafts and the drafts'
+        distributions [K, V] (fp32: at V4's vocabulary 2.6 MB a slot for 5 drafts)."""
         kind = drafter_kind(cfg) if depth else None
-        positions = 8 * (3 + max(depth, 1)) + 1         # last, pos, limit and drafts (long), active (bool)
-        per_slot = positions + SlotParams.bytes_per_slot(cfg.vocab_size)
+        per_slot = 8 * (3 + max(depth, 1)) + 1          # last, pos, limit and drafts (long), active (bool)
         if kind:
             per_slot += 4 * depth * cfg.vocab_size + (4 * depth if kind.confidence else 0)
-        return max_batch * per_slot
+        return SlotParams(max_batch, cfg.vocab_size, "meta").nbytes() + max_batch * per_slot
 
     @staticmethod
     def decode_state(model: Transformer, max_batch: int, max_seq_len: int, depth: int, reuse_prefix: bool
