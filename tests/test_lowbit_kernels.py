@@ -251,15 +251,17 @@ def test_fp8_bf16_keeps_tiny_and_large_inputs(fast):
 
 
 def test_fast_rows_are_their_own_on_any_threads(fast):
-    """Speculative decoding verifies drafts as rows beside the committed one: each row the same bits as alone.
-    The weights span several groups of rows (those that meet each row of x while in L2)."""
+    """Speculative decoding verifies drafts as rows beside the committed one: each row the same bits as alone,
+    whatever register tiles its rows make (FP4: 3 rows one tile of two weight rows, 5 one tile of one, 11 two,
+    21 three; FP8: 5 rows 3 + 2, 11 rows 4 + 4 + 3). The weights span several groups of rows (those that meet
+    each row of x while in L2)."""
     g = torch.Generator().manual_seed(7)
     w8, s8 = e4m3(1536, 1024, g), tile_scales(13, 9, g)
     w4, s4 = e2m1(2048, 1024, g)
     x = torch.randn(21, 1024, generator=g).bfloat16()
     for gemm in (lambda x: native.fp8_mm_bf16(x, w8, s8, (3, 5), lib=fast),
                  lambda x: native.fp4_mm_q8(x, w4, s4, lib=fast)):
-        assert_rows_their_own(gemm, x, (1, 5))
+        assert_rows_their_own(gemm, x, (1, 3, 5, 11))
 
 
 def test_fast_prefill_blocks_keep_each_row_its_own(fast):

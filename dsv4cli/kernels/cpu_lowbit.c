@@ -443,13 +443,32 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
 #define FAST_MR 4               /* x rows per register tile, at most */
 #define FAST_ROWS(mr, call) switch (mr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
                                           default: call(4); }
-#define Q8_CHAINS(n) ((n) >= 6 ? 1 : (n) >= 3 ? 2 : 4)     /* per row of x, for n rows of x and w in flight */
+/* M rows of x make as few register tiles as they can, as even as they can be (5 rows: 3 + 2, not 4 + 1), each
+   tile's x' one block of memory. An FP4 tile takes one weight row against 5 to 8 rows of x where M allows (each
+   decoded weight vector read more often: the decoding's shuffles share a port with vpdpbusd on Zen 4), as many
+   as keep the tile's x' within X_TILE_BYTES of L1 (6 at 4,096 inputs, 8 at 2,048; 8 at 4,096 thrash L1):
+   1.1-1.2x the FP4 GEMM of 6-256 rows against tiles of 2 x 4 (benchmarks/README.md). */
+#define FP4_WIDE_ROWS 5         /* the fewest rows of x an FP4 tile of one weight row takes */
+#define FP4_WIDE_MR 8
+#define X_TILE_BYTES (24 << 10)
+#define WIDE_ROWS(mr, call) switch (mr) { case 5: call(5); break; case 6: call(6); break; case 7: call(7); break; \
+                                          default: call(8); }
+#define Q8_CHAINS(n) ((n) >= 5 ? 1 : (n) >= 3 ? 2 : 4)     /* per row of x, for n rows of x and w in flight */
 #define UNROLL _Pragma("GCC unroll 16")     /* loops over arrays of vectors, whole: the vectors stay in registers */
 
 void dsv4_quantize_rows(const void *x, int bf16, int64_t R, int64_t D, float floor, int8_t *q, float *scale);
 
 /* Lane L of a step's sums holds group q8_group(L) of its 16; the map is its own inverse. */
 INLINE int q8_group(int L) { return L % 4 * 4 + L / 4; }
+
+/* M rows of x as `count` register tiles of at most `most` rows, as even as can be: tile j's first row and rows. */
+INLINE int64_t tile_count(int64_t M, int64_t most) { return (M + most - 1) / most; }
+
+INLINE int64_t tile_first(int64_t M, int64_t count, int64_t j) {
+    return j * (M / count) + (j < M % count ? j : M % count);
+}
+
+INLINE int tile_rows(int64_t M, int64_t count, int64_t j) { return (int)(M / count + (j < M % count)); }
 
 /* Units (of `unit_bytes` of weight) per group: within GROUP_BYTES, and a group for each thread at least. */
 static int64_t fast_group(int64_t units, int64_t unit_bytes, int threads) {
@@ -464,21 +483,21 @@ INLINE __m512i q8_codes(__m512i t, int h) {
     return _mm512_shuffle_epi8(table, _mm512_and_si512(h ? _mm512_srli_epi16(t, 4) : t, _mm512_set1_epi8(0x0f)));
 }
 
-/* R rows of packed E2M1 w[r] with their scales s[r] against MR rows of x'. Step c's x' rows are at
-   xq + c * M * 512 (512 bytes each: vector 2t + h, lane L, byte b is input 32 q8_group(L) + 8t + 2b + h), their
-   sums' starting values at xc + c * M * 16. `steps` whole steps from the rows, then one from `tail` (R rows of
-   256 bytes, tail_s of 16 scales, zeros past K) unless it is NULL. `ahead`: rows asked into L2 as these are
+/* R rows of packed E2M1 w[r] with their scales s[r] against MR rows of x', the tile's (q8_layout). Step c's x'
+   rows are at xq + c * MR * 512 (512 bytes each: vector 2t + h, lane L, byte b is input 32 q8_group(L) + 8t + 2b
+   + h), their sums' starting values at xc + c * MR * 16. `steps` whole steps from the rows, then one from `tail`
+   (R rows of 256 bytes, tail_s of 16 scales, zeros past K) unless it is NULL. `ahead`: rows asked into L2 as these are
    read (or NULL). y = the sums times hx (sx / 2). */
 INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint8_t *const *ahead, int64_t steps,
-                    const uint8_t *tail, const uint8_t *tail_s, const int8_t *xq, const int32_t *xc, int64_t M,
+                    const uint8_t *tail, const uint8_t *tail_s, const int8_t *xq, const int32_t *xc,
                     const float *hx, float *y, int64_t N, int rows, const int R, const int MR) {
     const int CH = Q8_CHAINS(R * MR);
     const __m128i lanes = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);    /* q8_group */
-    __m512 acc[FAST_R * FAST_MR];
+    __m512 acc[FAST_R * FAST_MR];                       /* R * MR <= 8 */
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c <= steps; c++) {
         if (c == steps && !tail) break;
-        const int8_t *xs = xq + c * M * Q8_STEP;
+        const int8_t *xs = xq + c * MR * Q8_STEP;
         __m512i t[ONE_ROW_R][4], sum[FAST_R * FAST_MR];     /* R * MR * CH <= 8 */
         for (int r = 0; r < R; r++) {
             const uint8_t *p = c < steps ? w[r] + c * (Q8_STEP / 2) : tail + r * (Q8_STEP / 2);
@@ -496,7 +515,7 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
         for (int i = 0; i < R * MR; i++)
             UNROLL
             for (int k = 0; k < CH; k++)
-                sum[i * CH + k] = k ? _mm512_setzero_si512() : _mm512_load_si512(xc + (c * M + i % MR) * 16);
+                sum[i * CH + k] = k ? _mm512_setzero_si512() : _mm512_load_si512(xc + (c * MR + i % MR) * 16);
         UNROLL
         for (int v = 0; v < 8; v++) {
             __m512i code[ONE_ROW_R];
@@ -527,27 +546,47 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
         for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]) * hx[m];
 }
 
-/* x' for the FP4 kernel: rows of x quantised, laid out step by step (q8_tile), their groups' sums times -12,
-   and sx / 2. */
+/* The register tiles of one weight row that M rows of x make, for K inputs (FP4); how many weight rows a unit
+   reads side by side; the register tiles they make. */
+static int64_t q8_wide_tiles(int64_t M, int64_t K) {
+    int64_t most = X_TILE_BYTES / K;
+    return tile_count(M, most < 1 ? 1 : most > FP4_WIDE_MR ? FP4_WIDE_MR : most);
+}
+
+static int q8_unit_rows(int64_t M, int64_t K) {
+    return M == 1 ? (K <= ONE_ROW_FP4_K ? ONE_ROW_R : FAST_R) : M / q8_wide_tiles(M, K) >= FP4_WIDE_ROWS ? 1 : FAST_R;
+}
+
+static int64_t q8_tiles(int64_t M, int64_t K) {
+    return q8_unit_rows(M, K) == 1 ? q8_wide_tiles(M, K) : tile_count(M, FAST_MR);
+}
+
+/* x' for the FP4 kernel: rows of x quantised, their groups' sums times -12, and sx / 2; tile by tile (q8_tiles),
+   each tile's rows step by step, side by side (q8_tile): a tile's x' is one block of memory, its rows of a step
+   adjacent (a row's steps 4 KiB apart would meet in L1's banks). */
 static void q8_layout(const int8_t *q, int64_t M, int64_t K, int64_t steps, int8_t *xq, int32_t *xc, float *hx) {
+    int64_t count = q8_tiles(M, K);
     /* a group's 32 inputs as its 8 lanes: lane 2t + h is inputs 8t + h, + 2, + 4, + 6 */
     const __m256i order = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13,
                                                                     15));
     const __m256i bias = _mm256_set1_epi8((char)0x80);
     memset(xq, 0, steps * M * Q8_STEP);
     memset(xc, 0, steps * M * 16 * sizeof *xc);
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0, rt = 0; m < M; m++) {
         hx[m] *= 0.5f;          /* the codes are twice E2M1's values */
+        while (tile_first(M, count, rt + 1) <= m) rt++;           /* row m's register tile */
+        int64_t m0 = tile_first(M, count, rt), mr = tile_rows(M, count, rt);
         for (int64_t g = 0; g < K / 32; g++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(q + m * K + g * 32));
+            int64_t at = m0 * steps + g / 16 * mr + m - m0;     /* row m's step g / 16 */
             int32_t lanes[8];
             _mm256_storeu_si256((__m256i *)lanes, _mm256_shuffle_epi8(v, order));
             int L = q8_group((int)(g % 16));
-            for (int i = 0; i < 8; i++) memcpy(xq + (g / 16 * M + m) * Q8_STEP + i * 64 + L * 4, &lanes[i], 4);
+            for (int i = 0; i < 8; i++) memcpy(xq + at * Q8_STEP + i * 64 + L * 4, &lanes[i], 4);
             __m256i sums = _mm256_sad_epu8(_mm256_xor_si256(v, bias), _mm256_setzero_si256());   /* of q + 128 */
             int64_t sum = _mm256_extract_epi64(sums, 0) + _mm256_extract_epi64(sums, 1) +
                           _mm256_extract_epi64(sums, 2) + _mm256_extract_epi64(sums, 3) - 32 * 128;
-            xc[(g / 16 * M + m) * 16 + L] = (int32_t)(-12 * sum);
+            xc[at * 16 + L] = (int32_t)(-12 * sum);
         }
     }
 }
@@ -563,8 +602,9 @@ struct q8_job {
    shared among the threads as one list: one parallel region for a MoE expert's w1 and w3. */
 static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t *xq, const int32_t *xc,
                   const float *hx, int64_t M, int threads) {
-    const int R = M == 1 && K <= ONE_ROW_FP4_K ? ONE_ROW_R : FAST_R, MR = FAST_MR;
-    int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), units = 0, first[4];
+    const int R = q8_unit_rows(M, K);
+    const int64_t m_tiles = q8_tiles(M, K);
+    int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), S = steps + (rest != 0), units = 0, first[4];
     for (int j = 0; j < n_jobs; j++) {
         first[j] = units;
         units += (jobs[j].N + R - 1) / R;
@@ -580,14 +620,16 @@ static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t
         }
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < units; g += group)
-            for (int64_t m0 = 0; m0 < M; m0 += MR)
+            for (int64_t mt = 0; mt < m_tiles; mt++) {
+                int64_t m0 = tile_first(M, m_tiles, mt);
+                int mr = tile_rows(M, m_tiles, mt);
                 for (int64_t u = g; u < g + group && u < units; u++) {
                     if (!tail || !tail_s) continue;
                     int j = n_jobs - 1;
                     while (first[j] > u) j--;
                     const struct q8_job *job = &jobs[j];
                     int64_t i = (u - first[j]) * R, N = job->N, ws = job->w_stride, ss = job->scale_stride;
-                    int rows = (int)(N - i < R ? N - i : R), mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    int rows = (int)(N - i < R ? N - i : R);
                     const uint8_t *wr[R_MAX], *sr[R_MAX], *ar[R_MAX];
                     unit_rows(job->w + i * ws, ws, rows, R, wr);
                     unit_rows(job->scale + i * ss, ss, rows, R, sr);
@@ -596,14 +638,19 @@ static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t
                         memcpy(tail + r * (Q8_STEP / 2), wr[r] + steps * (Q8_STEP / 2), rest);
                         memcpy(tail_s + r * 16, sr[r] + steps * 16, rest / (FP4_GROUP / 2));
                     }
-#define Q8_CALL(mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * Q8_STEP, \
-                             xc + m0 * 16, M, hx + m0, job->y + m0 * N + i, N, rows, FAST_R, mr_)
+#define Q8_CALL(r_, mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * S * Q8_STEP, \
+                                 xc + m0 * S * 16, hx + m0, job->y + m0 * N + i, N, rows, r_, mr_)
+#define Q8_FAST(mr_) Q8_CALL(FAST_R, mr_)
+#define Q8_WIDE(mr_) Q8_CALL(1, mr_)
                     if (R == ONE_ROW_R)
-                        q8_tile(wr, sr, ar, steps, rest ? tail : NULL, tail_s, xq, xc, M, hx, job->y + i, N, rows,
+                        q8_tile(wr, sr, ar, steps, rest ? tail : NULL, tail_s, xq, xc, hx, job->y + i, N, rows,
                                 ONE_ROW_R, 1);
+                    else if (R == FAST_R)
+                        FAST_ROWS(mr, Q8_FAST)
                     else
-                        FAST_ROWS(mr, Q8_CALL)
+                        WIDE_ROWS(mr, Q8_WIDE)
                 }
+            }
         free(tail);
         free(tail_s);
     }
@@ -658,18 +705,18 @@ INLINE void fp8_bf16(__m512i b, __m512i *lo, __m512i *hi) {
 
 /* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles: x' column col0 + j is input j). Chunk c
    is x' columns 64c..64c+63, weight bytes from w[r] + 64c - col0; chunks first..last hold inputs, the first and
-   last masked to them. Tile t's rows of x' are at xs + t * M * 128, 128 a row: chunk 2t + h's vectors lo, hi
-   (fp8_bf16's order) at 64h, 64h + 32. Tile t's sums go times sc[t] into the row's. `ahead`: rows asked into
-   L2 as these are read (or NULL). */
+   last masked to them. Tile t's rows of x' are at xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's
+   vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32. Tile t's sums go times sc[t] into the row's. `ahead`: rows
+   asked into L2 as these are read (or NULL). */
 INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int64_t tiles, int64_t first,
                       int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const uint16_t *xs,
-                      int64_t M, const float *sc, float *y, int64_t N, int rows, const int R, const int MR) {
+                      const float *sc, float *y, int64_t N, int rows, const int R, const int MR) {
     __m512 acc[R_MAX * FAST_MR];
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; t++) {
         __m512 part[R_MAX * FAST_MR];                   /* the tile's products */
         for (int i = 0; i < R * MR; i++) part[i] = _mm512_setzero_ps();
-        const uint16_t *xt = xs + t * M * FP8_TILE;
+        const uint16_t *xt = xs + t * MR * FP8_TILE;
         int edge = 2 * t <= first || 2 * t + 1 >= last;      /* chunks outside the inputs read nothing */
         UNROLL
         for (int h = 0; h < 2; h++) {
@@ -699,12 +746,15 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
         for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]);
 }
 
-/* x' for the FP8 kernel: rows of x (bf16) times 2^64, tile by tile in bf16_tile's order, zeros outside the
-   inputs; `row`: scratch for one row (tiles * 128). */
-static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64_t tiles, uint16_t *row,
-                        uint16_t *xs) {
+/* x' for the FP8 kernel: rows of x (bf16) times 2^64, zeros outside the inputs, in `count` register tiles of
+   rows (tile_rows), each tile's rows column tile by column tile side by side in bf16_tile's order; `row`:
+   scratch for one row (tiles * 128). */
+static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64_t tiles, int64_t count,
+                        uint16_t *row, uint16_t *xs) {
     const __m512 up = _mm512_set1_ps(0x1p64f);
-    for (int64_t m = 0; m < M; m++) {
+    for (int64_t m = 0, rt = 0; m < M; m++) {
+        while (tile_first(M, count, rt + 1) <= m) rt++;           /* row m's register tile */
+        int64_t m0 = tile_first(M, count, rt), mr = tile_rows(M, count, rt);
         memset(row, 0, tiles * FP8_TILE * 2);
         for (int64_t j = 0; j < K; j += 16) {
             __mmask16 in = K - j >= 16 ? 0xffff : (1u << (K - j)) - 1;
@@ -716,14 +766,15 @@ static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64
             for (int h = 0; h < 2; h++)
                 for (int l = 0; l < 4; l++)
                     for (int half = 0; half < 2; half++)
-                        memcpy(xs + (t * M + m) * FP8_TILE + 64 * h + 32 * half + 8 * l,
+                        memcpy(xs + (m0 * tiles + t * mr + m - m0) * FP8_TILE + 64 * h + 32 * half + 8 * l,
                                row + t * FP8_TILE + 64 * h + 16 * l + 8 * half, 16);
     }
 }
 
 static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                       const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
-    const int R = M == 1 ? ONE_ROW_R : FAST_R, MR = FAST_MR;
+    const int R = M == 1 ? ONE_ROW_R : FAST_R;
+    const int64_t m_tiles = tile_count(M, FAST_MR);
     int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
     int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
     __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
@@ -741,7 +792,7 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
     }
     start[units] = N;
     int64_t group = fast_group(units, R * K, threads);
-    bf16_layout(x, M, K, col0, tiles, row, xs);
+    bf16_layout(x, M, K, col0, tiles, m_tiles, row, xs);
     free(row);
     int failed = 0;
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
@@ -753,24 +804,27 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
         }
         _Pragma("omp for schedule(static)")
         for (int64_t g = 0; g < units; g += group)
-            for (int64_t m0 = 0; m0 < M; m0 += MR)
+            for (int64_t mt = 0; mt < m_tiles; mt++) {
+                int64_t m0 = tile_first(M, m_tiles, mt);
+                int mr = tile_rows(M, m_tiles, mt);
                 for (int64_t u = g; u < g + group && u < units; u++) {
                     if (!sc) continue;
                     int64_t i = start[u];
-                    int rows = (int)(start[u + 1] - i), mr = M - m0 < MR ? (int)(M - m0) : MR;
+                    int rows = (int)(start[u + 1] - i);
                     const float *srow = scale + (row0 + i) / FP8_TILE * scale_stride;
                     for (int64_t t = 0; t < tiles; t++) sc[t] = srow[t] * 0x1p56f;
                     const uint8_t *wr[R_MAX], *ar[R_MAX];
                     unit_rows(w + i * w_stride, w_stride, rows, R, wr);
                     unit_rows(w + (i + AHEAD_UNITS * R) * w_stride - col0, w_stride, R, R, ar);
 #define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, tiles, first, last, first_mask, last_mask, col0, \
-                                 xs + m0 * FP8_TILE, M, sc, y + m0 * N + i, N, rows, FAST_R, mr_)
+                                 xs + m0 * tiles * FP8_TILE, sc, y + m0 * N + i, N, rows, FAST_R, mr_)
                     if (M == 1)
-                        bf16_tile(wr, ar, tiles, first, last, first_mask, last_mask, col0, xs, M, sc, y + i, N, rows,
+                        bf16_tile(wr, ar, tiles, first, last, first_mask, last_mask, col0, xs, sc, y + i, N, rows,
                                   ONE_ROW_R, 1);
                     else
                         FAST_ROWS(mr, BF16_CALL)
                 }
+            }
         free(sc);
     }
     free(start), free(xs);
