@@ -563,7 +563,7 @@ static int64_t q8_tiles(int64_t M, int64_t K) {
 
 /* x' for the FP4 kernel: rows of x quantised, their groups' sums times -12, and sx / 2; tile by tile (q8_tiles),
    each tile's rows step by step, side by side (q8_tile): a tile's x' is one block of memory, its rows of a step
-   adjacent (a row's steps 4 KiB apart would meet in L1's banks). */
+   adjacent (each row whole, a tile's rows of a step 4 KiB apart, ran 25-30 % slower). */
 static void q8_layout(const int8_t *q, int64_t M, int64_t K, int64_t steps, int8_t *xq, int32_t *xc, float *hx) {
     int64_t count = q8_tiles(M, K);
     /* a group's 32 inputs as its 8 lanes: lane 2t + h is inputs 8t + h, + 2, + 4, + 6 */
