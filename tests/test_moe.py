@@ -5,11 +5,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny import chunk_logits, mtp_chunk_logits, random_model, tiny_config
 
 from dsv4cli.kernels import cpu, native, reference
-from dsv4cli.model import DecodeState
-from dsv4cli.model.model import MoE, OpModule, PackedWeight
+from dsv4cli.model import DecodeState, ModelConfig
+from dsv4cli.model.model import Gate, MoE, OpModule, PackedWeight
 from dsv4cli.model.quant import quantize_model
 
 
@@ -41,6 +42,33 @@ def stacked(moe: MoE) -> MoE:
     moe = copy.deepcopy(moe)
     moe.stack_experts()
     return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.no_grad()
+def test_a_big_gate_is_packed_and_routes_as_the_reference(dtype):
+    """V4 Flash's gate ([256, 4096] bf16) is big enough to pack: the CPU kernels then read it as stored (a plain
+    weight was widened to fp32 at each call), hold no other copy, give it back whole in the state dict, and route
+    as the reference's fp32 F.linear does (same experts; weights to fp32 sums' order). Layer 1: a biased top-k
+    gate (layer 0 routes by hash)."""
+    cfg = ModelConfig.from_dict(tiny_config(hidden_size=2048, n_routed_experts=256, num_experts_per_tok=6))
+    gate = Gate(1, cfg)
+    g = torch.Generator().manual_seed(0)
+    torch.nn.init.normal_(gate.weight, std=0.02, generator=g)
+    gate.weight.data = gate.weight.data.to(dtype)
+    gate.bias.data.normal_(0, 0.01, generator=g)
+    x = torch.randn(37, 2048, generator=g).to(dtype)
+    ids = torch.randint(0, 256, (37,), generator=g)
+    plain = gate.weight.detach().clone()
+    expect_w, expect_idx = reference.moe_gate(F.linear(x.float(), plain.float()), gate.bias, None, ids, 6,
+                                              cfg.score_func, cfg.route_scale)
+    gate.ops = cpu
+    gate.pack()
+    assert gate.packed is not None and gate.weight.is_meta
+    assert torch.equal(gate.state_dict()["weight"], plain)
+    w, idx = gate(x, ids)
+    assert torch.equal(idx, expect_idx)
+    torch.testing.assert_close(w, expect_w, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("quantized", [False, True])

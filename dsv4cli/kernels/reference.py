@@ -277,9 +277,10 @@ def score(logits: torch.Tensor, func: str) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def moe_gate(x, weight, bias, tid2eid, input_ids, topk: int, func: str, route_scale: float):
-    """Router: scores from the gate, experts by hash table or by biased top-k; weights renormalised."""
-    s = score(F.linear(x.float(), weight.float()), func)
+def moe_gate(logits, bias, tid2eid, input_ids, topk: int, func: str, route_scale: float):
+    """Router: scores from the gate's fp32 logits (x W^T, `linear_fp32`), experts by hash table or by biased top-k;
+    weights renormalised."""
+    s = score(logits, func)
     if tid2eid is not None:
         idx = tid2eid[input_ids.reshape(-1)].long()
     else:

@@ -623,7 +623,11 @@ class Expert(OpModule):
         return self.w2((h if weight is None else h * weight).to(x.dtype))
 
 
-class Gate(OpModule):
+class Gate(PackedWeight, OpModule):
+    """The router. Its scores are fp32 math on a weight the release stores in bf16: where the CPU kernels pack it
+    (V4 Flash's [256, 4096]), they read the bf16 bytes; a plain weight is widened at each call, which took 1.5
+    ms a layer at batch 1 on Zen 4 (benchmarks/README.md, The MoE gate read as stored)."""
+
     def __init__(self, layer_id: int, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -636,10 +640,17 @@ class Gate(OpModule):
         else:
             self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
 
+    def _pack(self, weight):
+        return self.ops.pack_linear_fp32(weight)
+
+    def _unpack(self, packed):
+        return self.ops.unpack_linear_fp32(packed)
+
     def forward(self, x, input_ids):
         c = self.cfg
-        return self.ops.moe_gate(x, self.weight, self.bias, self.tid2eid if self.hash else None, input_ids,
-                                c.n_activated_experts, c.score_func, c.route_scale)
+        return self.ops.moe_gate(self.ops.linear_fp32(x, self.weight, self.packed), self.bias,
+                                 self.tid2eid if self.hash else None, input_ids, c.n_activated_experts, c.score_func,
+                                 c.route_scale)
 
 
 class MoE(OpModule):
