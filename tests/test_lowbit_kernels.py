@@ -264,9 +264,22 @@ def test_fast_rows_are_their_own_on_any_threads(fast):
         assert_rows_their_own(gemm, x, (1, 3, 5, 11))
 
 
+def test_fast_fp8_many_rows_give_each_row_its_bits(fast):
+    """From 48 rows (a prefill chunk's) the FP8 product runs with 16 outputs to a vector: each output the bits it
+    gets alone and among 47 rows (the few-row kernel), with outputs ending mid-vector, row and column offsets
+    within a tile, across the 256-row blocks and on 2 threads; and the reference's values."""
+    g = torch.Generator().manual_seed(13)
+    weight, scale = e4m3(150, 1000, g), tile_scales(2, 9, g)
+    x = torch.randn(300, 1000, generator=g).bfloat16()
+    y = native.fp8_mm_bf16(x, weight, scale, (3, 5), lib=fast)
+    w = reference.fp8_to_float(without_subnormals(weight), scale, (3, 5)).double()
+    assert relative_error(y, x.double() @ w.t()) < 1e-6
+    assert_rows_their_own(lambda x: native.fp8_mm_bf16(x, weight, scale, (3, 5), lib=fast), x, (1, 47))
+
+
 def test_fast_prefill_blocks_keep_each_row_its_own(fast):
-    """A prefill's rows in blocks of x that fit L2 (60 rows of 8192 bf16 inputs, 112 of int8): the reference's
-    values, and each row the same bits as alone."""
+    """A prefill's rows of 8192 inputs (FP8: 120 rows multiplied with 16 outputs to a vector; FP4: in blocks of
+    112 rows of int8 that fit L2): the reference's values, and each row the same bits as alone."""
     g = torch.Generator().manual_seed(9)
     w8, s8 = e4m3(130, 8192, g), tile_scales(2, 64, g)
     w4, s4 = e2m1(64, 8192, g)

@@ -470,6 +470,17 @@ INLINE int64_t tile_first(int64_t M, int64_t count, int64_t j) {
 
 INLINE int tile_rows(int64_t M, int64_t count, int64_t j) { return (int)(M / count + (j < M % count)); }
 
+/* A vector's 16 lanes summed in a fixed tree (GCC's _mm512_reduce_add_ps): upper 8 lanes onto the lower 8, then
+   4 onto 4, then lanes 0 + 2 and 1 + 3, then those two. (outer_tile's reduce16: the same, lane by lane.) */
+INLINE float hsum16(__m512 a) {
+    __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)),
+                              _mm512_castps512_ps256(a));
+    __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
+    float f[4];
+    _mm_storeu_ps(f, t6);
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
 /* Units (of `unit_bytes` of weight) per group: within GROUP_BYTES, and a group for each thread at least. */
 static int64_t fast_group(int64_t units, int64_t unit_bytes, int threads) {
     int64_t group = GROUP_BYTES / unit_bytes + 1, share = (units + threads - 1) / threads;
@@ -543,7 +554,7 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
         }
     }
     for (int r = 0; r < R && r < rows; r++)
-        for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]) * hx[m];
+        for (int m = 0; m < MR; m++) y[m * N + r] = hsum16(acc[r * MR + m]) * hx[m];
 }
 
 /* The register tiles of one weight row that M rows of x make, for K inputs (FP4); how many weight rows a unit
@@ -743,25 +754,29 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
         for (int i = 0; i < R * MR; i++) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
     }
     for (int r = 0; r < R && r < rows; r++)
-        for (int m = 0; m < MR; m++) y[m * N + r] = _mm512_reduce_add_ps(acc[r * MR + m]);
+        for (int m = 0; m < MR; m++) y[m * N + r] = hsum16(acc[r * MR + m]);
 }
 
-/* x' for the FP8 kernel: rows of x (bf16) times 2^64, zeros outside the inputs, in `count` register tiles of
-   rows (tile_rows), each tile's rows column tile by column tile side by side in bf16_tile's order; `row`:
-   scratch for one row (tiles * 128). */
+/* One row of x (bf16, K inputs) times 2^64 in columns col0..col0+K-1 of `row` (tiles * 128), zeros elsewhere. */
+static void bf16_row(const uint16_t *x, int64_t K, int col0, int64_t tiles, uint16_t *row) {
+    const __m512 up = _mm512_set1_ps(0x1p64f);
+    memset(row, 0, tiles * FP8_TILE * 2);
+    for (int64_t j = 0; j < K; j += 16) {
+        __mmask16 in = K - j >= 16 ? 0xffff : (1u << (K - j)) - 1;
+        __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + j)), 16);
+        v = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(v), up)), 16);
+        _mm256_mask_storeu_epi16(row + col0 + j, in, _mm512_cvtepi32_epi16(v));
+    }
+}
+
+/* x' for the FP8 kernel: rows of x as bf16_row makes them, in `count` register tiles of rows (tile_rows), each
+   tile's rows column tile by column tile side by side in bf16_tile's order; `row`: scratch for one row. */
 static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64_t tiles, int64_t count,
                         uint16_t *row, uint16_t *xs) {
-    const __m512 up = _mm512_set1_ps(0x1p64f);
     for (int64_t m = 0, rt = 0; m < M; m++) {
         while (tile_first(M, count, rt + 1) <= m) rt++;           /* row m's register tile */
         int64_t m0 = tile_first(M, count, rt), mr = tile_rows(M, count, rt);
-        memset(row, 0, tiles * FP8_TILE * 2);
-        for (int64_t j = 0; j < K; j += 16) {
-            __mmask16 in = K - j >= 16 ? 0xffff : (1u << (K - j)) - 1;
-            __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, x + m * K + j)), 16);
-            v = _mm512_srli_epi32(_mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(v), up)), 16);
-            _mm256_mask_storeu_epi16(row + col0 + j, in, _mm512_cvtepi32_epi16(v));
-        }
+        bf16_row(x + m * K, K, col0, tiles, row);
         for (int64_t t = 0; t < tiles; t++)             /* each chunk's 8-column runs in fp8_bf16's order */
             for (int h = 0; h < 2; h++)
                 for (int l = 0; l < 4; l++)
@@ -828,6 +843,198 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
         free(sc);
     }
     free(start), free(xs);
+    return failed ? -1 : 0;
+}
+
+/* ---- many rows of x (a prefill chunk's): FP8 with 16 outputs to a vector ---------------------------------
+
+   bf16_tile gives each output 16 partial sums, one per lane ("class" j: the pairs of inputs lane j of fp8_bf16's
+   lo and hi vectors hold), each the chain, per 128-input tile, of 4 vdpbf16ps from zero, times the tile's scale,
+   into the class's sum; the 16 then add in hsum16's tree. Against many rows of x that layout loads a vector of x
+   for every vdpbf16ps (and decodes the weight again per register tile), which holds it to ~0.6 of vdpbf16ps's
+   peak (Zen 4). Here a vector holds 16 outputs, a pair of inputs each: the weight decoded once per call (16 rows'
+   lo and hi vectors transposed, outer_decode), a weight vector serves OUTER_MR rows of x and a pair of x,
+   broadcast, OUTER_V weight vectors. Each class's chain runs whole, class after class, with the same operations
+   on the same values, and the 16 classes' sums add in hsum16's tree lane by lane: every output gets the bits
+   bf16_tile gives it, whatever the rows beside it. */
+#define OUTER_MIN_ROWS 48       /* rows of x from which a call takes this kernel */
+#define OUTER_BLOCK_ROWS 256    /* rows of x laid out at once (the weight decoded again per block) */
+#define OUTER_V 2               /* vectors of 16 outputs per register tile */
+#define OUTER_MR FAST_MR        /* rows of x per register tile (FAST_ROWS's shapes) */
+
+/* 16 vectors summed lane by lane in hsum16's tree. */
+INLINE __m512 reduce16(const __m512 *a) {
+    __m512 t3[8], t6[4];
+    for (int i = 0; i < 8; i++) t3[i] = _mm512_add_ps(a[i + 8], a[i]);
+    for (int i = 0; i < 4; i++) t6[i] = _mm512_add_ps(t3[i + 4], t3[i]);
+    return _mm512_add_ps(_mm512_add_ps(t6[0], t6[2]), _mm512_add_ps(t6[1], t6[3]));
+}
+
+/* The next unit's weight rows asked into L2 while a unit's register tiles run: of its `lines` lines (64 bytes,
+   `per_row` to a row of `stride` bytes from p; past the weight's end a prefetch never faults), tile `at` of
+   `tiles` asks for its share. */
+INLINE void outer_ahead(const uint8_t *p, int64_t stride, int64_t per_row, int64_t lines, int64_t at, int64_t tiles) {
+    for (int64_t i = lines * at / tiles; i < lines * (at + 1) / tiles; i++)
+        _mm_prefetch((const char *)p + i / per_row * stride + i % per_row * 64, _MM_HINT_T1);
+}
+
+/* v[j] lane l <- v[l] lane j (32-bit lanes): unpacks by 32 and 64 bits, then two shuffles of 128-bit lanes. */
+INLINE void transpose16(__m512i v[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(v[h + i], v[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(v[h + i], v[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* The column (of x' rows: col0 included) of the first input of pair s (of chunk 2t + s / 2, in its lo vector
+   for s even, hi for odd) of class j in column tile t. */
+INLINE int64_t class_column(int64_t t, int j, int s) {
+    return 128 * t + 64 * (s / 2) + 16 * (j / 4) + 2 * (j % 4) + 8 * (s % 2);
+}
+
+/* Outputs o0..o0+15 of the weight (rows past N zero) decoded: class j, tile t, pair s at vector (j * tiles + t) *
+   4 + s of dec, lane l output o0 + l; and their scales times 2^56, tile t's at sc + 16t (0 past N). */
+static void outer_decode(const uint8_t *w, int64_t w_stride, int64_t rows, int64_t tiles, int64_t first,
+                         int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const float *scale,
+                         int64_t scale_stride, int64_t row0, int64_t o0, uint8_t *dec, float *sc) {
+    for (int64_t c = 0; c < 2 * tiles; c++) {
+        __mmask64 in = c < first || c > last ? 0 : (c == first ? first_mask : ~0ull) & (c == last ? last_mask : ~0ull);
+        int edge = c <= first || c >= last;
+        __m512i lo[16], hi[16];
+        for (int l = 0; l < 16; l++) {
+            const uint8_t *p = w + l * w_stride + BF16_CHUNK * c - col0;
+            if (l < rows) fp8_bf16(edge ? _mm512_maskz_loadu_epi8(in, p) : _mm512_loadu_si512(p), &lo[l], &hi[l]);
+            else lo[l] = hi[l] = _mm512_setzero_si512();
+        }
+        transpose16(lo);
+        transpose16(hi);
+        int64_t t = c / 2, s = 2 * (c % 2);
+        for (int j = 0; j < 16; j++) {
+            _mm512_store_si512(dec + ((j * tiles + t) * 4 + s) * 64, lo[j]);
+            _mm512_store_si512(dec + ((j * tiles + t) * 4 + s + 1) * 64, hi[j]);
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++)
+        for (int l = 0; l < 16; l++)
+            sc[16 * t + l] = l < rows ? scale[(row0 + o0 + l) / FP8_TILE * scale_stride + t] * 0x1p56f : 0.0f;
+}
+
+/* V vectors of decoded outputs (dec, vectors dec_stride bytes apart; their scales sc, sc_stride floats apart)
+   against MR rows of x'' (xo, rows x_stride pairs apart: class j, tile t, pair s at (j * tiles + t) * 4 + s).
+   Lane l of y's vector v, row m: y[m * N + 16 v + l], the first `outs` of them written. */
+INLINE void outer_tile(const uint8_t *dec, int64_t dec_stride, const float *sc, int64_t sc_stride,
+                       const uint32_t *xo, int64_t x_stride, int64_t tiles, float *y, int64_t N, int64_t outs,
+                       const int V, const int MR) {
+    __m512 sums[16][OUTER_V * OUTER_MR];
+    for (int j = 0; j < 16; j++) {
+        __m512 acc[OUTER_V * OUTER_MR];
+        for (int i = 0; i < V * MR; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < tiles; t++) {
+            __m512 part[OUTER_V * OUTER_MR];
+            for (int i = 0; i < V * MR; i++) part[i] = _mm512_setzero_ps();
+            int64_t at = (j * tiles + t) * 4;
+            UNROLL
+            for (int s = 0; s < 4; s++) {
+                __m512bh wv[OUTER_V];
+                for (int v = 0; v < V; v++) wv[v] = (__m512bh)_mm512_load_si512(dec + v * dec_stride + (at + s) * 64);
+                for (int m = 0; m < MR; m++) {
+                    __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xo[m * x_stride + at + s]);
+                    for (int v = 0; v < V; v++) part[v * MR + m] = _mm512_dpbf16_ps(part[v * MR + m], wv[v], xb);
+                }
+            }
+            for (int v = 0; v < V; v++) {
+                __m512 s = _mm512_load_ps(sc + v * sc_stride + 16 * t);
+                for (int m = 0; m < MR; m++) acc[v * MR + m] = _mm512_fmadd_ps(part[v * MR + m], s, acc[v * MR + m]);
+            }
+        }
+        for (int i = 0; i < V * MR; i++) sums[j][i] = acc[i];
+    }
+    for (int v = 0; v < V; v++) {
+        int64_t n = outs - 16 * v;
+        if (n <= 0) break;
+        __mmask16 keep = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+        for (int m = 0; m < MR; m++) {
+            __m512 a[16];
+            for (int j = 0; j < 16; j++) a[j] = sums[j][v * MR + m];
+            _mm512_mask_storeu_ps(y + m * N + 16 * v, keep, reduce16(a));
+        }
+    }
+}
+
+/* x'' for outer_tile: each row of x times 2^64 as bf16_layout makes it (`row`: scratch for one), its pairs in
+   class order. */
+static void outer_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64_t tiles, uint16_t *row,
+                         uint32_t *xo) {
+    for (int64_t m = 0; m < M; m++, xo += tiles * 64) {
+        bf16_row(x + m * K, K, col0, tiles, row);
+        for (int j = 0; j < 16; j++)
+            for (int64_t t = 0; t < tiles; t++)
+                for (int s = 0; s < 4; s++) memcpy(xo + (j * tiles + t) * 4 + s, row + class_column(t, j, s), 4);
+    }
+}
+
+/* bf16_block's product by outer_tile: units of OUTER_V vectors of outputs, each decoded, then run against every
+   register tile of rows while the next unit's rows are asked into L2. */
+static int outer_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                       const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
+    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
+    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
+    int64_t units = (N + 16 * OUTER_V - 1) / (16 * OUTER_V), vec_dec = tiles * 16 * 4 * 64;
+    uint32_t *xo = aligned_alloc(64, M * tiles * 64 * sizeof *xo);
+    uint16_t *row = malloc(tiles * FP8_TILE * 2);
+    if (!xo || !row) {
+        free(xo), free(row);
+        return -1;
+    }
+    outer_layout(x, M, K, col0, tiles, row, xo);
+    free(row);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        uint8_t *dec = aligned_alloc(64, OUTER_V * vec_dec);
+        float *sc = aligned_alloc(64, OUTER_V * tiles * 16 * sizeof *sc);
+        if (!dec || !sc) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t u = 0; u < units; u++) {
+            if (!dec || !sc) continue;
+            int64_t o0 = u * 16 * OUTER_V, outs = N - o0 < 16 * OUTER_V ? N - o0 : 16 * OUTER_V;
+            for (int v = 0; v < OUTER_V; v++)
+                outer_decode(w + (o0 + 16 * v) * w_stride, w_stride, outs - 16 * v, tiles, first, last, first_mask,
+                             last_mask, col0, scale, scale_stride, row0, o0 + 16 * v, dec + v * vec_dec,
+                             sc + v * tiles * 16);
+            int64_t per_row = (col0 + K + 63) / 64, m_tiles = (M + OUTER_MR - 1) / OUTER_MR;
+            for (int64_t m0 = 0; m0 < M; m0 += OUTER_MR) {
+                int mr = M - m0 < OUTER_MR ? (int)(M - m0) : OUTER_MR;
+                outer_ahead(w + (o0 + 16 * OUTER_V) * w_stride - col0, w_stride, per_row, 16 * OUTER_V * per_row,
+                            m0 / OUTER_MR, m_tiles);
+#define OUTER_CALL(mr_) outer_tile(dec, vec_dec, sc, tiles * 16, xo + m0 * tiles * 64, tiles * 64, tiles, \
+                                   y + m0 * N + o0, N, outs, OUTER_V, mr_)
+                FAST_ROWS(mr, OUTER_CALL)
+            }
+        }
+        free(dec), free(sc);
+    }
+    free(xo);
     return failed ? -1 : 0;
 }
 
@@ -921,6 +1128,13 @@ int dsv4_fp4_routed_experts(const uint16_t *x, int64_t T, int64_t D, const int64
 /* dsv4_fp8_mm with x [M,K] bf16 (|x| < 2^64), in bf16 products (E4M3's subnormals as 0). */
 int dsv4_fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                      const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    if (M >= OUTER_MIN_ROWS) {
+        for (int64_t m0 = 0; m0 < M; m0 += OUTER_BLOCK_ROWS)
+            if (outer_block(x + m0 * K, M - m0 < OUTER_BLOCK_ROWS ? M - m0 : OUTER_BLOCK_ROWS, K, w, N, w_stride,
+                            scale, scale_stride, row0, col0, y + m0 * N, threads))
+                return -1;
+        return 0;
+    }
     for (int64_t m0 = 0, mb = fast_block(2 * (K + FP8_TILE)); m0 < M; m0 += mb)
         if (bf16_block(x + m0 * K, M - m0 < mb ? M - m0 : mb, K, w, N, w_stride, scale, scale_stride, row0, col0,
                        y + m0 * N, threads))
