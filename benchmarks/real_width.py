@@ -750,7 +750,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--batches", default="1,8", help="'' for none: with --prefill, prefill alone")
     ap.add_argument("--depths", default="0,1")
     ap.add_argument("--contexts", default="1024")
     ap.add_argument("--reps", type=int, default=5)
@@ -794,7 +794,7 @@ def main():
           f"with {a.threads} thread(s)")
     results, auto = [], []
     for context in [int(c) for c in a.contexts.split(",")]:
-        for batch in [int(b) for b in a.batches.split(",")]:
+        for batch in [int(b) for b in a.batches.split(",") if b]:
             for depth in [int(d) for d in a.depths.split(",")]:
                 r = run(model, model.cfg, batch, depth, context, a.reps, stream, peak, int8_peak, a.compile)
                 if deeper is not None and "v4_flash_43_layers" in r:

@@ -428,8 +428,9 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
    and the tile scales times 2^120 / 2^64 = 2^56.
 
    x is laid out step by step (tile by tile), the block's rows side by side in each, so a tile's rows of x are
-   one pointer apart by constants. As in the exact kernels, every output is the same chain of operations
-   whatever the rows beside it or the threads. */
+   one pointer apart by constants. From OUTER_MIN_ROWS rows (prefill) FP8 runs the same chains with 16 outputs
+   to a vector (outer_tile). As in the exact kernels, every output is the same chain of operations whatever the
+   rows beside it or the threads. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include "cpu_load.h"
 #define Q8_STEP 512             /* inputs per step: 16 groups */
