@@ -477,9 +477,8 @@ INLINE float hsum16(__m512 a) {
     __m256 t3 = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)),
                               _mm512_castps512_ps256(a));
     __m128 t6 = _mm_add_ps(_mm256_extractf128_ps(t3, 1), _mm256_castps256_ps128(t3));
-    float f[4];
-    _mm_storeu_ps(f, t6);
-    return (f[0] + f[2]) + (f[1] + f[3]);
+    __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
 }
 
 /* Units (of `unit_bytes` of weight) per group: within GROUP_BYTES, and a group for each thread at least. */
@@ -909,8 +908,9 @@ INLINE int64_t class_column(int64_t t, int j, int s) {
     return 128 * t + 64 * (s / 2) + 16 * (j / 4) + 2 * (j % 4) + 8 * (s % 2);
 }
 
-/* Outputs o0..o0+15 of the weight (rows past N zero) decoded: class j, tile t, pair s at vector (j * tiles + t) *
-   4 + s of dec, lane l output o0 + l; and their scales times 2^56, tile t's at sc + 16t (0 past N). */
+/* Outputs o0..o0+15 decoded (w: output o0's row; `rows` of them in the weight, the others zero): class j, tile t,
+   pair s at vector (j * tiles + t) * 4 + s of dec, lane l output o0 + l; and their scales times 2^56, tile t's
+   at sc + 16t. */
 static void outer_decode(const uint8_t *w, int64_t w_stride, int64_t rows, int64_t tiles, int64_t first,
                          int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const float *scale,
                          int64_t scale_stride, int64_t row0, int64_t o0, uint8_t *dec, float *sc) {
