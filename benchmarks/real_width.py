@@ -16,7 +16,7 @@ with random values, as if `--contexts` tokens had been prefilled, so long contex
 The kernels' packed weights (W8A8's int8, packed float) sit on 2 MiB pages where Linux allows (`madvise`); the
 release's weights, read in place, on 4 KiB pages unless `--huge-pages` (a checkpoint's mapping gets 2 MiB pages
 where the page cache holds 2 MiB folios: ext4 and xfs on recent kernels). With `--prefill N`, a prompt's first
-chunk of N tokens (trunk and head) is timed too: prefill's speed.
+chunk of N tokens (trunk and head) is timed too: prefill's speed (alone with `--batches ''`).
 Each (batch, depth, context) runs the engine's fused step (trunk, sampling, verification, drafting)
 `--reps` times; the depth is the MTP chain's K or the DSpark drafts verified, L (the whole block of 5 runs
 through the stages at any L, the head and Markov head for its first L slots). Its time is split into
