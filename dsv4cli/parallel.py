@@ -119,6 +119,7 @@ class Leader:
         if self.closed:
             return
         self.closed = True
+        self.watchdog.set()               # the ranks now end on purpose: not a dead rank to report
         if all(p.exitcode is None for p in self.procs):
             try:
                 self._send([("stop",)])
@@ -195,7 +196,8 @@ def dead_rank(procs) -> str | None:
 def watch(procs, stop: threading.Event) -> None:
     """End rank 0 at once, with one line, when another rank dies: its peers would wait forever."""
     while not stop.wait(0.2):
-        if dead := dead_rank(procs):
+        # a rank seen gone, then `stop` checked: a rank that ended on rank 0's word was told after `stop` was set
+        if (dead := dead_rank(procs)) and not stop.is_set():
             print(f"error: {dead}", file=sys.stderr, flush=True)     # as the CLI says a RunError
             for p in procs:
                 p.kill()
