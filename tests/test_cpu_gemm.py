@@ -1,7 +1,8 @@
 """The CPU's native few-row GEMMs (`kernels/native.py`): exact int8 sums, fp32 sums as accurate as
 MKL's, a row's result independent of the rows beside it, packed modules that unpack to their weights,
 a model with every linear packed that gives the plain model's tokens, the fused routed experts
-that give the torch experts' sums, and the indexer's scan that gives torch's scores."""
+that give the torch experts' sums, the indexer's scan that gives torch's scores, and sparse attention that gives
+torch's outputs."""
 import copy
 from pathlib import Path
 
@@ -306,6 +307,73 @@ def test_a_native_indexer_score_depends_on_its_row_and_key_alone():
     finally:
         torch.set_num_threads(threads)
     assert not native.scannable(q[..., :8, :], keys)              # 8 heads: not whole vectors, torch's bmm
+
+
+def attention_inputs(g, batch, rows, heads, dim, dtype):
+    """Query rows and three sources as a layer's step reads them: a window ring (rows masked off), the chunk's own
+    rows (causal), and compressed blocks twice, by an index (out of range and masked entries among it) and whole
+    (each sequence sees a prefix); the blocks a slice of a longer cache of another batch size."""
+    q = torch.randn(batch, rows, heads, dim, generator=g).to(dtype)
+    ring, chunk = torch.randn(batch, 16, dim, generator=g).to(dtype), torch.randn(batch, rows, dim, generator=g)
+    blocks = torch.randn(batch + 1, 45, dim, generator=g)[:batch, :40]
+    idx = torch.randint(-2, 45, (batch, rows, 24), generator=g)
+    seen = torch.randint(0, 41, (batch, 1, 1), generator=g)
+    sources = [(ring, torch.rand(batch, rows, 16, generator=g) < 0.8, None),
+               (chunk, torch.ones(rows, rows, dtype=torch.bool).tril()[None], None),
+               (blocks.to(dtype), torch.rand(batch, rows, 24, generator=g) < 0.7, idx),
+               (blocks, torch.arange(40) < seen, None)]
+    return q, sources, torch.randn(heads, generator=g)
+
+
+@NATIVE
+@pytest.mark.parametrize("heads,dim", [(64, 512), (8, 512), (20, 32), (4, 16), (128, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_sparse_attention_gives_torchs_outputs(heads, dim, dtype):
+    """V4 Flash's 64 heads x 512 (and a rank's 8 of them under --tp 8, heads in part of a vector, 128 heads in two
+    work items), fp32 and bf16 rows read in place, by index and whole, and the CPU's attention takes it."""
+    g = torch.Generator().manual_seed(heads + dim)
+    q, sources, sink = attention_inputs(g, 2, 3, heads, dim, dtype)
+    assert native.attention_fits(q, sources)
+    got, want = native.sparse_attention(q, sources, sink, dim ** -0.5), reference.sparse_attention(
+        q, sources, sink, dim ** -0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:       # the same fp32 sums in another order, then each rounded to bf16: one bf16 step apart at most
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-6).all()
+    assert torch.equal(cpu.sparse_attention(q, sources, sink, dim ** -0.5), got)
+
+
+@NATIVE
+def test_a_native_attention_row_depends_on_its_own_inputs_alone():
+    """Verifying drafts gives plain decoding's numbers only if a query row's output is the same whatever the call:
+    one row alone, one sequence alone, and 2 threads (which split a row's heads) give the same bits."""
+    g = torch.Generator().manual_seed(7)
+    q, sources, sink = attention_inputs(g, 2, 5, 64, 128, torch.float32)
+    full = native.sparse_attention(q, sources, sink, 0.1)
+    for b, s in ((1, 3), (0, 0)):
+        alone = [(kv[b:b + 1], mask.expand(2, 5, -1)[b:b + 1, s:s + 1],
+                  None if idx is None else idx[b:b + 1, s:s + 1]) for kv, mask, idx in sources]
+        assert torch.equal(native.sparse_attention(q[b:b + 1, s:s + 1], alone, sink, 0.1), full[b:b + 1, s:s + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert torch.equal(native.sparse_attention(q, sources, sink, 0.1), full)
+        assert torch.equal(native.sparse_attention(q[:1, :1], [(kv[:1], mask.expand(2, 5, -1)[:1, :1],
+                                                                None if idx is None else idx[:1, :1])
+                                                               for kv, mask, idx in sources], sink, 0.1), full[:1, :1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@NATIVE
+def test_native_attention_of_a_row_that_sees_nothing_is_zero():
+    """Every key masked: the sink alone takes the softmax's mass, as in torch's (exp(-inf) = 0)."""
+    g = torch.Generator().manual_seed(8)
+    q, sources, sink = attention_inputs(g, 1, 2, 16, 32, torch.float32)
+    hidden = [(kv, torch.zeros_like(mask), idx) for kv, mask, idx in sources]
+    assert torch.equal(native.sparse_attention(q, hidden, sink, 0.2), torch.zeros_like(q))
+    assert torch.equal(reference.sparse_attention(q, hidden, sink, 0.2), torch.zeros_like(q))
 
 
 @NATIVE

@@ -31,6 +31,7 @@ from .reference import mhc_sinkhorn as reference_mhc_sinkhorn
 from .reference import quantize_per_token as reference_quantize_per_token
 from .reference import rope as reference_rope
 from .reference import routed_experts as reference_routed_experts
+from .reference import sparse_attention as reference_sparse_attention
 
 # Smaller weights stay plain: they sit in cache, where a packed kernel's per-call cost outweighs the bandwidth
 # it saves (the crossover: docs/decisions.md, Big weights are packed at load).
@@ -306,6 +307,15 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     if native.scannable(q, keys):
         return native_indexer_scores(q, keys, weights)
     return indexer_scores_bmm(q, keys, weights, INDEXER_SLICE)
+
+
+# ---- attention ------------------------------------------------------------------------------------
+
+def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """`native.sparse_attention` (one pass, indexed rows read in place) in eager inference; else the reference."""
+    if _eager(q, sink, *(kv for kv, _, _ in sources)) and native.attention_fits(q, sources):
+        return native.sparse_attention(q, sources, sink, scale)
+    return reference_sparse_attention(q, sources, sink, scale)
 
 
 # ---- small ops in one native call ---------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), and the small ops torch
-runs as many: mHC (`cpu_mhc.c`), RoPE (`cpu_rope.c`), per-token int8 quantisation (`cpu_quant.c`); built with the
-machine's C compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's
-headers: the pair GEMMs of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float
-linears' few-row GEMM (`cpu_float.cpp`).
+"""The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), sparse attention
+(`cpu_attention.c`), and the small ops torch runs as many: mHC (`cpu_mhc.c`), RoPE (`cpu_rope.c`), per-token
+int8 quantisation (`cpu_quant.c`); built with the machine's C compiler on first use; on CPUs without AVX-512
+VNNI, the AVX2 ops built against torch's headers: the pair GEMMs of the routed experts' stacks and int8
+linears (`cpu_pairs.cpp`) and the float linears' few-row GEMM (`cpu_float.cpp`).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM;
@@ -40,8 +40,8 @@ from dsv4cli.platforms.cpu import weight_buffer
 
 from .reference import AMAX_FLOOR
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_mhc.c",
-                                                                "cpu_rope.c", "cpu_quant.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_attention.c",
+                                                                "cpu_mhc.c", "cpu_rope.c", "cpu_quant.c")]
 HEADERS = [Path(__file__).with_name("cpu_load.h")]     # included by the sources: part of what a build is of
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -123,6 +123,9 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_indexer_scores.argtypes = [p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int, p, ctypes.c_int]
     lib.dsv4_indexer_scores.restype = None
     f32 = ctypes.c_float
+    lib.dsv4_sparse_attention.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, p, ctypes.c_int, p, p, p, p, p,
+                                          p, p, p, p, p, ctypes.c_int]
+    lib.dsv4_sparse_attention.restype = ctypes.c_int
     lib.dsv4_mhc_sinkhorn.argtypes = [p, i64, i64, f32, i64, p]
     lib.dsv4_mhc_pre_tail.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, f32, f32, p, p, p]
     lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
@@ -360,6 +363,50 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
         library().dsv4_indexer_scores(qt.data_ptr(), w.data_ptr(), B, S, H, D, keys.data_ptr(), keys.stride(0), T,
                                       keys.dtype == torch.bfloat16, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def attention_fits(q: torch.Tensor, sources) -> bool:
+    """Whether `sparse_attention` takes these: fp32 or bf16 queries and rows, dims in whole AVX-512 vectors."""
+    floats = (torch.float32, torch.bfloat16)
+    return (q.dtype in floats and q.shape[-1] % 16 == 0 and len(sources) <= 8 and available()
+            and all(kv.dtype in floats and mask.dtype == torch.bool for kv, mask, _ in sources))
+
+
+def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """`reference.sparse_attention` in one pass, every source's rows read in place (an index's rows too, never
+    gathered): q [B,S,H,D]; each source (kv [B,N,D], mask broadcasting to [B,S,M], idx [B,S,M] or None). The same
+    sums in another order (within a few fp32 ulps of torch's), each query row's alone."""
+    B, S, H, D = q.shape
+    q = q.contiguous()
+    keep, ptrs = [], {name: [] for name in ("kv", "bf16", "batch", "rows", "mask", "idx", "m", "ms", "is")}
+    for kv, mask, idx in sources:
+        if kv.stride(-1) != 1 or kv.stride(1) != D:
+            kv = kv.contiguous()
+        m = kv.shape[1] if idx is None else idx.shape[-1]
+        mask = mask.expand(B, S, m)
+        if idx is not None:
+            idx = idx.long().expand(B, S, m)
+        keep += [kv, mask, idx]
+        ptrs["kv"].append(kv.data_ptr())
+        ptrs["bf16"].append(int(kv.dtype == torch.bfloat16))
+        ptrs["batch"].append(kv.stride(0))
+        ptrs["rows"].append(kv.shape[1])
+        ptrs["mask"].append(mask.data_ptr())
+        ptrs["idx"].append(0 if idx is None else idx.data_ptr())
+        ptrs["m"].append(m)
+        ptrs["ms"] += mask.stride()
+        ptrs["is"] += (0, 0, 0) if idx is None else idx.stride()
+    n = len(sources)
+    arrays = {k: (ctypes.c_int * n if k == "bf16" else ctypes.c_void_p * n if k in ("kv", "mask", "idx")
+                  else ctypes.c_int64 * len(v))(*v) for k, v in ptrs.items()}
+    sink = sink.float().contiguous()
+    out = torch.empty(B, S, H, D)
+    if out.numel() and library().dsv4_sparse_attention(
+            q.data_ptr(), int(q.dtype == torch.bfloat16), B, S, H, D, scale, sink.data_ptr(), n, arrays["kv"],
+            arrays["bf16"], arrays["batch"], arrays["rows"], arrays["mask"], arrays["idx"], arrays["m"], arrays["ms"],
+            arrays["is"], out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"no memory for sparse attention's scratch ({B * S} rows)")
+    return out.to(q.dtype)
 
 
 def mhc_fits(h: torch.Tensor) -> bool:
