@@ -1,8 +1,8 @@
 """The CPU's native few-row GEMMs (`kernels/native.py`): exact int8 sums, fp32 sums as accurate as
 MKL's, a row's result independent of the rows beside it, packed modules that unpack to their weights,
 a model with every linear packed that gives the plain model's tokens, the fused routed experts
-that give the torch experts' sums, the indexer's scan that gives torch's scores, and sparse attention that gives
-torch's outputs."""
+that give the torch experts' sums, the indexer's scan that gives torch's scores, and sparse attention and
+the compressors' pooling that give torch's outputs."""
 import copy
 from pathlib import Path
 
@@ -374,6 +374,30 @@ def test_native_attention_of_a_row_that_sees_nothing_is_zero():
     hidden = [(kv, torch.zeros_like(mask), idx) for kv, mask, idx in sources]
     assert torch.equal(native.sparse_attention(q, hidden, sink, 0.2), torch.zeros_like(q))
     assert torch.equal(reference.sparse_attention(q, hidden, sink, 0.2), torch.zeros_like(q))
+
+
+@NATIVE
+@pytest.mark.parametrize("ratio,rows", [(4, 1), (4, 7), (4, 300), (128, 1), (128, 300)])
+def test_native_compressor_pooling_gives_torchs_blocks(ratio, rows):
+    """The blocks a call closes (ratio 4's overlapping halves, HCA's 128 rows; candidates from the ring and the
+    chunk, some before position 0), as torch pools them; the slots whose block does not close (the sink's) are
+    zeros, where torch pools whatever their candidates hold."""
+    from dsv4cli.model.model import CompressPlan
+    g = torch.Generator().manual_seed(ratio + rows)
+    state = DecodeState(random_model(tiny_config()), 3, 2048, max_draft=2)
+    start = torch.tensor([2, 127, 1001])
+    plan = CompressPlan(ratio, start, start[:, None] + torch.arange(rows), state, 2048)
+    C = 64 * (2 if ratio == 4 else 1)
+    ring_kv, ring_gate = (torch.randn(4, state.ring, C, generator=g)[:3] for _ in range(2))
+    kv, gate = (torch.randn(3, rows, C, generator=g) for _ in range(2))
+    assert native.compress_fits(ring_kv, ring_gate, kv, gate, plan)
+    got = native.compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio)
+    want = reference.compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio)
+    closes = plan.closes
+    assert got.shape == want.shape == (3, -(-rows // ratio), 64) and closes.any()
+    torch.testing.assert_close(got[closes], want[closes], rtol=1e-5, atol=1e-6)
+    assert (got[~closes] == 0).all()
+    assert torch.equal(cpu.compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio), got)
 
 
 @NATIVE

@@ -21,6 +21,7 @@ import torch
 from . import native
 from .reference import *  # noqa: F403 - the seam: every op, then what the CPU runs its own way
 from .reference import AMAX_FLOOR, ExpertStack, indexer_scan_op, sort_pairs, sum_pairs, swiglu
+from .reference import compress_blocks as reference_compress_blocks
 from .reference import fp4_linear as reference_fp4_linear
 from .reference import fp8_linear as reference_fp8_linear
 from .reference import grouped_experts as reference_grouped_experts
@@ -316,6 +317,14 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float)
     if _eager(q, sink, *(kv for kv, _, _ in sources)) and native.attention_fits(q, sources):
         return native.sparse_attention(q, sources, sink, scale)
     return reference_sparse_attention(q, sources, sink, scale)
+
+
+def compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio: int) -> torch.Tensor:
+    """`native.compress_blocks` (closing blocks only, candidates read in place) in eager inference; else the
+    reference."""
+    if _eager(kv, gate) and native.compress_fits(ring_kv, ring_gate, kv, gate, plan):
+        return native.compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio)
+    return reference_compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio)
 
 
 # ---- small ops in one native call ---------------------------------------------------------------

@@ -41,7 +41,8 @@ from dsv4cli.platforms.cpu import weight_buffer
 from .reference import AMAX_FLOOR
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_attention.c",
-                                                                "cpu_mhc.c", "cpu_rope.c", "cpu_quant.c")]
+                                                                "cpu_compress.c", "cpu_mhc.c", "cpu_rope.c",
+                                                                "cpu_quant.c")]
 HEADERS = [Path(__file__).with_name("cpu_load.h")]     # included by the sources: part of what a build is of
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -126,6 +127,9 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_sparse_attention.argtypes = [p, ctypes.c_int, i64, i64, i64, i64, f32, p, ctypes.c_int, p, p, p, p, p,
                                           p, p, p, p, p, ctypes.c_int]
     lib.dsv4_sparse_attention.restype = ctypes.c_int
+    lib.dsv4_compress_blocks.argtypes = [p, p, i64, p, p, i64, i64, i64, i64, i64, i64, i64, p, p, p, p, p, p,
+                                         ctypes.c_int]
+    lib.dsv4_compress_blocks.restype = None
     lib.dsv4_mhc_sinkhorn.argtypes = [p, i64, i64, f32, i64, p]
     lib.dsv4_mhc_pre_tail.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, f32, f32, p, p, p]
     lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
@@ -407,6 +411,41 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float)
             arrays["is"], out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"no memory for sparse attention's scratch ({B * S} rows)")
     return out.to(q.dtype)
+
+
+def _rows_apart(t: torch.Tensor) -> torch.Tensor:
+    """t [B, N, C] with its rows C apart (a batch stride of its own)."""
+    return t if t.stride(-1) == 1 and t.stride(1) == t.shape[-1] else t.contiguous()
+
+
+def compress_fits(ring_kv, ring_gate, kv, gate, plan) -> bool:
+    """Whether `compress_blocks` takes these: fp32 rows, channels in whole AVX-512 vectors, at most 1,024
+    candidates a block."""
+    return (all(t.dtype == torch.float32 for t in (ring_kv, ring_gate, kv, gate)) and kv.shape[-1] % 32 == 0
+            and plan.cand_valid.shape[-1] <= 1024 and available())
+
+
+def compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio: int) -> torch.Tensor:
+    """`reference.compress_blocks` for the blocks a call closes, their candidates read in place (the other slots:
+    zeros, as they go to the sink slot): ring_kv, ring_gate [B,R,C], kv, gate [B,S,C] fp32 -> [B,n,C/span]."""
+    B, n, c = plan.cand_valid.shape
+    C = kv.shape[-1]
+    span = c // ratio
+    ring_kv, ring_gate, kv, gate = (_rows_apart(t) for t in (ring_kv, ring_gate, kv, gate))
+    if ring_kv.stride(0) != ring_gate.stride(0):
+        ring_kv, ring_gate = ring_kv.contiguous(), ring_gate.contiguous()
+    if kv.stride(0) != gate.stride(0):
+        kv, gate = kv.contiguous(), gate.contiguous()
+    plan_rows = [t.reshape(B, n * c).contiguous() for t in (plan.from_ring, plan.ring_row, plan.chunk_row,
+                                                            plan.cand_valid)]
+    closes = plan.closes.contiguous()
+    out = torch.empty(B, n, C // span)
+    if out.numel():
+        library().dsv4_compress_blocks(ring_kv.data_ptr(), ring_gate.data_ptr(), ring_kv.stride(0), kv.data_ptr(),
+                                       gate.data_ptr(), kv.stride(0), B, n, c, C, C // span, ratio,
+                                       closes.data_ptr(), *(t.data_ptr() for t in plan_rows), out.data_ptr(),
+                                       torch.get_num_threads())
+    return out
 
 
 def mhc_fits(h: torch.Tensor) -> bool:

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token", "linear", "linear_fp32",
-           "pack_linear_fp32", "unpack_linear_fp32", "grouped_projection", "compress_pool", "pack_w8a8", "unpack_w8a8",
-           "is_packed", "w8a8_linear", "sparse_attention", "indexer_scores", "topk_blocks", "moe_gate", "swiglu",
-           "routed_experts", "expert_table", "grouped_linear", "grouped_experts", "widen_experts", "mhc_pre",
-           "mhc_sinkhorn", "mhc_post", "mhc_head",
+           "pack_linear_fp32", "unpack_linear_fp32", "grouped_projection", "compress_pool", "compress_blocks",
+           "pack_w8a8", "unpack_w8a8", "is_packed", "w8a8_linear", "sparse_attention", "indexer_scores", "topk_blocks",
+           "moe_gate", "swiglu", "routed_experts", "expert_table", "grouped_linear", "grouped_experts", "widen_experts",
+           "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head",
            "FP8_BLOCK", "FP4_BLOCK", "fp8_to_float", "fp4_to_float", "fp8_linear", "fp4_linear", "fp4_grouped_linear"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
@@ -102,6 +102,13 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor, valid: torch.Tensor, rat
         kv = torch.cat([kv[:, :, :ratio, :d], kv[:, :, ratio:, d:]], dim=2)
         gate = torch.cat([gate[:, :, :ratio, :d], gate[:, :, ratio:, d:]], dim=2)
     return (kv * gate.softmax(dim=2)).sum(dim=2)
+
+
+def compress_blocks(ring_kv, ring_gate, kv, gate, plan, ratio: int) -> torch.Tensor:
+    """Every block slot of a call's compress plan (`model.CompressPlan`) pooled from its candidate rows (the ring's
+    of earlier calls, this call's kv and gate rows) -> [B,n,d] fp32. A slot whose block does not close is pooled
+    too (its entry goes to the sink slot, never read): static shapes, no host read."""
+    return compress_pool(plan.candidates(ring_kv, kv), plan.candidates(ring_gate, gate), plan.cand_valid, ratio)
 
 
 def pack_w8a8(weight: torch.Tensor):

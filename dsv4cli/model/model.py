@@ -339,6 +339,7 @@ class CompressPlan:
         first = (r - 1 - start % r) % r                                        # [B]
         rows = first[:, None] + r * torch.arange(n, device=pos.device)          # [B,n]
         valid = rows < S
+        self.closes = valid                                                     # [B,n]: the block closes here
         row_pos = start[:, None] + rows
         block = (row_pos + 1) // r - 1
         self.slot = torch.where(valid & (block < blocks - 1), block, blocks - 1)
@@ -485,8 +486,7 @@ class Compressor(OpModule):
         plan: CompressPlan = call.plans[self.ratio]
         B, r, d = call.B, self.ratio, self.head_dim
         gate = gate + self.ape[call.pos % r]
-        cand_kv, cand_gate = plan.candidates(ring_kv[:B], kv), plan.candidates(ring_gate[:B], gate)
-        pooled = self.ops.compress_pool(cand_kv, cand_gate, plan.cand_valid, r).to(blocks.dtype)  # [B,n,d]
+        pooled = self.ops.compress_blocks(ring_kv[:B], ring_gate[:B], kv, gate, plan, r).to(blocks.dtype)  # [B,n,d]
         pooled = self.ops.rope(self.norm(pooled), plan.cos, plan.sin)
         blocks[:B].scatter_(1, plan.slot[..., None].expand(-1, -1, d), pooled)
         call.write_ring(ring_kv, kv)
