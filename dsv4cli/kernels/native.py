@@ -1,8 +1,8 @@
 """The CPU's few-row GEMMs (`cpu_gemm.c`), the indexer's scan (`cpu_indexer.c`), sparse attention
-(`cpu_attention.c`), and the small ops torch runs as many: mHC (`cpu_mhc.c`), RoPE (`cpu_rope.c`), per-token
-int8 quantisation (`cpu_quant.c`); built with the machine's C compiler on first use; on CPUs without AVX-512
-VNNI, the AVX2 ops built against torch's headers: the pair GEMMs of the routed experts' stacks and int8
-linears (`cpu_pairs.cpp`) and the float linears' few-row GEMM (`cpu_float.cpp`).
+(`cpu_attention.c`), the compressors' pooling (`cpu_compress.c`), and the small ops torch runs as many: mHC
+(`cpu_mhc.c`), RoPE (`cpu_rope.c`), per-token int8 quantisation (`cpu_quant.c`); built with the machine's C
+compiler on first use; on CPUs without AVX-512 VNNI, the AVX2 ops built against torch's headers: the pair GEMMs
+of the routed experts' stacks and int8 linears (`cpu_pairs.cpp`) and the float linears' few-row GEMM (`cpu_float.cpp`).
 
 On the CPU a decode step's GEMMs have 1-16 rows against weights far larger than the caches: their
 cost is one read of the weight. torch's kernels read it well for one or two rows only (MKL's fp32 GEMM;
