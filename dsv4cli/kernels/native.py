@@ -382,6 +382,7 @@ def sparse_attention(q: torch.Tensor, sources, sink: torch.Tensor, scale: float)
     sums in another order (within a few fp32 ulps of torch's), each query row's alone."""
     B, S, H, D = q.shape
     q = q.contiguous()
+    # `keep`: the tensors whose addresses the call gets (copies and expansions among them), alive until it returns
     keep, ptrs = [], {name: [] for name in ("kv", "bf16", "batch", "rows", "mask", "idx", "m", "ms", "is")}
     for kv, mask, idx in sources:
         if kv.stride(-1) != 1 or kv.stride(1) != D:
@@ -419,8 +420,8 @@ def _rows_apart(t: torch.Tensor) -> torch.Tensor:
 
 
 def compress_fits(ring_kv, ring_gate, kv, gate, plan) -> bool:
-    """Whether `compress_blocks` takes these: fp32 rows, channels in whole AVX-512 vectors, at most 1,024
-    candidates a block."""
+    """Whether `compress_blocks` takes these: fp32 rows, an overlapping block's half of the channels in whole
+    AVX-512 vectors, at most 1,024 candidates a block."""
     return (all(t.dtype == torch.float32 for t in (ring_kv, ring_gate, kv, gate)) and kv.shape[-1] % 32 == 0
             and plan.cand_valid.shape[-1] <= 1024 and available())
 
