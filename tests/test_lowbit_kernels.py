@@ -292,6 +292,28 @@ def test_fast_prefill_blocks_keep_each_row_its_own(fast):
         assert torch.equal(native.fp4_mm_q8(x[i:i + 1], w4, s4, lib=fast), y4[i:i + 1])
 
 
+def test_fast_fp8_groups_in_one_call_give_each_groups_bits(fast):
+    """Attention's wo_a in one call: each group's outputs are the single-group call's bits for its rows (groups of
+    96 rows from row offset 40, so groups start inside tiles and straddle them), for a decode's rows and a
+    prefill's; the CPU's grouped projection takes it, and fp32 x goes group by group."""
+    g = torch.Generator().manual_seed(21)
+    groups, r, k = 4, 96, 200
+    weight, scale = e4m3(groups * r, k, g), tile_scales(4, 3, g)
+    for rows in (1, 5, 60):
+        x = torch.randn(2, rows, groups, k, generator=g).bfloat16()
+        got = native.fp8_mm_bf16_groups(x, weight, scale, (40, 7), groups)
+        assert got.shape == (2, rows, groups, r)
+        for j in range(groups):
+            first = 40 + j * r
+            want = native.fp8_mm_bf16(x[..., j, :], weight[j * r:(j + 1) * r], scale[first // 128:],
+                                      (first % 128, 7), lib=fast)
+            assert torch.equal(got[..., j, :], want)
+        assert torch.equal(cpu.fp8_grouped_projection(x, weight, scale, (40, 7), groups), got.bfloat16())
+    x = torch.randn(3, groups, k, generator=g)
+    assert torch.equal(cpu.fp8_grouped_projection(x, weight, scale, (40, 7), groups),
+                       reference.fp8_by_groups(cpu.fp8_linear, x, weight, scale, (40, 7), groups))
+
+
 def test_fast_leading_dims_and_empty_inputs(fast):
     g = torch.Generator().manual_seed(3)
     w8, s8 = e4m3(40, 64, g), tile_scales(1, 1, g)

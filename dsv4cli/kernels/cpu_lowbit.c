@@ -1142,6 +1142,27 @@ int dsv4_fp8_mm_bf16(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, 
             return -1;
     return 0;
 }
+
+/* dsv4_fp8_mm_bf16 for G projections whose rows follow one another in the weight (attention's wo_a), in one call:
+   x [M][G][K], group g's R rows from row g * R (their scales from row row0 + g * R of the grid), y [M][G][R]. Each
+   group's outputs are dsv4_fp8_mm_bf16's for its rows alone. */
+int dsv4_fp8_mm_bf16_groups(const uint16_t *x, int64_t M, int64_t G, int64_t K, const uint8_t *w, int64_t R,
+                            int64_t w_stride, const float *scale, int64_t scale_stride, int row0, int col0, float *y,
+                            int threads) {
+    uint16_t *xg = malloc(M * K * sizeof *xg);
+    float *yg = malloc(M * R * sizeof *yg);
+    int failed = !xg || !yg;
+    for (int64_t g = 0; g < G && !failed; g++) {
+        for (int64_t m = 0; m < M; m++) memcpy(xg + m * K, x + (m * G + g) * K, K * sizeof *xg);
+        int64_t first = row0 + g * R;
+        failed = dsv4_fp8_mm_bf16(xg, M, K, w + g * R * w_stride, R, w_stride,
+                                  scale + first / FP8_TILE * scale_stride, scale_stride, (int)(first % FP8_TILE), col0,
+                                  yg, threads);
+        for (int64_t m = 0; m < M && !failed; m++) memcpy(y + (m * G + g) * R, yg + m * R, R * sizeof *yg);
+    }
+    free(xg), free(yg);
+    return failed ? -1 : 0;
+}
 #endif
 
 #ifdef __cplusplus

@@ -65,6 +65,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offse
     return triton_fp8_linear(x, weight, scale, *offset)
 
 
+def fp8_grouped_projection(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int],
+                           groups: int) -> torch.Tensor:
+    return reference.fp8_by_groups(fp8_linear, x, weight, scale, offset, groups)
+
+
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if triton_lowbit is None or not triton_lowbit.fp4_fits(x, weight, scale):
         return reference.fp4_linear(x, weight, scale)

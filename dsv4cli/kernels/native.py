@@ -589,6 +589,8 @@ def lowbit_library(isa: str | None = None) -> ctypes.CDLL | None:
         lib.dsv4_fp8_mm_bf16.argtypes = [p, i64, i64, p, i64, i64, p, i64, c_int, c_int, p, c_int]
         lib.dsv4_fp4_mm_q8.argtypes = [p, c_int, i64, i64, p, i64, i64, p, i64, ctypes.c_float, p, c_int]
         lib.dsv4_fp8_mm_bf16.restype = lib.dsv4_fp4_mm_q8.restype = c_int
+        lib.dsv4_fp8_mm_bf16_groups.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, c_int, c_int, p, c_int]
+        lib.dsv4_fp8_mm_bf16_groups.restype = c_int
         lib.dsv4_fp4_routed_experts.argtypes = [p, i64, i64, p, p, i64, i64, p, p, p, p, p, p, i64, ctypes.c_float,
                                                 ctypes.c_float, p, c_int]
         lib.dsv4_fp4_routed_experts.restype = c_int
@@ -727,3 +729,20 @@ def fp8_mm_bf16(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offs
             scale.stride(0), row0, col0, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"no memory for the FP8 GEMM's scratch ({rows.shape[0]} x {k})")
     return y.view(*x.shape[:-1], n)
+
+
+def fp8_mm_bf16_groups(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int],
+                       groups: int) -> torch.Tensor:
+    """x [..., G, K] through the G projections the FP8 weight's rows hold (attention's wo_a), in one call: group
+    g's outputs [..., g, :] are `fp8_mm_bf16`'s for x[..., g, :] and its rows alone. Returns fp32 [..., G, N/G]."""
+    scale = _fp8_checked(weight, scale, offset)
+    (n, k), (row0, col0) = weight.shape, offset
+    if x.shape[-2:] != (groups, k) or n % groups:
+        raise ValueError(f"x {tuple(x.shape)} must end in ({groups}, {k}), and {n} rows split into {groups} groups")
+    rows = x.reshape(-1, groups, k).bfloat16().contiguous()
+    y = torch.empty(rows.shape[0], groups, n // groups)
+    if y.numel() and k and _fast(None).dsv4_fp8_mm_bf16_groups(
+            rows.data_ptr(), rows.shape[0], groups, k, weight.data_ptr(), n // groups, weight.stride(0),
+            scale.data_ptr(), scale.stride(0), row0, col0, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the FP8 GEMM's scratch ({rows.shape[0]} x {k})")
+    return y.view(*x.shape[:-1], n // groups)

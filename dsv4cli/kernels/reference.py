@@ -16,7 +16,8 @@ __all__ = ["AMAX_FLOOR", "ExpertStack", "rms_norm", "rope", "quantize_per_token"
            "pack_w8a8", "unpack_w8a8", "is_packed", "w8a8_linear", "sparse_attention", "indexer_scores", "topk_blocks",
            "moe_gate", "swiglu", "routed_experts", "expert_table", "grouped_linear", "grouped_experts", "widen_experts",
            "mhc_pre", "mhc_sinkhorn", "mhc_post", "mhc_head",
-           "FP8_BLOCK", "FP4_BLOCK", "fp8_to_float", "fp4_to_float", "fp8_linear", "fp4_linear", "fp4_grouped_linear"]
+           "FP8_BLOCK", "FP4_BLOCK", "fp8_to_float", "fp4_to_float", "fp8_linear", "fp8_by_groups",
+           "fp8_grouped_projection", "fp4_linear", "fp4_grouped_linear"]
 
 # Activations whose |max| is below this quantise with this amax, so an all-zero row maps to zeros.
 AMAX_FLOOR = 1e-4
@@ -174,6 +175,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offse
     """x W^T with W the FP8 weight [out, in] decoded with its tile scales (`fp8_to_float`), in fp32; x's dtype
     out."""
     return F.linear(x.float(), fp8_to_float(weight, scale, offset)).to(x.dtype)
+
+
+def fp8_grouped_projection(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: tuple[int, int],
+                           groups: int) -> torch.Tensor:
+    """x [..., G, d] through the G projections an FP8 weight's rows hold (attention's wo_a) -> [..., G, out/G]."""
+    return fp8_by_groups(fp8_linear, x, weight, scale, offset, groups)
+
+
+def fp8_by_groups(linear, x, weight, scale, offset, groups: int) -> torch.Tensor:
+    """`fp8_grouped_projection` group by group through `linear` (a platform's `fp8_linear`): each group its rows,
+    the scale tiles covering them and where they start in their first tile."""
+    r = weight.shape[0] // groups
+    out = []
+    for g in range(groups):
+        first, last = offset[0] + g * r, offset[0] + (g + 1) * r
+        out.append(linear(x[..., g, :], weight[g * r:(g + 1) * r], scale[first // FP8_BLOCK: -(-last // FP8_BLOCK)],
+                          (first % FP8_BLOCK, offset[1])))
+    return torch.stack(out, -2)
 
 
 def fp4_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -158,20 +158,11 @@ class Linear(PackedWeight, OpModule):
         """The scale the kernels read with it: W8A8's per channel or the release's."""
         return self.scale if self.scale is not None else self.weight_scale
 
-    def rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-        """An FP8 weight's rows [start, stop): (weight, the scale tiles covering them, their offset)."""
-        r0, c0 = self.scale_offset
-        first, last = r0 + start, r0 + stop
-        return (self.weight[start:stop], self.scale[first // reference.FP8_BLOCK: -(-last // reference.FP8_BLOCK)],
-                (first % reference.FP8_BLOCK, c0))
-
     def by_groups(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., G, d] through the G projections the rows hold (attention's wo_a) -> [..., G, out/G]."""
         G = self.groups
         if self.format == "fp8":
-            r = self.weight.shape[0] // G
-            return torch.stack([self.ops.fp8_linear(x[..., g, :], *self.rows(g * r, (g + 1) * r)) for g in range(G)],
-                               -2)
+            return self.ops.fp8_grouped_projection(x, self.weight, self.scale, self.scale_offset, G)
         return self.ops.grouped_projection(x, self.weight.view(G, -1, self.weight.shape[-1]), self.packed)
 
     def forward(self, x: torch.Tensor, xq=None) -> torch.Tensor:
