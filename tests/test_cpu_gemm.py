@@ -458,21 +458,26 @@ def test_the_native_mhc_gives_the_references_streams(dtype, lead, n, dim):
 @NATIVE
 @pytest.mark.parametrize("x_shape, table_shape", [((2, 3, 8, 64), (2, 3, 1, 16)), ((2, 3, 64), (2, 3, 16)),
                                                   ((1, 5, 64, 512), (1, 5, 1, 32)), ((1, 0, 4, 64), (1, 0, 1, 32))])
-def test_the_native_rope_gives_the_references_bits(x_shape, table_shape):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_rope_gives_the_references_bits(x_shape, table_shape, dtype):
     """Queries (heads sharing a row of the tables) and keys (one row each), the inverse rotation (-sin), an
-    empty chunk: the reference's bits, the dims before the rotated ones untouched. Tables that broadcast
-    otherwise, bf16 rows or tables, tables of two shapes and autograd take the reference."""
+    empty chunk, fp32 and bf16 rows (rounded to nearest even, ties among them): the reference's bits, the dims
+    before the rotated ones untouched. Tables that broadcast otherwise, bf16 tables, tables of two shapes and
+    autograd take the reference."""
     g = torch.Generator().manual_seed(x_shape[-1])
-    x = torch.randn(*x_shape, generator=g)
+    x = torch.randn(*x_shape, generator=g).to(dtype)
     cos, sin = torch.randn(*table_shape, generator=g), torch.randn(*table_shape, generator=g)
+    if dtype == torch.bfloat16:         # rotations whose fp32 results lie halfway between two bf16 values
+        cos, sin = cos.bfloat16().float(), sin.bfloat16().float()
+        cos.view(-1)[::3], sin.view(-1)[::3] = 1.0 + 2 ** -8, 0.0
     assert native.rope_rows(x, cos, sin) is not None
     for s in (sin, -sin):
         got = native.rope(x, cos, s)
-        assert torch.equal(got, reference.rope(x, cos, s))
+        assert got.dtype == dtype and torch.equal(got, reference.rope(x, cos, s))
         assert torch.equal(cpu.rope(x, cos, s), got)
         assert torch.equal(got[..., :-2 * cos.shape[-1]], x[..., :-2 * cos.shape[-1]])
     assert native.rope_rows(x, cos[:1], sin[:1]) is None or x_shape[0] == 1
-    assert native.rope_rows(x.bfloat16(), cos, sin) is None
+    assert native.rope_rows(x.half(), cos, sin) is None
     assert native.rope_rows(x, cos, sin.bfloat16()) is None and native.rope_rows(x, cos, sin[..., :-1]) is None
     assert cpu.rope(x.clone().requires_grad_(), cos, sin).grad_fn is not None
 

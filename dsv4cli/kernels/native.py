@@ -134,7 +134,7 @@ def library() -> ctypes.CDLL | None:
     lib.dsv4_mhc_pre_tail.argtypes = [p, ctypes.c_int, i64, i64, i64, p, p, p, f32, f32, p, p, p]
     lib.dsv4_mhc_post.argtypes = [p, p, ctypes.c_int, i64, i64, i64, p, p, p]
     lib.dsv4_mhc_sinkhorn.restype = lib.dsv4_mhc_pre_tail.restype = lib.dsv4_mhc_post.restype = None
-    lib.dsv4_rope.argtypes, lib.dsv4_rope.restype = [p, i64, i64, i64, p, p, i64, p], None
+    lib.dsv4_rope.argtypes, lib.dsv4_rope.restype = [p, ctypes.c_int, i64, i64, i64, p, p, i64, p], None
     lib.dsv4_quantize_rows.argtypes, lib.dsv4_quantize_rows.restype = [p, ctypes.c_int, i64, i64, f32, p, p], None
     lib.amx = "amx_int8" in cpu and lib.dsv4_amx_enable() == 1
     return lib
@@ -497,10 +497,10 @@ def mhc_post(x: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch
 
 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int | None:
-    """The heads per table row where `rope` takes x with these tables: x fp32 [..., H, D] with cos and sin
-    fp32 [..., 1, half] (every head of a row one table row), or x [..., D] with them [..., half]; else None."""
-    if (any(t.dtype != torch.float32 for t in (x, cos, sin)) or sin.shape != cos.shape or x.dim() != cos.dim()
-            or not available()):
+    """The heads per table row where `rope` takes x with these tables: x fp32 or bf16 [..., H, D] with cos and
+    sin fp32 [..., 1, half] (every head of a row one table row), or x [..., D] with them [..., half]; else None."""
+    if (x.dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != torch.float32 for t in (cos, sin))
+            or sin.shape != cos.shape or x.dim() != cos.dim() or not available()):
         return None
     if cos.shape[:-1] == x.shape[:-1]:
         return 1
@@ -518,7 +518,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.reshape(rows, half).contiguous(), sin.reshape(rows, half).contiguous()
     out = torch.empty_like(x)
     if rows:
-        library().dsv4_rope(x.data_ptr(), rows, heads, D, cos.data_ptr(), sin.data_ptr(), half, out.data_ptr())
+        library().dsv4_rope(x.data_ptr(), x.dtype == torch.bfloat16, rows, heads, D, cos.data_ptr(), sin.data_ptr(),
+                            half, out.data_ptr())
     return out
 
 
