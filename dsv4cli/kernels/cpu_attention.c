@@ -15,34 +15,16 @@
    term first in the sum; an output's sum runs over the seen keys in order. A row's result does not depend on
    the rows, heads or threads beside it, so verifying drafts gives plain decoding's numbers. */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_exp.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_SOURCES 8
 #define MAX_VECTORS 4           /* head vectors (16 heads each) per work item */
 #define KEY_CHUNK 64            /* keys widened to fp32 at once for the weighted sum */
-
-/* exp for x <= 0 (and -inf): 2^n * p(r), r = x - n ln2 in two steps, a degree-6 polynomial; within 2 ulp. */
-INLINE __m512 exp_le0(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-104.0f);
-    __mmask16 gone = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~gone, p, n);
-}
 
 INLINE float bf16_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -15,26 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-
-/* exp for x <= 0: as cpu_attention.c's (2^n * p(r), a degree-6 polynomial; within 2 ulp). */
-INLINE __m512 pool_exp(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-104.0f);
-    __mmask16 gone = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps((__mmask16)~gone, p, n);
-}
+#include "cpu_exp.h"
 
 /* ring_kv, ring_gate [B][R][C] and kv, gate [B][S][C] fp32 (rows C apart, sequences the batch strides apart);
    per block slot [B][n] whether it closes, and per candidate [B][n][c] whether it is read from the ring, its
@@ -73,7 +54,7 @@ void dsv4_compress_blocks(const float *ring_kv, const float *ring_gate, int64_t 
             for (int64_t j = 0; j < m; j++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(rows_gate[j] + d));
             __m512 sum = _mm512_setzero_ps(), acc = _mm512_setzero_ps();
             for (int64_t j = 0; j < m; j++) {
-                __m512 e = pool_exp(_mm512_sub_ps(_mm512_loadu_ps(rows_gate[j] + d), mx));
+                __m512 e = exp_le0(_mm512_sub_ps(_mm512_loadu_ps(rows_gate[j] + d), mx));
                 sum = _mm512_add_ps(sum, e);
                 acc = _mm512_fmadd_ps(e, _mm512_loadu_ps(rows_kv[j] + d), acc);
             }

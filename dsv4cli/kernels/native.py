@@ -43,7 +43,7 @@ from .reference import AMAX_FLOOR
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_indexer.c", "cpu_attention.c",
                                                                 "cpu_compress.c", "cpu_mhc.c", "cpu_rope.c",
                                                                 "cpu_quant.c")]
-HEADERS = [Path(__file__).with_name("cpu_load.h")]     # included by the sources: part of what a build is of
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_load.h", "cpu_exp.h")]   # included: part of a build
 # -ffp-contract=off: no multiply-add fused behind our back, so the routed experts' arithmetic is the reference's
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-int8"]     # where the compiler knows them; the build goes on without
