@@ -15,6 +15,7 @@ are split across torch.distributed ranks.
 """
 import copy
 import importlib
+import itertools
 import math
 from typing import NamedTuple
 
@@ -670,7 +671,8 @@ class MoE(OpModule):
         self.table = None        # the experts as the CPU's fused kernel holds them (kept alive here, never read)
 
     def local_experts(self) -> list[Expert]:
-        return list(self.experts[self.first: self.first + self.n_local])
+        # not `self.experts[a:b]`: slicing a ModuleList builds a new one, ~0.5 ms a layer for 256 experts
+        return list(itertools.islice(self.experts, self.first, self.first + self.n_local))
 
     @torch.no_grad()
     def stack_experts(self) -> None:
