@@ -441,6 +441,7 @@ int dsv4_fp4_mm(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
    FP8 rows read at 0.75 of the streaming read with 2, 0.9-1.0 with 4 (docs/decisions.md) */
 #define ONE_ROW_R 4
 #define ONE_ROW_FP4_K 2048      /* FP4 rows of more inputs keep FAST_R: with 4, their registers spill */
+#define STREAM_ROW_BYTES 4096   /* FP8 rows up to this long read in long streams with one row of x */
 #define FAST_MR 4               /* x rows per register tile, at most */
 #define FAST_ROWS(mr, call) switch (mr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
                                           default: call(4); }
@@ -481,6 +482,26 @@ INLINE float hsum16(__m512 a) {
     return _mm_cvtss_f32(_mm_add_ss(t8, _mm_shuffle_ps(t8, t8, 1)));
 }
 
+/* With one row of x a unit's R weight rows are Q apart (rows v, v + Q, ...; Q = N / R rounded up, plus one so that
+   the R streams don't fall on the same cache sets), so each of the R streams reads on through the weight unit after
+   unit, as the hardware prefetchers follow it. R adjacent rows side by side were R short streams (a row is 1-4 KiB)
+   that needed the next unit asked into L2 by hand and read at ~0.75 of the streaming read; R long ones read at
+   ~1.0 without (docs/decisions.md, One row of x in R long streams). Every output keeps its chain of operations. */
+INLINE int64_t stream_gap(int64_t N, int R) { return (N + R - 1) / R + 1; }
+
+INLINE int64_t stream_units(int64_t N, int R) { return stream_gap(N, R) < N ? stream_gap(N, R) : N; }
+
+/* Unit v's R row indices (rows past N repeat its last, their sums dropped); how many are rows of the weight. */
+INLINE int stream_unit(int64_t v, int64_t N, int R, int64_t *row) {
+    int rows = 0;
+    for (int r = 0; r < R; r++) {
+        row[r] = v + r * stream_gap(N, R);
+        if (row[r] < N) rows = r + 1;
+        else row[r] = row[rows - 1];
+    }
+    return rows;
+}
+
 /* Units (of `unit_bytes` of weight) per group: within GROUP_BYTES, and a group for each thread at least. */
 static int64_t fast_group(int64_t units, int64_t unit_bytes, int threads) {
     int64_t group = GROUP_BYTES / unit_bytes + 1, share = (units + threads - 1) / threads;
@@ -498,10 +519,10 @@ INLINE __m512i q8_codes(__m512i t, int h) {
    rows are at xq + c * MR * 512 (512 bytes each: vector 2t + h, lane L, byte b is input 32 q8_group(L) + 8t + 2b
    + h), their sums' starting values at xc + c * MR * 16. `steps` whole steps from the rows, then one from `tail`
    (R rows of 256 bytes, tail_s of 16 scales, zeros past K) unless it is NULL. `ahead`: rows asked into L2 as these are
-   read (or NULL). y = the sums times hx (sx / 2). */
+   read (or NULL). y = the sums times hx (sx / 2), row r's output at y[r * yst] (row m of x's N further on). */
 INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint8_t *const *ahead, int64_t steps,
                     const uint8_t *tail, const uint8_t *tail_s, const int8_t *xq, const int32_t *xc,
-                    const float *hx, float *y, int64_t N, int rows, const int R, const int MR) {
+                    const float *hx, float *y, int64_t N, int rows, const int R, const int MR, int64_t yst) {
     const int CH = Q8_CHAINS(R * MR);
     const __m128i lanes = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);    /* q8_group */
     __m512 acc[FAST_R * FAST_MR];                       /* R * MR <= 8 */
@@ -554,7 +575,7 @@ INLINE void q8_tile(const uint8_t *const *w, const uint8_t *const *s, const uint
         }
     }
     for (int r = 0; r < R && r < rows; r++)
-        for (int m = 0; m < MR; m++) y[m * N + r] = hsum16(acc[r * MR + m]) * hx[m];
+        for (int m = 0; m < MR; m++) y[m * N + r * yst] = hsum16(acc[r * MR + m]) * hx[m];
 }
 
 /* The register tiles of one weight row that M rows of x make, for K inputs (FP4); how many weight rows a unit
@@ -618,7 +639,7 @@ static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t
     int64_t steps = K / Q8_STEP, rest = K / 2 - steps * (Q8_STEP / 2), S = steps + (rest != 0), units = 0, first[4];
     for (int j = 0; j < n_jobs; j++) {
         first[j] = units;
-        units += (jobs[j].N + R - 1) / R;
+        units += M == 1 ? stream_units(jobs[j].N, R) : (jobs[j].N + R - 1) / R;
     }
     int64_t group = fast_group(units, R * (K / 2 + K / 32), threads);
     int failed = 0;
@@ -642,20 +663,30 @@ static int q8_run(const struct q8_job *jobs, int n_jobs, int64_t K, const int8_t
                     int64_t i = (u - first[j]) * R, N = job->N, ws = job->w_stride, ss = job->scale_stride;
                     int rows = (int)(N - i < R ? N - i : R);
                     const uint8_t *wr[R_MAX], *sr[R_MAX], *ar[R_MAX];
-                    unit_rows(job->w + i * ws, ws, rows, R, wr);
-                    unit_rows(job->scale + i * ss, ss, rows, R, sr);
-                    unit_rows(job->w + (i + AHEAD_UNITS * R) * ws, ws, R, R, ar);   /* past the end: no fault */
+                    int64_t row[R_MAX], yst = 1;
+                    if (M == 1) {               /* R long streams (stream_unit) */
+                        i = u - first[j], yst = stream_gap(N, R);
+                        rows = stream_unit(i, N, R, row);
+                        for (int r = 0; r < R; r++) wr[r] = job->w + row[r] * ws, sr[r] = job->scale + row[r] * ss;
+                    } else {
+                        unit_rows(job->w + i * ws, ws, rows, R, wr);
+                        unit_rows(job->scale + i * ss, ss, rows, R, sr);
+                        unit_rows(job->w + (i + AHEAD_UNITS * R) * ws, ws, R, R, ar);   /* past the end: no fault */
+                    }
                     for (int r = 0; r < R && rest; r++) {
                         memcpy(tail + r * (Q8_STEP / 2), wr[r] + steps * (Q8_STEP / 2), rest);
                         memcpy(tail_s + r * 16, sr[r] + steps * 16, rest / (FP4_GROUP / 2));
                     }
 #define Q8_CALL(r_, mr_) q8_tile(wr, sr, m0 ? NULL : ar, steps, rest ? tail : NULL, tail_s, xq + m0 * S * Q8_STEP, \
-                                 xc + m0 * S * 16, hx + m0, job->y + m0 * N + i, N, rows, r_, mr_)
+                                 xc + m0 * S * 16, hx + m0, job->y + m0 * N + i, N, rows, r_, mr_, 1)
 #define Q8_FAST(mr_) Q8_CALL(FAST_R, mr_)
 #define Q8_WIDE(mr_) Q8_CALL(1, mr_)
-                    if (R == ONE_ROW_R)
-                        q8_tile(wr, sr, ar, steps, rest ? tail : NULL, tail_s, xq, xc, hx, job->y + i, N, rows,
-                                ONE_ROW_R, 1);
+                    if (M == 1 && R == ONE_ROW_R)
+                        q8_tile(wr, sr, NULL, steps, rest ? tail : NULL, tail_s, xq, xc, hx, job->y + i, N, rows,
+                                ONE_ROW_R, 1, yst);
+                    else if (M == 1)
+                        q8_tile(wr, sr, NULL, steps, rest ? tail : NULL, tail_s, xq, xc, hx, job->y + i, N, rows,
+                                FAST_R, 1, yst);
                     else if (R == FAST_R)
                         FAST_ROWS(mr, Q8_FAST)
                     else
@@ -717,11 +748,13 @@ INLINE void fp8_bf16(__m512i b, __m512i *lo, __m512i *hi) {
 /* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles: x' column col0 + j is input j). Chunk c
    is x' columns 64c..64c+63, weight bytes from w[r] + 64c - col0; chunks first..last hold inputs, the first and
    last masked to them. Tile t's rows of x' are at xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's
-   vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32. Tile t's sums go times sc[t] into the row's. `ahead`: rows
-   asked into L2 as these are read (or NULL). */
+   vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32. Weight row r's tile t sums go times sc[r * scst + t] into
+   the row's, its output at y[r * yst] (row m of x's N further on). `ahead`: rows asked into L2 as these are read
+   (or NULL). */
 INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int64_t tiles, int64_t first,
                       int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const uint16_t *xs,
-                      const float *sc, float *y, int64_t N, int rows, const int R, const int MR) {
+                      const float *sc, float *y, int64_t N, int rows, const int R, const int MR, int64_t yst,
+                      int64_t scst) {
     __m512 acc[R_MAX * FAST_MR];
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t t = 0; t < tiles; t++) {
@@ -749,12 +782,12 @@ INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int6
                 }
             }
         }
-        __m512 s = _mm512_set1_ps(sc[t]);
         UNROLL
-        for (int i = 0; i < R * MR; i++) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
+        for (int i = 0; i < R * MR; i++)
+            acc[i] = _mm512_fmadd_ps(part[i], _mm512_set1_ps(sc[i / MR * scst + t]), acc[i]);
     }
     for (int r = 0; r < R && r < rows; r++)
-        for (int m = 0; m < MR; m++) y[m * N + r] = hsum16(acc[r * MR + m]);
+        for (int m = 0; m < MR; m++) y[m * N + r * yst] = hsum16(acc[r * MR + m]);
 }
 
 /* One row of x (bf16, K inputs) times 2^64 in columns col0..col0+K-1 of `row` (tiles * 128), zeros elsewhere. */
@@ -786,8 +819,61 @@ static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64
     }
 }
 
+/* bf16_block for one row of x of up to STREAM_ROW_BYTES inputs: units of ONE_ROW_R weight rows in long streams
+   (stream_unit), each row with its own tile scales. (wo_b's rows of 8 KiB read 3-5 % slower so, even with each
+   stream's rows asked into L2 ahead: they keep adjacent rows.) */
+static int one_row_block(const uint16_t *x, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
+                         const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    const int R = ONE_ROW_R;
+    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE, units = stream_units(N, R);
+    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
+    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
+    uint16_t *xs = aligned_alloc(64, tiles * FP8_TILE * 2), *row = malloc(tiles * FP8_TILE * 2);
+    if (!xs || !row) {
+        free(xs), free(row);
+        return -1;
+    }
+    bf16_layout(x, 1, K, col0, tiles, 1, row, xs);
+    free(row);
+    int64_t group = fast_group(units, R * K, threads);
+    int failed = 0;
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        float *sc = malloc(R * tiles * sizeof *sc);         /* each stream's row of tile scales, times 2^56 */
+        int64_t tile_row[R_MAX];
+        for (int r = 0; r < R; r++) tile_row[r] = -1;
+        if (!sc) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t g = 0; g < units; g += group)
+            for (int64_t u = g; u < g + group && u < units; u++) {
+                if (!sc) continue;
+                int64_t i[R_MAX];
+                int rows = stream_unit(u, N, R, i);
+                const uint8_t *wr[R_MAX];
+                for (int r = 0; r < R; r++) {
+                    wr[r] = w + i[r] * w_stride;
+                    int64_t tr = (row0 + i[r]) / FP8_TILE;
+                    if (tr != tile_row[r]) {
+                        tile_row[r] = tr;
+                        for (int64_t t = 0; t < tiles; t++) sc[r * tiles + t] = scale[tr * scale_stride + t] * 0x1p56f;
+                    }
+                }
+                bf16_tile(wr, NULL, tiles, first, last, first_mask, last_mask, col0, xs, sc, y + u, N, rows, R, 1,
+                          stream_gap(N, R), tiles);
+            }
+        free(sc);
+    }
+    free(xs);
+    return failed ? -1 : 0;
+}
+
 static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                       const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
+    if (M == 1 && K <= STREAM_ROW_BYTES)
+        return one_row_block(x, K, w, N, w_stride, scale, scale_stride, row0, col0, y, threads);
     const int R = M == 1 ? ONE_ROW_R : FAST_R;
     const int64_t m_tiles = tile_count(M, FAST_MR);
     int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
@@ -832,10 +918,10 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
                     unit_rows(w + i * w_stride, w_stride, rows, R, wr);
                     unit_rows(w + (i + AHEAD_UNITS * R) * w_stride - col0, w_stride, R, R, ar);
 #define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, tiles, first, last, first_mask, last_mask, col0, \
-                                 xs + m0 * tiles * FP8_TILE, sc, y + m0 * N + i, N, rows, FAST_R, mr_)
+                                 xs + m0 * tiles * FP8_TILE, sc, y + m0 * N + i, N, rows, FAST_R, mr_, 1, 0)
                     if (M == 1)
                         bf16_tile(wr, ar, tiles, first, last, first_mask, last_mask, col0, xs, sc, y + i, N, rows,
-                                  ONE_ROW_R, 1);
+                                  ONE_ROW_R, 1, 1, 0);
                     else
                         FAST_ROWS(mr, BF16_CALL)
                 }
