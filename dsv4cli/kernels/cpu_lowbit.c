@@ -484,9 +484,9 @@ INLINE float hsum16(__m512 a) {
 
 /* With one row of x a unit's R weight rows are Q apart (rows v, v + Q, ...; Q = N / R rounded up, plus one so that
    the R streams don't fall on the same cache sets), so each of the R streams reads on through the weight unit after
-   unit, as the hardware prefetchers follow it. R adjacent rows side by side were R short streams (a row is 1-4 KiB)
-   that needed the next unit asked into L2 by hand and read at ~0.75 of the streaming read; R long ones read at
-   ~1.0 without (docs/decisions.md, One row of x in R long streams). Every output keeps its chain of operations. */
+   unit, as the hardware prefetchers follow it: R adjacent rows (1-4 KiB each) are R short streams that read at
+   ~0.75 of a plain read even with the next unit asked into L2 by hand, R long ones at ~1.0 without
+   (docs/decisions.md, One row of x in R long streams). Every output keeps its chain of operations. */
 INLINE int64_t stream_gap(int64_t N, int R) { return (N + R - 1) / R + 1; }
 
 INLINE int64_t stream_units(int64_t N, int R) { return stream_gap(N, R) < N ? stream_gap(N, R) : N; }
