@@ -20,29 +20,16 @@
 #include <string.h>
 
 #include "cpu_exp.h"
+#include "cpu_load.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define MAX_SOURCES 8
 #define MAX_VECTORS 4           /* head vectors (16 heads each) per work item */
 #define KEY_CHUNK 64            /* keys widened to fp32 at once for the weighted sum */
 
-INLINE float bf16_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* D elements of a key row, fp32 or bf16 (widened exactly: its bits are fp32's top half), as fp32. */
+/* D elements of a key row, fp32 or bf16, as fp32. */
 INLINE void widen(const void *row, int bf16, int64_t D, float *out) {
-    if (!bf16) {
-        memcpy(out, row, D * sizeof(float));
-        return;
-    }
-    for (int64_t d = 0; d < D; d += 16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
-        _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(out + d, load16(row, bf16, d));
 }
 
 /* The logits of `group` keys (kf, fp32 rows of D) against qt [D][16 * hv]: lg[g][16 * hv]. */
@@ -111,8 +98,7 @@ static void attend_row(const void *q, int q_bf16, int64_t H, int64_t D, float sc
     memset(qt, 0, D * L * sizeof *qt);
     for (int64_t h = h0; h < h0 + L && h < H; h++)
         for (int64_t d = 0; d < D; d++)
-            qt[d * L + h - h0] = (q_bf16 ? bf16_float(((const uint16_t *)q)[h * D + d]) : ((const float *)q)[h * D + d])
-                                 * scale;
+            qt[d * L + h - h0] = load1(q, q_bf16, h * D + d) * scale;
     const int group = hv <= 2 ? 8 : hv == 3 ? 6 : 5;       /* keys a pass: group * hv accumulators */
     int64_t k = 0;
     for (; k + group <= n; k += group) {

@@ -1,9 +1,17 @@
-/* What the native CPU ops share: 16 values of a row held in fp32 or bf16, as fp32 (bf16 widened exactly: its
+/* What the native CPU ops share: a value or 16 of a row held in fp32 or bf16, as fp32 (bf16 widened exactly: its
    bits are fp32's top half); an fp32 rounded to bf16 as torch's .to(torch.bfloat16) rounds it. */
 #ifndef DSV4_CPU_LOAD_H
 #define DSV4_CPU_LOAD_H
 #include <immintrin.h>
 #include <stdint.h>
+
+static inline __attribute__((always_inline)) float load1(const void *p, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
 
 static inline __attribute__((always_inline)) __m512 load16(const void *p, int bf16, int64_t i) {
     if (bf16)

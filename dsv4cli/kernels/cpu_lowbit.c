@@ -491,13 +491,14 @@ INLINE int64_t stream_gap(int64_t N, int R) { return (N + R - 1) / R + 1; }
 
 INLINE int64_t stream_units(int64_t N, int R) { return stream_gap(N, R) < N ? stream_gap(N, R) : N; }
 
-/* Unit v's R row indices (rows past N repeat its last, their sums dropped); how many are rows of the weight. */
+/* Unit v's R row indices (v < N; rows past N read row v again, their sums dropped); how many are rows of the
+   weight. */
 INLINE int stream_unit(int64_t v, int64_t N, int R, int64_t *row) {
     int rows = 0;
     for (int r = 0; r < R; r++) {
         row[r] = v + r * stream_gap(N, R);
         if (row[r] < N) rows = r + 1;
-        else row[r] = row[rows - 1];
+        else row[r] = v;
     }
     return rows;
 }
@@ -745,31 +746,48 @@ INLINE void fp8_bf16(__m512i b, __m512i *lo, __m512i *hi) {
     *hi = _mm512_and_si512(_mm512_srai_epi16(_mm512_unpackhi_epi8(zero, b), 4), keep);
 }
 
-/* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles: x' column col0 + j is input j). Chunk c
-   is x' columns 64c..64c+63, weight bytes from w[r] + 64c - col0; chunks first..last hold inputs, the first and
-   last masked to them. Tile t's rows of x' are at xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's
+/* Where a weight row's K inputs lie in x' (from column col0 on: x' column col0 + j is input j): `tiles` tiles of
+   FP8_TILE columns; chunk c is columns 64c..64c+63 (weight bytes from row + 64c - col0), chunks first..last hold
+   inputs, the first and last in part. */
+struct cols {
+    int64_t tiles, first, last;
+    __mmask64 first_mask, last_mask;
+    int col0;
+};
+
+INLINE struct cols cols_of(int64_t K, int col0) {
+    int64_t last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
+    return (struct cols){(col0 + K + FP8_TILE - 1) / FP8_TILE, col0 / BF16_CHUNK, last, ~0ull << (col0 % BF16_CHUNK),
+                         n == BF16_CHUNK ? ~0ull : (1ull << n) - 1, col0};
+}
+
+/* The bytes of chunk c that hold inputs. */
+INLINE __mmask64 chunk_mask(const struct cols *cl, int64_t c) {
+    return c < cl->first || c > cl->last ? 0 : (c == cl->first ? cl->first_mask : ~0ull) &
+                                               (c == cl->last ? cl->last_mask : ~0ull);
+}
+
+/* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles, `cl`). Tile t's rows of x' are at xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's
    vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32. Weight row r's tile t sums go times sc[r * scst + t] into
    the row's, its output at y[r * yst] (row m of x's N further on). `ahead`: rows asked into L2 as these are read
    (or NULL). */
-INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, int64_t tiles, int64_t first,
-                      int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const uint16_t *xs,
-                      const float *sc, float *y, int64_t N, int rows, const int R, const int MR, int64_t yst,
-                      int64_t scst) {
+INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, const struct cols *cl,
+                      const uint16_t *xs, const float *sc, float *y, int64_t N, int rows, const int R, const int MR,
+                      int64_t yst, int64_t scst) {
     __m512 acc[R_MAX * FAST_MR];
     for (int i = 0; i < R * MR; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < tiles; t++) {
+    for (int64_t t = 0; t < cl->tiles; t++) {
         __m512 part[R_MAX * FAST_MR];                   /* the tile's products */
         for (int i = 0; i < R * MR; i++) part[i] = _mm512_setzero_ps();
         const uint16_t *xt = xs + t * MR * FP8_TILE;
-        int edge = 2 * t <= first || 2 * t + 1 >= last;      /* chunks outside the inputs read nothing */
+        int edge = 2 * t <= cl->first || 2 * t + 1 >= cl->last;      /* chunks outside the inputs read nothing */
         UNROLL
         for (int h = 0; h < 2; h++) {
             int64_t c = 2 * t + h;
-            __mmask64 in = c < first || c > last ? 0 : (c == first ? first_mask : ~0ull) & (c == last ? last_mask
-                                                                                                       : ~0ull);
+            __mmask64 in = chunk_mask(cl, c);
             __m512i lo[R_MAX], hi[R_MAX];
             for (int r = 0; r < R; r++) {
-                const uint8_t *p = w[r] + BF16_CHUNK * c - col0;
+                const uint8_t *p = w[r] + BF16_CHUNK * c - cl->col0;
                 if (ahead) _mm_prefetch((const char *)ahead[r] + BF16_CHUNK * c, _MM_HINT_T1);
                 fp8_bf16(edge ? _mm512_maskz_loadu_epi8(in, p) : _mm512_loadu_si512(p), &lo[r], &hi[r]);
             }
@@ -825,9 +843,8 @@ static void bf16_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int64
 static int one_row_block(const uint16_t *x, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                          const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
     const int R = ONE_ROW_R;
-    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE, units = stream_units(N, R);
-    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
-    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
+    const struct cols cl = cols_of(K, col0);
+    const int64_t tiles = cl.tiles, units = stream_units(N, R);
     uint16_t *xs = aligned_alloc(64, tiles * FP8_TILE * 2), *row = malloc(tiles * FP8_TILE * 2);
     if (!xs || !row) {
         free(xs), free(row);
@@ -861,8 +878,7 @@ static int one_row_block(const uint16_t *x, int64_t K, const uint8_t *w, int64_t
                         for (int64_t t = 0; t < tiles; t++) sc[r * tiles + t] = scale[tr * scale_stride + t] * 0x1p56f;
                     }
                 }
-                bf16_tile(wr, NULL, tiles, first, last, first_mask, last_mask, col0, xs, sc, y + u, N, rows, R, 1,
-                          stream_gap(N, R), tiles);
+                bf16_tile(wr, NULL, &cl, xs, sc, y + u, N, rows, R, 1, stream_gap(N, R), tiles);
             }
         free(sc);
     }
@@ -876,9 +892,8 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
         return one_row_block(x, K, w, N, w_stride, scale, scale_stride, row0, col0, y, threads);
     const int R = M == 1 ? ONE_ROW_R : FAST_R;
     const int64_t m_tiles = tile_count(M, FAST_MR);
-    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
-    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
-    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
+    const struct cols cl = cols_of(K, col0);
+    const int64_t tiles = cl.tiles;
     int64_t row_tiles = (row0 + N + FP8_TILE - 1) / FP8_TILE, units = 0;
     int64_t *start = malloc((N / R + row_tiles + 1) * sizeof *start);
     uint16_t *xs = aligned_alloc(64, tiles * M * FP8_TILE * 2), *row = malloc(tiles * FP8_TILE * 2);
@@ -917,11 +932,10 @@ static int bf16_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w,
                     const uint8_t *wr[R_MAX], *ar[R_MAX];
                     unit_rows(w + i * w_stride, w_stride, rows, R, wr);
                     unit_rows(w + (i + AHEAD_UNITS * R) * w_stride - col0, w_stride, R, R, ar);
-#define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, tiles, first, last, first_mask, last_mask, col0, \
-                                 xs + m0 * tiles * FP8_TILE, sc, y + m0 * N + i, N, rows, FAST_R, mr_, 1, 0)
+#define BF16_CALL(mr_) bf16_tile(wr, m0 ? NULL : ar, &cl, xs + m0 * tiles * FP8_TILE, sc, y + m0 * N + i, N, rows, \
+                                 FAST_R, mr_, 1, 0)
                     if (M == 1)
-                        bf16_tile(wr, ar, tiles, first, last, first_mask, last_mask, col0, xs, sc, y + i, N, rows,
-                                  ONE_ROW_R, 1, 1, 0);
+                        bf16_tile(wr, ar, &cl, xs, sc, y + i, N, rows, ONE_ROW_R, 1, 1, 0);
                     else
                         FAST_ROWS(mr, BF16_CALL)
                 }
@@ -997,15 +1011,15 @@ INLINE int64_t class_column(int64_t t, int j, int s) {
 /* Outputs o0..o0+15 decoded (w: output o0's row; `rows` of them in the weight, the others zero): class j, tile t,
    pair s at vector (j * tiles + t) * 4 + s of dec, lane l output o0 + l; and their scales times 2^56, tile t's
    at sc + 16t. */
-static void outer_decode(const uint8_t *w, int64_t w_stride, int64_t rows, int64_t tiles, int64_t first,
-                         int64_t last, __mmask64 first_mask, __mmask64 last_mask, int col0, const float *scale,
+static void outer_decode(const uint8_t *w, int64_t w_stride, int64_t rows, const struct cols *cl, const float *scale,
                          int64_t scale_stride, int64_t row0, int64_t o0, uint8_t *dec, float *sc) {
+    const int64_t tiles = cl->tiles;
     for (int64_t c = 0; c < 2 * tiles; c++) {
-        __mmask64 in = c < first || c > last ? 0 : (c == first ? first_mask : ~0ull) & (c == last ? last_mask : ~0ull);
-        int edge = c <= first || c >= last;
+        __mmask64 in = chunk_mask(cl, c);
+        int edge = c <= cl->first || c >= cl->last;
         __m512i lo[16], hi[16];
         for (int l = 0; l < 16; l++) {
-            const uint8_t *p = w + l * w_stride + BF16_CHUNK * c - col0;
+            const uint8_t *p = w + l * w_stride + BF16_CHUNK * c - cl->col0;
             if (l < rows) fp8_bf16(edge ? _mm512_maskz_loadu_epi8(in, p) : _mm512_loadu_si512(p), &lo[l], &hi[l]);
             else lo[l] = hi[l] = _mm512_setzero_si512();
         }
@@ -1080,10 +1094,8 @@ static void outer_layout(const uint16_t *x, int64_t M, int64_t K, int col0, int6
    register tile of rows while the next unit's rows are asked into L2. */
 static int outer_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w, int64_t N, int64_t w_stride,
                        const float *scale, int64_t scale_stride, int row0, int col0, float *y, int threads) {
-    int64_t tiles = (col0 + K + FP8_TILE - 1) / FP8_TILE;
-    int64_t first = col0 / BF16_CHUNK, last = (col0 + K - 1) / BF16_CHUNK, n = col0 + K - last * BF16_CHUNK;
-    __mmask64 first_mask = ~0ull << (col0 % BF16_CHUNK), last_mask = n == BF16_CHUNK ? ~0ull : (1ull << n) - 1;
-    int64_t units = (N + 16 * OUTER_V - 1) / (16 * OUTER_V), vec_dec = tiles * 16 * 4 * 64;
+    const struct cols cl = cols_of(K, col0);
+    const int64_t tiles = cl.tiles, units = (N + 16 * OUTER_V - 1) / (16 * OUTER_V), vec_dec = tiles * 16 * 4 * 64;
     uint32_t *xo = aligned_alloc(64, M * tiles * 64 * sizeof *xo);
     uint16_t *row = malloc(tiles * FP8_TILE * 2);
     if (!xo || !row) {
@@ -1106,9 +1118,8 @@ static int outer_block(const uint16_t *x, int64_t M, int64_t K, const uint8_t *w
             if (!dec || !sc) continue;
             int64_t o0 = u * 16 * OUTER_V, outs = N - o0 < 16 * OUTER_V ? N - o0 : 16 * OUTER_V;
             for (int v = 0; v < OUTER_V; v++)
-                outer_decode(w + (o0 + 16 * v) * w_stride, w_stride, outs - 16 * v, tiles, first, last, first_mask,
-                             last_mask, col0, scale, scale_stride, row0, o0 + 16 * v, dec + v * vec_dec,
-                             sc + v * tiles * 16);
+                outer_decode(w + (o0 + 16 * v) * w_stride, w_stride, outs - 16 * v, &cl, scale, scale_stride, row0,
+                             o0 + 16 * v, dec + v * vec_dec, sc + v * tiles * 16);
             int64_t per_row = (col0 + K + 63) / 64, m_tiles = (M + OUTER_MR - 1) / OUTER_MR;
             for (int64_t m0 = 0; m0 < M; m0 += OUTER_MR) {
                 int mr = M - m0 < OUTER_MR ? (int)(M - m0) : OUTER_MR;

@@ -6,12 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static float bf16_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#include "cpu_load.h"
 
 /* fp32 to bf16, rounded to nearest even (a NaN to the quiet NaN), as torch rounds. */
 static uint16_t float_bf16(float f) {
@@ -33,8 +28,7 @@ void dsv4_rope(const void *x, int bf16, int64_t R, int64_t H, int64_t D, const f
             memcpy(o, xi, keep * el);
             for (int64_t i = keep; i < D; i += 2) {
                 const int64_t j = (i - keep) / 2;
-                const float a = bf16 ? bf16_float(((const uint16_t *)xi)[i]) : ((const float *)xi)[i];
-                const float b = bf16 ? bf16_float(((const uint16_t *)xi)[i + 1]) : ((const float *)xi)[i + 1];
+                const float a = load1(xi, bf16, i), b = load1(xi, bf16, i + 1);
                 const float u = a * c[j] - b * s[j], v = a * s[j] + b * c[j];
                 if (bf16) {
                     ((uint16_t *)o)[i] = float_bf16(u);
