@@ -767,10 +767,10 @@ INLINE __mmask64 chunk_mask(const struct cols *cl, int64_t c) {
                                                (c == cl->last ? cl->last_mask : ~0ull);
 }
 
-/* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles, `cl`). Tile t's rows of x' are at xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's
-   vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32. Weight row r's tile t sums go times sc[r * scst + t] into
-   the row's, its output at y[r * yst] (row m of x's N further on). `ahead`: rows asked into L2 as these are read
-   (or NULL). */
+/* R weight rows against MR rows of x' (bf16 times 2^64 in column tiles, `cl`). Tile t's rows of x' are at
+   xs + t * MR * 128 (bf16_layout), 128 a row: chunk 2t + h's vectors lo, hi (fp8_bf16's order) at 64h, 64h + 32.
+   Weight row r's tile t sums go times sc[r * scst + t] into the row's, its output at y[r * yst] (row m of x's N
+   further on). `ahead`: rows asked into L2 as these are read (or NULL). */
 INLINE void bf16_tile(const uint8_t *const *w, const uint8_t *const *ahead, const struct cols *cl,
                       const uint16_t *xs, const float *sc, float *y, int64_t N, int rows, const int R, const int MR,
                       int64_t yst, int64_t scst) {
